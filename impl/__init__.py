@@ -1,0 +1,1 @@
+"""kvpool.impl: the fast block pool."""

@@ -1,0 +1,1 @@
+"""kvpool.specs: what conformance means."""
