@@ -1,0 +1,1 @@
+"""Adapters that put an implementation behind the target protocol."""

@@ -1,0 +1,503 @@
+"""The lock-step state machine: the model and a target, operation by operation.
+
+Hypothesis generates programs of pool operations on tiny pools (2 to 9
+blocks, so eviction happens all the time). Every operation runs on the model
+first, then on the target; after every step the machine compares return
+values, exception types (never messages), the counts, the events and, when
+the target has ``snapshot()``, the whole state; then it runs every named
+invariant on both sides.
+
+Block handles live in Bundles: ``held`` holds one entry per reference the
+program owns (``get_new_blocks`` and ``touch`` add, ``free_blocks`` consumes),
+so a printed failing program can be pasted back and re-run.
+
+Level 1 sends only valid operations: a generated call the model rejects is
+not sent, and is counted (see ``hypothesis.event``). Level 2 also sends
+invalid calls and requires the same rejection with the state unchanged.
+"""
+
+import difflib
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, TypeVar
+
+from hypothesis import event
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    initialize,
+    invariant,
+    multiple,
+    precondition,
+    rule,
+)
+from kvpool import model
+from kvpool.model import (
+    PROFILES,
+    CacheRequest,
+    KVCacheEvent,
+    PoolConfig,
+    PoolError,
+    PoolState,
+    Profile,
+)
+from kvpool.specs.invariants import FreeHistory, check_all, dump_state
+from kvpool.specs.target import PoolTarget, Snapshottable, TargetFactory
+
+T = TypeVar("T")
+
+MAX_BLOCKS = 9
+TOKENS = st.lists(st.integers(1, 2), min_size=2, max_size=16)
+"""Token ids from a two-letter alphabet, so requests share prefixes often."""
+
+
+class Divergence(AssertionError):
+    """The target and the model parted: the message says where and how."""
+
+
+def request_for(tokens: Sequence[int], hash_block_size: int) -> CacheRequest:
+    """A request whose hash of block i is its first (i+1)*hash_block_size tokens.
+
+    That is an injective chained hash: equal hashes mean equal prefixes,
+    which is what the safety of a prefix cache rests on.
+    """
+    n = len(tokens) // hash_block_size
+    hashes = tuple(bytes(tokens[: (i + 1) * hash_block_size]) for i in range(n))
+    return CacheRequest(block_hashes=hashes, all_token_ids=tuple(tokens))
+
+
+def state_diff(expected: PoolState, actual: PoolState) -> str:
+    """The two states side by side, as a unified diff of their dumps."""
+    lines = difflib.unified_diff(
+        dump_state(expected).splitlines(),
+        dump_state(actual).splitlines(),
+        fromfile="model",
+        tofile="target",
+        lineterm="",
+    )
+    return "\n".join(lines)
+
+
+BLOCK_IDS = Bundle("block_ids")
+
+
+def _new_pool_rule(
+    profiles: Sequence[Profile], caching: Sequence[bool], events: Sequence[bool]
+) -> Callable[..., Any]:
+    """The machine's first step: build a pool from drawn parameters."""
+
+    @initialize(
+        target=BLOCK_IDS,
+        num_blocks=st.integers(2, MAX_BLOCKS),
+        hash_block_size=st.integers(1, 2),
+        enable_caching=st.sampled_from(caching),
+        enable_events=st.sampled_from(events),
+        num_groups=st.integers(1, 3),
+        profile=st.sampled_from([p.name for p in profiles]),
+    )
+    def new_pool(
+        self: "PoolMachine",
+        num_blocks: int,
+        hash_block_size: int,
+        enable_caching: bool,
+        enable_events: bool,
+        num_groups: int,
+        profile: str,
+    ) -> Any:
+        config = PoolConfig(
+            num_blocks, enable_caching, hash_block_size, enable_events, PROFILES[profile]
+        )
+        return self.start(config, num_groups)
+
+    return new_pool
+
+
+class PoolMachine(RuleBasedStateMachine):
+    """Drives ``make_target`` against the model. Subclass via ``pool_machine(...)``."""
+
+    make_target: ClassVar[TargetFactory]
+    level: ClassVar[int] = 1
+    profiles: ClassVar[tuple[Profile, ...]] = tuple(PROFILES.values())
+
+    held = Bundle("held")
+    block_ids = BLOCK_IDS
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model: PoolState | None = None
+        self.target: PoolTarget | None = None
+
+    # ------------------------------------------------------------------
+    # Construction
+    # ------------------------------------------------------------------
+
+    def start(self, config: PoolConfig, num_groups: int) -> Any:
+        """Build the model and the target for ``config``; every block id joins the bundle."""
+        self.num_groups = num_groups
+        self.model = model.new_pool(
+            config.num_blocks,
+            config.enable_caching,
+            config.hash_block_size,
+            config.enable_events,
+            config.profile,
+        )
+        self.target = type(self).make_target(config)
+        self.history = FreeHistory.start(self.model)
+        self.taken_model: list[KVCacheEvent] = []
+        self.taken_target: list[KVCacheEvent] = []
+        return multiple(*range(config.num_blocks))
+
+    new_pool = _new_pool_rule(tuple(PROFILES.values()), caching=(True, False), events=(False, True))
+
+    # ------------------------------------------------------------------
+    # The operations
+    # ------------------------------------------------------------------
+
+    @precondition(lambda self: self.model is not None and len(self.model.free_queue) > 0)
+    @rule(target=held, num_blocks=st.integers(0, 3))
+    def get_new_blocks(self, num_blocks: int) -> Any:
+        _, ids = self._step(
+            f"get_new_blocks({num_blocks})",
+            lambda s: model.get_new_blocks(s, num_blocks),
+            lambda t: tuple(t.get_new_blocks(num_blocks)),
+        )
+        return multiple(*(ids or ()))
+
+    @rule(target=held, block_ids=st.lists(block_ids, min_size=1, max_size=3))
+    def touch(self, block_ids: list[int]) -> Any:
+        done, _ = self._step(
+            f"touch({block_ids})",
+            lambda s: model.touch(s, block_ids),
+            lambda t: t.touch(block_ids),
+            returns_none=True,
+        )
+        return multiple(*(b for b in block_ids if b != 0)) if done else multiple()
+
+    @rule(block_ids=st.lists(consumes(held), max_size=4))
+    def free_blocks(self, block_ids: list[int]) -> None:
+        self._step(
+            f"free_blocks({block_ids})",
+            lambda s: model.free_blocks(s, block_ids),
+            lambda t: t.free_blocks(block_ids),
+            freed=block_ids,
+            returns_none=True,
+        )
+
+    @rule(
+        block_ids=st.lists(held, unique=True, min_size=1, max_size=4),
+        tokens=TOKENS,
+        num_cached_blocks=st.integers(0, 3),
+        num_full_blocks=st.integers(1, 4),
+        size_factor=st.integers(1, 2),
+        group=st.integers(0, 2),
+        use_mask=st.booleans(),
+        mask_seed=st.integers(0, 15),
+    )
+    def cache_full_blocks(
+        self,
+        block_ids: list[int],
+        tokens: list[int],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        size_factor: int,
+        group: int,
+        use_mask: bool,
+        mask_seed: int,
+    ) -> None:
+        assert self.model is not None
+        hbs = self.model.config.hash_block_size
+        block_size = hbs * size_factor
+        group %= self.num_groups
+        request = request_for(tokens, hbs)
+        n_new = max(0, num_full_blocks - num_cached_blocks)
+        mask = [bool(mask_seed >> i & 1) for i in range(n_new)] if use_mask else None
+        self._step(
+            f"cache_full_blocks(tokens={tokens}, blocks={block_ids}, "
+            f"{num_cached_blocks}, {num_full_blocks}, block_size={block_size}, "
+            f"group={group}, mask={mask})",
+            lambda s: model.cache_full_blocks(
+                s, request, block_ids, num_cached_blocks, num_full_blocks, block_size, group, mask
+            ),
+            lambda t: t.cache_full_blocks(
+                request, block_ids, num_cached_blocks, num_full_blocks, block_size, group, mask
+            ),
+            returns_none=True,
+        )
+
+    @rule(
+        block_id=held,
+        tokens=TOKENS,
+        num_tokens=st.integers(1, 8),
+        size_factor=st.integers(2, 4),
+        group=st.integers(0, 2),
+    )
+    def cache_partial_block(
+        self, block_id: int, tokens: list[int], num_tokens: int, size_factor: int, group: int
+    ) -> None:
+        assert self.model is not None
+        hbs = self.model.config.hash_block_size
+        block_size = hbs * size_factor
+        group %= self.num_groups
+        request = request_for(tokens, hbs)
+        self._step(
+            f"cache_partial_block(tokens={tokens}, block={block_id}, num_tokens={num_tokens}, "
+            f"group={group}, block_size={block_size})",
+            lambda s: model.cache_partial_block(
+                s, request, block_id, num_tokens, group, block_size
+            ),
+            lambda t: t.cache_partial_block(request, block_id, num_tokens, group, block_size),
+        )
+
+    @rule(tokens=TOKENS, num_hash_blocks=st.integers(1, 4), groups=st.sets(st.integers(0, 2)))
+    def get_cached_block(self, tokens: list[int], num_hash_blocks: int, groups: set[int]) -> None:
+        assert self.model is not None
+        hbs = self.model.config.hash_block_size
+        block_hash = bytes(tokens[: num_hash_blocks * hbs])
+        group_ids = sorted(g % self.num_groups for g in groups)
+        self._query(
+            f"get_cached_block({block_hash!r}, {group_ids})",
+            lambda s: model.get_cached_block(s, block_hash, group_ids),
+            lambda t: _tuple_or_none(t.get_cached_block(block_hash, group_ids)),
+        )
+
+    @rule(block_ids=st.lists(block_ids, max_size=3))
+    def evict_blocks(self, block_ids: list[int]) -> None:
+        self._step(
+            f"evict_blocks({set(block_ids)})",
+            lambda s: model.evict_blocks(s, set(block_ids)),
+            lambda t: t.evict_blocks(set(block_ids)),
+            returns_none=True,
+        )
+
+    @rule()
+    def reset_prefix_cache(self) -> None:
+        self._step(
+            "reset_prefix_cache()", model.reset_prefix_cache, lambda t: t.reset_prefix_cache()
+        )
+
+    @rule()
+    def take_events(self) -> None:
+        _, events = self._step("take_events()", model.take_events, lambda t: tuple(t.take_events()))
+        if events is not None:
+            self.taken_model.extend(events)
+            self.taken_target.extend(events)
+
+    # ------------------------------------------------------------------
+    # Invalid operations (level 2)
+    # ------------------------------------------------------------------
+
+    @precondition(lambda self: self.level >= 2 and self.model is not None)
+    @rule(extra=st.integers(1, 2))
+    def get_new_blocks_beyond_free(self, extra: int) -> None:
+        assert self.model is not None
+        n = len(self.model.free_queue) + extra
+        self._step(
+            f"get_new_blocks({n})",
+            lambda s: model.get_new_blocks(s, n),
+            lambda t: tuple(t.get_new_blocks(n)),
+        )
+
+    @precondition(lambda self: self.level >= 2 and self.model is not None)
+    @rule(num_blocks=st.integers(-2, -1))
+    def get_new_blocks_negative(self, num_blocks: int) -> None:
+        self._step(
+            f"get_new_blocks({num_blocks})",
+            lambda s: model.get_new_blocks(s, num_blocks),
+            lambda t: tuple(t.get_new_blocks(num_blocks)),
+        )
+
+    @precondition(lambda self: self.level >= 2 and self.model is not None)
+    @rule(block_ids=st.lists(block_ids, min_size=1, max_size=3))
+    def free_blocks_not_held(self, block_ids: list[int]) -> None:
+        """Frees that release more references than the program holds."""
+        assert self.model is not None
+        try:
+            model.free_blocks(self.model, block_ids)
+        except PoolError:
+            self._step(
+                f"free_blocks({block_ids})",
+                lambda s: model.free_blocks(s, block_ids),
+                lambda t: t.free_blocks(block_ids),
+                returns_none=True,
+            )
+        else:
+            event("level 2: generated free was valid, not sent")
+
+    @precondition(lambda self: self.level >= 2 and self.model is not None)
+    @rule(
+        op=st.sampled_from(["touch", "free_blocks", "evict_blocks"]),
+        block_id=st.sampled_from([-1, MAX_BLOCKS, 1000]),
+    )
+    def unknown_block(self, op: str, block_id: int) -> None:
+        calls: dict[str, tuple[Callable[[PoolState], Any], Callable[[PoolTarget], Any]]] = {
+            "touch": (lambda s: model.touch(s, [block_id]), lambda t: t.touch([block_id])),
+            "free_blocks": (
+                lambda s: model.free_blocks(s, [block_id]),
+                lambda t: t.free_blocks([block_id]),
+            ),
+            "evict_blocks": (
+                lambda s: model.evict_blocks(s, {block_id}),
+                lambda t: t.evict_blocks({block_id}),
+            ),
+        }
+        on_model, on_target = calls[op]
+        self._step(f"{op}([{block_id}])", on_model, on_target, returns_none=True)
+
+    @precondition(lambda self: self.level >= 2 and self.model is not None)
+    @rule(
+        block_ids=st.lists(block_ids, unique=True, min_size=1, max_size=3),
+        tokens=TOKENS,
+        num_full_blocks=st.integers(1, 3),
+    )
+    def cache_full_blocks_any_block(
+        self, block_ids: list[int], tokens: list[int], num_full_blocks: int
+    ) -> None:
+        """Caching blocks the program may not hold (free or null ones)."""
+        assert self.model is not None
+        hbs = self.model.config.hash_block_size
+        request = request_for(tokens, hbs)
+        self._step(
+            f"cache_full_blocks(tokens={tokens}, blocks={block_ids}, 0, {num_full_blocks}, "
+            f"block_size={hbs}, group=0)",
+            lambda s: model.cache_full_blocks(s, request, block_ids, 0, num_full_blocks, hbs, 0),
+            lambda t: t.cache_full_blocks(request, block_ids, 0, num_full_blocks, hbs, 0),
+            returns_none=True,
+        )
+
+    # ------------------------------------------------------------------
+    # After every step
+    # ------------------------------------------------------------------
+
+    @invariant()
+    def target_agrees_with_model(self) -> None:
+        if self.model is None or self.target is None:
+            return
+        self._compare(
+            "get_num_free_blocks()",
+            model.get_num_free_blocks(self.model),
+            self.target.get_num_free_blocks(),
+        )
+        expected_usage, actual_usage = model.get_usage(self.model), self.target.get_usage()
+        if not math.isclose(expected_usage, actual_usage, rel_tol=1e-9, abs_tol=1e-12):
+            self._diverge("get_usage()", f"model {expected_usage!r}, target {actual_usage!r}")
+        check_all(self.model, self.history, self.taken_model)
+        if isinstance(self.target, Snapshottable):
+            snapshot = self.target.snapshot()
+            if snapshot != self.model:
+                raise Divergence(
+                    "the target's state differs from the model's:\n"
+                    + state_diff(self.model, snapshot)
+                )
+            check_all(snapshot, self.history, self.taken_target)
+
+    # ------------------------------------------------------------------
+    # Lock-step machinery
+    # ------------------------------------------------------------------
+
+    def _step(
+        self,
+        description: str,
+        on_model: Callable[[PoolState], tuple[PoolState, T]],
+        on_target: Callable[[PoolTarget], Any],
+        freed: Sequence[int] = (),
+        returns_none: bool = False,
+    ) -> tuple[bool, T | None]:
+        """Run one operation on both sides: (whether it was applied, the model's result)."""
+        assert self.model is not None and self.target is not None
+        before = self.model
+        try:
+            after, expected = on_model(before)
+        except PoolError as rejection:
+            if self.level < 2:
+                event(f"level 1: invalid {description.split('(')[0]} not sent")
+                return False, None
+            self._expect_rejection(description, type(rejection), on_target)
+            return False, None
+
+        actual = self._call(description, on_target)
+        if returns_none:
+            actual = None
+        self._compare(description, expected, actual)
+        self.model = after
+        self.history = self.history.observe(before, after, freed)
+        return True, expected
+
+    def _query(
+        self,
+        description: str,
+        on_model: Callable[[PoolState], T],
+        on_target: Callable[[PoolTarget], Any],
+    ) -> None:
+        assert self.model is not None
+        try:
+            expected = on_model(self.model)
+        except PoolError as rejection:
+            if self.level >= 2:
+                self._expect_rejection(description, type(rejection), on_target)
+            return
+        self._compare(description, expected, self._call(description, on_target))
+
+    def _call(self, description: str, on_target: Callable[[PoolTarget], Any]) -> Any:
+        assert self.target is not None
+        try:
+            return on_target(self.target)
+        except PoolError as error:
+            self._diverge(description, f"the model accepts it, the target rejects it: {error!r}")
+
+    def _expect_rejection(
+        self,
+        description: str,
+        expected: type[PoolError],
+        on_target: Callable[[PoolTarget], Any],
+    ) -> None:
+        assert self.target is not None
+        try:
+            on_target(self.target)
+        except PoolError as error:
+            if type(error) is not expected:
+                self._diverge(
+                    description,
+                    f"the model rejects it with {expected.__name__}, "
+                    f"the target with {type(error).__name__}",
+                )
+            return
+        self._diverge(
+            description, f"the model rejects it with {expected.__name__}, the target accepts it"
+        )
+
+    def _compare(self, description: str, expected: object, actual: object) -> None:
+        if expected != actual:
+            self._diverge(description, f"model returned {expected!r}, target returned {actual!r}")
+
+    def _diverge(self, description: str, what: str) -> None:
+        raise Divergence(f"{description}: {what}")
+
+
+def _tuple_or_none(blocks: Sequence[int] | None) -> tuple[int, ...] | None:
+    return None if blocks is None else tuple(blocks)
+
+
+def pool_machine(
+    make_target: TargetFactory,
+    level: int = 1,
+    profiles: Sequence[Profile] | None = None,
+    name: str = "PoolMachine",
+    caching: Sequence[bool] = (True, False),
+    events: Sequence[bool] = (False, True),
+) -> type[PoolMachine]:
+    """A state machine class that checks ``make_target`` at ``level``.
+
+    ``profiles`` restricts the semantics profiles the pools are built with
+    (all of them by default): pass the one profile a target claims to
+    implement. ``caching`` and ``events`` restrict the pool configurations.
+    """
+    chosen = tuple(profiles) if profiles else tuple(PROFILES.values())
+    attrs = {
+        "make_target": staticmethod(make_target),
+        "level": level,
+        "profiles": chosen,
+        "new_pool": _new_pool_rule(chosen, caching, events),
+    }
+    return type(name, (PoolMachine,), attrs)

@@ -1,0 +1,75 @@
+"""The target protocol: what an implementation must offer to be checked.
+
+Targets speak block *ids*, not objects, so any implementation fits behind a
+thin adapter: a Python class, vLLM's own pool, or a program in another
+language. Rejections are reported by raising the model's exception classes
+(``kvpool.model.errors``); conformance compares their types only.
+
+``snapshot()`` is optional. Without it the kit checks what callers can
+observe (block ids handed out, cache hits, counts, usage, events); with it,
+the whole state is compared with the model after every operation.
+"""
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol, runtime_checkable
+
+from kvpool.model import CacheRequest, HashKey, KVCacheEvent, PoolConfig, PoolState
+
+
+class PoolTarget(Protocol):
+    """A v1 block pool under test. Method semantics: see ``kvpool.model.pool``."""
+
+    def get_new_blocks(self, num_blocks: int) -> Sequence[int]: ...
+
+    def touch(self, block_ids: Sequence[int]) -> None: ...
+
+    def free_blocks(self, block_ids: Sequence[int]) -> None: ...
+
+    def cache_full_blocks(
+        self,
+        request: CacheRequest,
+        block_ids: Sequence[int],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+        kv_cache_group_id: int,
+        block_mask: Sequence[bool] | None = None,
+    ) -> None: ...
+
+    def cache_partial_block(
+        self,
+        request: CacheRequest,
+        block_id: int,
+        num_tokens: int,
+        kv_cache_group_id: int,
+        block_size: int,
+    ) -> HashKey | None: ...
+
+    def get_cached_block(
+        self, block_hash: bytes, kv_cache_group_ids: Sequence[int]
+    ) -> Sequence[int] | None: ...
+
+    def evict_blocks(self, block_ids: Iterable[int]) -> None: ...
+
+    def reset_prefix_cache(self) -> bool: ...
+
+    def get_num_free_blocks(self) -> int: ...
+
+    def get_usage(self) -> float: ...
+
+    def take_events(self) -> Sequence[KVCacheEvent]: ...
+
+
+@runtime_checkable
+class Snapshottable(Protocol):
+    """A target that can show its whole state as the model's ``PoolState``."""
+
+    def snapshot(self) -> PoolState: ...
+
+
+TargetFactory = Callable[[PoolConfig], PoolTarget]
+"""Builds a fresh target for a pool configuration; called once per test case."""
+
+
+class TargetError(Exception):
+    """The target itself failed (crashed, hung, answered garbage): not a divergence."""
