@@ -33,6 +33,7 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
+
 from kvpool import model
 from kvpool.model import (
     PROFILES,

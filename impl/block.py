@@ -1,0 +1,88 @@
+"""The physical block record the fast pool hands out.
+
+A ``KVCacheBlock`` is mutable metadata for one block of KV cache memory. The
+pool owns every instance; callers hold references and pass them back. The
+two link fields make the block a node of the pool's intrusive free list, so
+moving a block in or out of that list never allocates.
+"""
+
+from __future__ import annotations
+
+from kvpool.model.state import HashKey
+
+
+class KVCacheBlock:
+    """Metadata of one KV cache block: id, reference count, hashes and free-list links.
+
+    >>> b = KVCacheBlock(3)
+    >>> b.block_id, b.ref_cnt, b.block_hash, b.is_null
+    (3, 0, None, False)
+    """
+
+    __slots__ = (
+        "_block_hash",
+        "_block_hash_num_tokens",
+        "_extra_keys",
+        "_mark",
+        "block_id",
+        "is_null",
+        "next_free_block",
+        "prev_free_block",
+        "ref_cnt",
+    )
+
+    block_id: int
+    ref_cnt: int
+    _block_hash: HashKey | None
+    _block_hash_num_tokens: int | None
+    _extra_keys: list[HashKey] | None
+    """Further keys pointing at this block (partial entries), oldest first; None when none."""
+    _mark: int
+    """Scratch stamp the pool uses to spot a block listed twice in one call; not state."""
+    prev_free_block: KVCacheBlock | None
+    next_free_block: KVCacheBlock | None
+    is_null: bool
+
+    def __init__(self, block_id: int, ref_cnt: int = 0, is_null: bool = False) -> None:
+        self.block_id = block_id
+        self.ref_cnt = ref_cnt
+        self._block_hash = None
+        self._block_hash_num_tokens = None
+        self._extra_keys = None
+        self._mark = 0
+        self.prev_free_block = None
+        self.next_free_block = None
+        self.is_null = is_null
+
+    @property
+    def block_hash(self) -> HashKey | None:
+        """The primary hash key ``(hash, group id)``, or None if the block is not cached."""
+        return self._block_hash
+
+    @property
+    def block_hash_num_tokens(self) -> int | None:
+        """How many prefix tokens the primary key covers, or None if there is none."""
+        return self._block_hash_num_tokens
+
+    def reset_hash(self) -> None:
+        """Forget every key this block records (the pool's map is not touched).
+
+        >>> b = KVCacheBlock(1)
+        >>> b.reset_hash(); b.block_hash is None
+        True
+        """
+        self._block_hash = None
+        self._block_hash_num_tokens = None
+        self._extra_keys = None
+
+    def __repr__(self) -> str:
+        prev_id = None if self.prev_free_block is None else self.prev_free_block.block_id
+        next_id = None if self.next_free_block is None else self.next_free_block.block_id
+        return (
+            f"KVCacheBlock(block_id={self.block_id}, ref_cnt={self.ref_cnt}, "
+            f"block_hash={self._block_hash!r}, "
+            f"block_hash_num_tokens={self._block_hash_num_tokens}, "
+            f"extra_keys={self._extra_keys!r}, "
+            f"prev_free_block={prev_id}, next_free_block={next_id}"
+            f"{', is_null=True' if self.is_null else ''})"
+        )

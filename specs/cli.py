@@ -1,0 +1,173 @@
+"""The ``kvpool`` command line.
+
+Exit codes of ``kvpool check``: 0 the target conforms, 1 it diverges from
+the model, 2 the command or the target could not be run.
+"""
+
+import json
+import os
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated
+from xml.sax.saxutils import escape
+
+import typer
+from hypothesis import settings as Settings
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from kvpool.model import PROFILES
+from kvpool.specs.conformance import ConformanceReport, run_conformance
+from kvpool.specs.settings import PROFILE_NAMES, default_profile_name
+from kvpool.specs.targets import TargetSpecError, resolve_target
+
+app = typer.Typer(
+    help="kvpool: check KV-cache block pools against an executable specification.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+
+EXIT_CONFORMS, EXIT_DIVERGES, EXIT_ERROR = 0, 1, 2
+
+
+class ReportFormat(StrEnum):
+    terminal = "terminal"
+    json = "json"
+    junit = "junit"
+
+
+@app.command()
+def check(
+    target: Annotated[
+        str, typer.Option(help="impl, model, or module:factory (a callable taking a PoolConfig).")
+    ] = "impl",
+    level: Annotated[
+        int, typer.Option(min=1, max=2, help="1: valid operations; 2: invalid ones too.")
+    ] = 1,
+    profile: Annotated[
+        list[str] | None,
+        typer.Option(help=f"Semantics profile the target claims: {', '.join(PROFILES)}."),
+    ] = None,
+    examples: Annotated[int | None, typer.Option(min=1, help="Number of programs to run.")] = None,
+    steps: Annotated[int | None, typer.Option(min=1, help="Operations per program.")] = None,
+    seed: Annotated[
+        int | None, typer.Option(help="Seed: the same seed gives the same run.")
+    ] = None,
+    hypothesis_profile: Annotated[
+        str | None,
+        typer.Option(help=f"Hypothesis settings: {', '.join(PROFILE_NAMES)}; default ci under CI."),
+    ] = None,
+    report_format: Annotated[
+        ReportFormat, typer.Option("--format", help="terminal, json or junit (XML).")
+    ] = ReportFormat.terminal,
+    output: Annotated[
+        Path | None, typer.Option(help="Write the json or junit report here instead of stdout.")
+    ] = None,
+) -> None:
+    """Run the lock-step state machine against a target and report conformance."""
+    console = Console(stderr=report_format is not ReportFormat.terminal)
+    chosen_profile = hypothesis_profile or default_profile_name()
+    if chosen_profile not in PROFILE_NAMES:
+        console.print(f"[red]unknown Hypothesis profile {chosen_profile!r}[/red]")
+        raise typer.Exit(EXIT_ERROR)
+    unknown = [p for p in profile or [] if p not in PROFILES]
+    if unknown:
+        console.print(f"[red]unknown semantics profile(s) {unknown}; known: {list(PROFILES)}[/red]")
+        raise typer.Exit(EXIT_ERROR)
+    try:
+        factory = resolve_target(target)
+    except TargetSpecError as error:
+        console.print(f"[red]{error}[/red]")
+        raise typer.Exit(EXIT_ERROR) from error
+
+    total = examples or Settings.get_profile(chosen_profile).max_examples
+    progress = Progress(
+        TextColumn("checking [bold]{task.fields[target]}[/bold]"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+        disable=not console.is_terminal,
+    )
+    with progress:
+        task = progress.add_task("check", total=total, target=target)
+        report = run_conformance(
+            factory,
+            level=level,
+            profile=profile or None,
+            hypothesis_profile=chosen_profile,
+            max_examples=examples,
+            steps=steps,
+            seed=seed,
+            target_name=target,
+            on_example=lambda n: progress.update(task, completed=min(n, total)),
+        )
+
+    if report_format is ReportFormat.terminal:
+        _print_terminal(console, report)
+    else:
+        text = _to_json(report) if report_format is ReportFormat.json else _to_junit(report)
+        if output is not None:
+            output.write_text(text)
+        else:
+            typer.echo(text)
+    if report.failure_kind == "target-error":
+        raise typer.Exit(EXIT_ERROR)
+    raise typer.Exit(EXIT_CONFORMS if report.conforms else EXIT_DIVERGES)
+
+
+@app.command()
+def profiles() -> None:
+    """List the semantics profiles and the vLLM releases that follow each."""
+    table = Table("profile", "free order (caching on)", "free order (caching off)", "releases")
+    for p in PROFILES.values():
+        table.add_row(p.name, p.free_order.value, p.free_order_without_caching.value, p.releases)
+    Console().print(table)
+
+
+def _print_terminal(console: Console, report: ConformanceReport) -> None:
+    if not report.conforms:
+        console.rule(f"[red]{report.target} diverges from the model[/red]")
+        if report.program:
+            console.print("[bold]Minimal failing program:[/bold]")
+            console.print(report.program, markup=False, highlight=False)
+        console.print(f"[bold]What went wrong ({report.failure_kind}):[/bold]")
+        console.print(report.failure or "", markup=False, highlight=False)
+    table = Table(title="kvpool check", show_header=False)
+    table.add_row("target", report.target)
+    table.add_row("level", str(report.level))
+    table.add_row("semantics profile(s)", ", ".join(report.profiles))
+    table.add_row("Hypothesis profile", report.hypothesis_profile)
+    table.add_row("programs run", str(report.examples_run))
+    table.add_row("time", f"{report.seconds:.1f} s")
+    verdict = "[green]conforms[/green]" if report.conforms else "[red]diverges[/red]"
+    if report.failure_kind == "target-error":
+        verdict = "[red]target error[/red]"
+    table.add_row("result", verdict)
+    console.print(table)
+
+
+def _to_json(report: ConformanceReport) -> str:
+    return json.dumps(report.__dict__, indent=2)
+
+
+def _to_junit(report: ConformanceReport) -> str:
+    name = escape(f"kvpool check {report.target} level {report.level}")
+    failure = ""
+    if not report.conforms:
+        body = escape(f"{report.program or ''}\n\n{report.failure or ''}")
+        failure = f'<failure message="{escape(report.failure_kind or "")}">{body}</failure>'
+    return (
+        '<?xml version="1.0" encoding="utf-8"?>\n'
+        f'<testsuite name="kvpool" tests="1" failures="{0 if report.conforms else 1}" '
+        f'time="{report.seconds:.3f}">\n'
+        f'  <testcase classname="kvpool.check" name="{name}" time="{report.seconds:.3f}">'
+        f"{failure}</testcase>\n</testsuite>\n"
+    )
+
+
+def main() -> None:
+    """Console entry point."""
+    app(prog_name=os.environ.get("KVPOOL_PROG", "kvpool"))

@@ -1,0 +1,43 @@
+"""Hypothesis settings profiles for conformance runs.
+
+* ``ci``: derandomized and bounded: the same program every run, minutes at most.
+* ``dev``: the local default: random, a few hundred programs, saved failures replayed.
+* ``deep``: hours of exploration with long programs.
+* ``fuzz``: unbounded, for long-running workers sharing an example database.
+
+Loading one is the caller's choice (``settings.load_profile``); importing this
+module only registers them.
+"""
+
+import os
+
+from hypothesis import HealthCheck, Phase, settings
+
+_BASE = settings(
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    print_blob=True,
+)
+
+settings.register_profile(
+    "ci", _BASE, derandomize=True, database=None, max_examples=150, stateful_step_count=40
+)
+settings.register_profile("dev", _BASE, max_examples=200, stateful_step_count=40)
+settings.register_profile("deep", _BASE, max_examples=20_000, stateful_step_count=120)
+settings.register_profile(
+    "fuzz",
+    _BASE,
+    max_examples=10**9,
+    stateful_step_count=200,
+    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
+)
+
+PROFILE_NAMES = ("ci", "dev", "deep", "fuzz")
+
+
+def default_profile_name() -> str:
+    """``ci`` when the CI environment variable is set, else ``dev``; KVPOOL_HYPOTHESIS wins."""
+    chosen = os.environ.get("KVPOOL_HYPOTHESIS")
+    if chosen:
+        return chosen
+    return "ci" if os.environ.get("CI") else "dev"
