@@ -205,16 +205,15 @@ def hashes_at_block_size(
 ) -> tuple[BlockHash, ...]:
     """The request's hashes for blocks of ``block_size`` tokens.
 
-    A block of ``k * hash_block_size`` tokens is named by the concatenation
-    of its k hash-block hashes; a trailing incomplete group names no block.
+    Hashes are chained, so the hash of a block's last hash block already
+    covers the whole prefix: a block of ``k * hash_block_size`` tokens is
+    named by every k-th hash. A trailing incomplete group names no block.
 
     >>> hashes_at_block_size([b"a", b"b", b"c"], 1, 2)
-    (b'ab',)
+    (b'b',)
     """
     factor = block_size // hash_block_size
-    return tuple(
-        b"".join(hashes[i * factor : (i + 1) * factor]) for i in range(len(hashes) // factor)
-    )
+    return tuple(hashes[factor - 1 :: factor])
 
 
 def cache_full_blocks(

@@ -67,6 +67,20 @@ class Snapshottable(Protocol):
     def snapshot(self) -> PoolState: ...
 
 
+class Normalizing(Protocol):
+    """Optional hooks for targets that are right but order some things differently.
+
+    ``normalize_state`` and ``normalize_events`` are applied to *both* sides
+    before comparing: use them only for orders the specification leaves open
+    (for example vLLM keeps a block's partial keys in a set). Each use must be
+    justified in docs/semantics.md.
+    """
+
+    def normalize_state(self, state: PoolState) -> PoolState: ...
+
+    def normalize_events(self, events: Sequence[KVCacheEvent]) -> Sequence[KVCacheEvent]: ...
+
+
 TargetFactory = Callable[[PoolConfig], PoolTarget]
 """Builds a fresh target for a pool configuration; called once per test case."""
 

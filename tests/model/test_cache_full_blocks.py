@@ -169,11 +169,12 @@ def test_mask_is_aligned_with_the_slice_not_the_whole_list():
     assert dict(state.cached) == {(H2, 0): (3,)}
 
 
-def test_larger_block_size_joins_consecutive_hashes():
+def test_larger_block_size_uses_the_hash_at_each_blocks_last_boundary():
     request = CacheRequest(block_hashes=(b"a", b"b", b"c", b"d", b"e"))
     state, ids = get_new_blocks(new_pool(4, hash_block_size=2), 2)
     state, _ = cache_full_blocks(state, request, ids, 0, 2, 4, 0)
-    assert dict(state.cached) == {(b"ab", 0): (1,), (b"cd", 0): (2,)}
+    # hashes are chained: the hash at a block's last hash-block boundary names it
+    assert dict(state.cached) == {(b"b", 0): (1,), (b"d", 0): (2,)}
     assert state.blocks[1].hash_num_tokens == 4
     assert state.blocks[2].hash_num_tokens == 8
 
@@ -218,7 +219,16 @@ def test_stored_event_from_the_first_block_has_no_parent():
     state, ids = get_new_blocks(new_pool(3, hash_block_size=2, enable_events=True), 1)
     state, _ = cache_full_blocks(state, request, ids, 0, 1, 4, 0)
     assert state.pending_events == (
-        BlockStored((b"ab",), None, (0, 1, 2, 3), 4, None, MEDIUM_GPU, None, (None,), 0),
+        BlockStored((b"b",), None, (0, 1, 2, 3), 4, None, MEDIUM_GPU, None, (None,), 0),
+    )
+
+
+def test_stored_event_parent_at_a_larger_block_size_is_the_previous_blocks_hash():
+    request = CacheRequest((b"a", b"b", b"c", b"d"), tuple(range(8)))
+    state, ids = get_new_blocks(new_pool(3, hash_block_size=2, enable_events=True), 2)
+    state, _ = cache_full_blocks(state, request, ids, 1, 2, 4, 0)
+    assert state.pending_events == (
+        BlockStored((b"d",), b"b", (4, 5, 6, 7), 4, None, MEDIUM_GPU, None, (None,), 0),
     )
 
 
@@ -252,11 +262,11 @@ def test_promotes_a_partial_block_removing_its_partial_key_first():
     run.do(cache_partial_block, request, b, 2, 0, 4)
     run.events()
     run.do(cache_full_blocks, request, [b], 0, 1, 4, 0)
-    assert run.state.blocks[b] == BlockState(ref_cnt=1, block_hash=(b"ab", 0), hash_num_tokens=4)
-    assert dict(run.state.cached) == {(b"ab", 0): (b,)}
+    assert run.state.blocks[b] == BlockState(ref_cnt=1, block_hash=(b"b", 0), hash_num_tokens=4)
+    assert dict(run.state.cached) == {(b"b", 0): (b,)}
     assert run.events() == (
         BlockRemoved((b"a",), MEDIUM_GPU, 0),
-        BlockStored((b"ab",), None, (1, 2, 3, 4), 4, None, MEDIUM_GPU, None, (None,), 0),
+        BlockStored((b"b",), None, (1, 2, 3, 4), 4, None, MEDIUM_GPU, None, (None,), 0),
     )
 
 
@@ -282,8 +292,8 @@ def test_take_events_drains_what_cache_full_blocks_queued():
 
 
 @given(st.integers(1, 4), st.lists(st.binary(min_size=1, max_size=2), max_size=9))
-def test_hashes_at_block_size_joins_each_full_group(factor, hashes):
-    joined = hashes_at_block_size(hashes, 1, factor)
-    assert len(joined) == len(hashes) // factor
-    for i, h in enumerate(joined):
-        assert h == b"".join(hashes[i * factor : (i + 1) * factor])
+def test_hashes_at_block_size_takes_the_last_hash_of_each_full_group(factor, hashes):
+    scaled = hashes_at_block_size(hashes, 1, factor)
+    assert len(scaled) == len(hashes) // factor
+    for i, h in enumerate(scaled):
+        assert h == hashes[(i + 1) * factor - 1]

@@ -176,7 +176,7 @@ def test_shorter_prefix_beside_a_full_key_keeps_the_full_key_primary():
     state, key = cache_partial_block(state, request, b, 2, 0, 4)
     assert key == (b"p2", 0)
     assert state.blocks[b] == BlockState(
-        ref_cnt=1, block_hash=(b"p2p4", 0), hash_num_tokens=4, partial_keys=((b"p2", 0),)
+        ref_cnt=1, block_hash=(b"p4", 0), hash_num_tokens=4, partial_keys=((b"p2", 0),)
     )
 
 

@@ -146,7 +146,7 @@ def test_partial_block_is_promoted_to_a_full_block():
     """Hashes cover 2 tokens, blocks hold 4. After 2 tokens the request registers
     a partial entry for its block (key a); once the block is full,
     cache_full_blocks promotes it: the partial key is removed (BlockRemoved)
-    before the full key a+b is stored (BlockStored)."""
+    before the full key b (the chained hash of all 4 tokens) is stored (BlockStored)."""
     request = CacheRequest(block_hashes=(b"a", b"b"), all_token_ids=(1, 2, 3, 4))
     run = Run(new_pool(3, hash_block_size=2, enable_events=True))
     (b,) = run.do(get_new_blocks, 1)
@@ -158,11 +158,11 @@ def test_partial_block_is_promoted_to_a_full_block():
     )
 
     run.do(cache_full_blocks, request, [b], 0, 1, 4, 0)
-    assert run.state.blocks[b] == BlockState(ref_cnt=1, block_hash=(b"ab", 0), hash_num_tokens=4)
-    assert dict(run.state.cached) == {(b"ab", 0): (b,)}
+    assert run.state.blocks[b] == BlockState(ref_cnt=1, block_hash=(b"b", 0), hash_num_tokens=4)
+    assert dict(run.state.cached) == {(b"b", 0): (b,)}
     assert run.events() == (
         BlockRemoved((b"a",), MEDIUM_GPU, 0),
-        BlockStored((b"ab",), None, (1, 2, 3, 4), 4, None, MEDIUM_GPU, None, (None,), 0),
+        BlockStored((b"b",), None, (1, 2, 3, 4), 4, None, MEDIUM_GPU, None, (None,), 0),
     )
 
 

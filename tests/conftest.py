@@ -1,0 +1,10 @@
+"""Hypothesis settings for kvpool's own tests: ``ci`` under CI (derandomized), else ``dev``.
+
+KVPOOL_HYPOTHESIS=deep pytest ... explores for longer.
+"""
+
+from hypothesis import settings
+
+from kvpool.specs.settings import default_profile_name
+
+settings.load_profile(default_profile_name())
