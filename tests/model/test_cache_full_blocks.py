@@ -18,6 +18,7 @@ from kvpool.model import (
     InvalidBlockSize,
     InvalidGroup,
     NotEnoughHashes,
+    PoolState,
     UnknownBlock,
     cache_full_blocks,
     cache_partial_block,
@@ -29,8 +30,9 @@ from kvpool.model import (
 from tests.model.helpers import H0, H1, H2, REQ, Run, assert_rejected, held
 
 
-def held_hbs2(n: int = 2) -> object:
-    return held(4, n, hash_block_size=2)
+def held_hbs2() -> PoolState:
+    """hash_block_size 2, blocks 1 and 2 held."""
+    return held(4, 2, hash_block_size=2)
 
 
 # --------------------------------------------------------------------------
@@ -64,7 +66,8 @@ def test_invalid_block_size_smaller_than_the_hash_block_size():
 
 
 def test_invalid_block_size_zero():
-    assert_rejected(lambda: held(4, 2), InvalidBlockSize, cache_full_blocks, REQ, [1, 2], 0, 1, 0, 0)
+    build = lambda: held(4, 2)  # noqa: E731
+    assert_rejected(build, InvalidBlockSize, cache_full_blocks, REQ, [1, 2], 0, 1, 0, 0)
 
 
 def test_invalid_range_with_negative_num_cached_blocks():
@@ -73,7 +76,8 @@ def test_invalid_range_with_negative_num_cached_blocks():
 
 
 def test_invalid_range_past_the_end_of_the_blocks():
-    assert_rejected(lambda: held(4, 2), InvalidBlockRange, cache_full_blocks, REQ, [1, 2], 0, 3, 1, 0)
+    build = lambda: held(4, 2)  # noqa: E731
+    assert_rejected(build, InvalidBlockRange, cache_full_blocks, REQ, [1, 2], 0, 3, 1, 0)
 
 
 def test_invalid_mask_shorter_than_the_range():
@@ -90,7 +94,8 @@ def test_invalid_mask_longer_than_the_range():
 
 def test_invalid_more_full_blocks_than_the_request_has_hashes():
     short = CacheRequest(block_hashes=(H0,))
-    assert_rejected(lambda: held(4, 2), NotEnoughHashes, cache_full_blocks, short, [1, 2], 0, 2, 1, 0)
+    build = lambda: held(4, 2)  # noqa: E731
+    assert_rejected(build, NotEnoughHashes, cache_full_blocks, short, [1, 2], 0, 2, 1, 0)
 
 
 def test_invalid_too_few_hashes_at_a_larger_block_size():

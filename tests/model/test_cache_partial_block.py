@@ -142,6 +142,27 @@ def test_caching_the_same_key_again_changes_nothing_and_emits_nothing():
     assert run.events() == ()
 
 
+def test_caching_a_key_already_beside_the_primary_changes_nothing_and_emits_nothing():
+    run = partial_at(4, 8, enable_events=True)
+    run.do(cache_partial_block, P, 1, 2, 0, 8)
+    run.events()
+    before = run.state
+    key = run.do(cache_partial_block, P, 1, 2, 0, 8)
+    assert key == (b"p2", 0)
+    assert run.state == before
+    assert run.events() == ()
+
+
+def test_same_token_count_in_another_group_is_added_beside_not_promoted():
+    run = partial_at(2, 4)
+    key = run.do(cache_partial_block, P, 1, 2, 1, 4)
+    assert key == (b"p2", 1)
+    assert run.state.blocks[1] == BlockState(
+        ref_cnt=1, block_hash=(b"p2", 0), hash_num_tokens=2, partial_keys=((b"p2", 1),)
+    )
+    assert dict(run.state.cached) == {(b"p2", 0): (1,), (b"p2", 1): (1,)}
+
+
 def test_promotion_replaces_a_primary_key_covering_fewer_tokens():
     run = partial_at(2, 8, enable_events=True)
     run.events()

@@ -75,7 +75,7 @@ def test_hashed_blocks_go_to_the_back_in_the_order_given():
 
 
 def test_mixed_call_splits_hashless_to_the_front_and_hashed_to_the_back():
-    state, ids = get_new_blocks(new_pool(5), 3)
+    state, _ = get_new_blocks(new_pool(5), 3)
     state, _ = cache_full_blocks(state, REQ, [1, 2], 0, 2, 1, 0)
     state, _ = free_blocks(state, [1, 3, 2])
     assert state.free_queue == (3, 4, 1, 2)

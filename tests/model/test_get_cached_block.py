@@ -13,7 +13,7 @@ from tests.model.helpers import H0, H1, H2, REQ, assert_rejected, cached
 
 
 def two_groups():
-    state, ids = get_new_blocks(new_pool(5), 2)
+    state, _ = get_new_blocks(new_pool(5), 2)
     state, _ = cache_full_blocks(state, REQ, [1], 0, 1, 1, 0)
     state, _ = cache_full_blocks(state, REQ, [2], 0, 1, 1, 1)
     return state

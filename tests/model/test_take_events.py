@@ -11,7 +11,7 @@ from kvpool.model import (
     reset_prefix_cache,
     take_events,
 )
-from tests.model.helpers import H0, H1, REQ, cached
+from tests.model.helpers import H0, H1, cached
 
 
 def test_fresh_pool_has_no_events():

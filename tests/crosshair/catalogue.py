@@ -1,0 +1,175 @@
+"""A catalogue of deliberately broken operations, one per CrossHair contract.
+
+Each entry re-binds one contract of ``kvpool.specs.contracts`` to a model in
+which one operation is broken, and names the postcondition that must catch
+it. CrossHair is run on the re-bound contract; the counterexample it reports
+is then replayed in plain Python before it is believed (CrossHair can report
+false counterexamples, for example after slice deletion with a symbolic
+index).
+"""
+
+import types
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from kvpool import model
+from kvpool.specs import contracts
+
+
+@dataclass(frozen=True)
+class BrokenVariant:
+    contract: str
+    story: str
+    operation: str
+    broken: Callable[..., Any]
+    catching_post: str
+    """The text of the postcondition that must fail, exactly as in the docstring."""
+
+
+def _takes_from_the_back(state: model.PoolState, n: int) -> Any:
+    after, _ = model.get_new_blocks(state, n)
+    back = state.free_queue[len(state.free_queue) - n :]
+    rest = state.free_queue[: len(state.free_queue) - n]
+    if n == 0:
+        return after, ()
+    return replace(after, free_queue=rest), back
+
+
+def _never_dequeues(state: model.PoolState, n: int) -> Any:
+    after, ids = model.get_new_blocks(state, n)
+    return replace(after, free_queue=state.free_queue), ids
+
+
+def _leaks_last(state: model.PoolState, ids: list[int]) -> Any:
+    after, _ = model.free_blocks(state, ids)
+    if not ids:
+        return after, None
+    return replace(after, free_queue=tuple(b for b in after.free_queue if b != ids[-1])), None
+
+
+def _appends_everything(state: model.PoolState, ids: list[int]) -> Any:
+    after, _ = model.free_blocks(state, ids)
+    joined = tuple(b for b in after.free_queue if b not in state.free_queue)
+    return replace(after, free_queue=state.free_queue + joined), None
+
+
+def _touch_keeps_in_queue(state: model.PoolState, ids: list[int]) -> Any:
+    after, _ = model.touch(state, ids)
+    return replace(after, free_queue=state.free_queue), None
+
+
+def _caches_one_block_short(
+    state: model.PoolState, request: Any, ids: Any, lo: int, hi: int, *rest: Any
+) -> Any:
+    return model.cache_full_blocks(state, request, ids, min(lo + 1, hi), hi, *rest)
+
+
+def _evict_moves_to_front(state: model.PoolState, ids: list[int]) -> Any:
+    after, _ = model.evict_blocks(state, ids)
+    moved = tuple(b for b in ids if b in after.free_queue)
+    rest = tuple(b for b in after.free_queue if b not in moved)
+    return replace(after, free_queue=moved + rest), None
+
+
+def _reset_while_busy(state: model.PoolState) -> Any:
+    idle = replace(state, free_queue=tuple(range(1, state.config.num_blocks)))
+    after, _ = model.reset_prefix_cache(idle)
+    return replace(after, free_queue=state.free_queue), True
+
+
+def _joins_hashes(hashes: Any, hash_block_size: int, block_size: int) -> Any:
+    factor = block_size // hash_block_size
+    return tuple(
+        b"".join(hashes[i * factor : (i + 1) * factor]) for i in range(len(hashes) // factor)
+    )
+
+
+CATALOGUE = [
+    BrokenVariant(
+        "pool_with_held",
+        "get_new_blocks forgets to dequeue the blocks: a block is held and free.",
+        "get_new_blocks",
+        _never_dequeues,
+        "len(__return__.free_queue) == num_blocks - 1 - held",
+    ),
+    BrokenVariant(
+        "get_new_blocks_takes_from_the_front",
+        "get_new_blocks takes the most recently freed blocks (MRU) instead of the LRU ones.",
+        "get_new_blocks",
+        _takes_from_the_back,
+        "__return__[2] == __return__[0].free_queue[:n]",
+    ),
+    BrokenVariant(
+        "free_blocks_conserves_blocks",
+        "free_blocks loses the last block of the list: a leak that shrinks capacity forever.",
+        "free_blocks",
+        _leaks_last,
+        "len(__return__[1].free_queue) == len(__return__[0].free_queue) + count",
+    ),
+    BrokenVariant(
+        "free_blocks_puts_hashless_first",
+        "free_blocks appends hash-less blocks: the pre-0.24 order under the new profile.",
+        "free_blocks",
+        _appends_everything,
+        "__return__[1].free_queue[: held - cached] == tuple(range(held, cached, -1))",
+    ),
+    BrokenVariant(
+        "touch_takes_a_reference",
+        "touch leaves a touched free block in the queue: it can be handed out twice.",
+        "touch",
+        _touch_keeps_in_queue,
+        "block_id not in __return__[1].free_queue",
+    ),
+    BrokenVariant(
+        "cache_full_blocks_makes_blocks_hit",
+        "cache_full_blocks starts one block late: the first new full block never hits.",
+        "cache_full_blocks",
+        _caches_one_block_short,
+        "all(_hits(__return__[0], i) for i in range(num_cached, num_full))",
+    ),
+    BrokenVariant(
+        "evict_blocks_drops_hashes_only",
+        "evict_blocks also moves an evicted free block to the front of the queue.",
+        "evict_blocks",
+        _evict_moves_to_front,
+        "__return__[1].free_queue == __return__[0].free_queue",
+    ),
+    BrokenVariant(
+        "reset_prefix_cache_only_when_idle",
+        "reset_prefix_cache forgets the hashes even while requests still hold blocks.",
+        "reset_prefix_cache",
+        _reset_while_busy,
+        "__return__[2] == (len(__return__[0].free_queue) == num_blocks - 1)",
+    ),
+    BrokenVariant(
+        "hashes_at_block_size_picks_every_kth",
+        "Hashes of a big block joined from its hash blocks, instead of taking the last chained one"
+        " (kvpool's own first draft, before vLLM 0.33 was read).",
+        "hashes_at_block_size",
+        _joins_hashes,
+        "all(__return__[i] == hashes[(i + 1) * factor - 1] for i in range(len(__return__)))",
+    ),
+]
+
+
+def rebind(variant: BrokenVariant) -> types.FunctionType:
+    """The contract function, running against a model with the variant's broken operation."""
+    original = getattr(contracts, variant.contract)
+    broken_model = types.SimpleNamespace(**{n: getattr(model, n) for n in model.__all__})
+    setattr(broken_model, variant.operation, variant.broken)
+    namespace = dict(vars(contracts), model=broken_model)
+    clone = types.FunctionType(original.__code__, namespace, f"broken_{original.__name__}")
+    clone.__doc__ = original.__doc__
+    clone.__annotations__ = original.__annotations__
+    clone.__module__ = __name__
+    clone.__qualname__ = clone.__name__
+    # the helpers the contract calls must see the broken model too
+    for name in ("pool_with_held", "_hits"):
+        helper = getattr(contracts, name)
+        namespace[name] = types.FunctionType(helper.__code__, namespace, helper.__name__)
+    return clone
+
+
+for _variant in CATALOGUE:
+    globals()[f"broken_{_variant.contract}"] = rebind(_variant)
