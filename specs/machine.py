@@ -50,8 +50,9 @@ from kvpool.specs.target import PoolTarget, Snapshottable, TargetFactory
 T = TypeVar("T")
 
 MAX_BLOCKS = 9
-TOKENS = st.lists(st.integers(1, 2), min_size=2, max_size=16)
-"""Token ids from a two-letter alphabet, so requests share prefixes often."""
+TOKENS = st.lists(st.integers(1, 2), min_size=16, max_size=16)
+"""A request's tokens: from a two-letter alphabet, so requests share prefixes
+often, and 16 of them, enough for every block a rule may cache."""
 
 
 class Divergence(AssertionError):
@@ -93,7 +94,8 @@ def _new_pool_rule(
         target=BLOCK_IDS,
         num_blocks=st.integers(2, MAX_BLOCKS),
         hash_block_size=st.integers(1, 2),
-        enable_caching=st.sampled_from(caching),
+        # caching on three times as often: most rules need it
+        enable_caching=st.sampled_from([c for c in caching for _ in range(3 if c else 1)]),
         enable_events=st.sampled_from(events),
         num_groups=st.integers(1, 3),
         profile=st.sampled_from([p.name for p in profiles]),
@@ -133,6 +135,10 @@ class PoolMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------------
     # Construction
     # ------------------------------------------------------------------
+
+    def holds_blocks(self) -> bool:
+        """Whether the program holds a reference to draw (rules drawing lists of them need one)."""
+        return bool(self.bundle("held"))
 
     def start(self, config: PoolConfig, num_groups: int) -> Any:
         """Build the model and the target for ``config``; every block id joins the bundle."""
@@ -176,6 +182,7 @@ class PoolMachine(RuleBasedStateMachine):
         )
         return multiple(*(b for b in block_ids if b != 0)) if done else multiple()
 
+    @precondition(lambda self: self.holds_blocks())
     @rule(block_ids=st.lists(consumes(held), max_size=4))
     def free_blocks(self, block_ids: list[int]) -> None:
         self._step(
@@ -186,11 +193,12 @@ class PoolMachine(RuleBasedStateMachine):
             returns_none=True,
         )
 
+    @precondition(lambda self: self.holds_blocks())
     @rule(
         block_ids=st.lists(held, unique=True, min_size=1, max_size=4),
         tokens=TOKENS,
-        num_cached_blocks=st.integers(0, 3),
-        num_full_blocks=st.integers(1, 4),
+        skip=st.integers(0, 3),
+        full=st.integers(1, 4),
         size_factor=st.integers(1, 2),
         group=st.integers(0, 2),
         use_mask=st.booleans(),
@@ -200,20 +208,42 @@ class PoolMachine(RuleBasedStateMachine):
         self,
         block_ids: list[int],
         tokens: list[int],
-        num_cached_blocks: int,
-        num_full_blocks: int,
+        skip: int,
+        full: int,
         size_factor: int,
         group: int,
         use_mask: bool,
         mask_seed: int,
     ) -> None:
+        """Cache blocks [skip:full] of a request holding ``block_ids``, both capped to fit."""
         assert self.model is not None
         hbs = self.model.config.hash_block_size
-        block_size = hbs * size_factor
-        group %= self.num_groups
-        request = request_for(tokens, hbs)
-        n_new = max(0, num_full_blocks - num_cached_blocks)
+        num_full_blocks = min(full, len(block_ids))
+        num_cached_blocks = min(skip, num_full_blocks)
+        n_new = num_full_blocks - num_cached_blocks
         mask = [bool(mask_seed >> i & 1) for i in range(n_new)] if use_mask else None
+        self._cache_full_blocks(
+            block_ids,
+            tokens,
+            num_cached_blocks,
+            num_full_blocks,
+            hbs * size_factor,
+            group % self.num_groups,
+            mask,
+        )
+
+    def _cache_full_blocks(
+        self,
+        block_ids: list[int],
+        tokens: list[int],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+        group: int,
+        mask: list[bool] | None,
+    ) -> None:
+        assert self.model is not None
+        request = request_for(tokens, self.model.config.hash_block_size)
         self._step(
             f"cache_full_blocks(tokens={tokens}, blocks={block_ids}, "
             f"{num_cached_blocks}, {num_full_blocks}, block_size={block_size}, "
@@ -230,18 +260,34 @@ class PoolMachine(RuleBasedStateMachine):
     @rule(
         block_id=held,
         tokens=TOKENS,
-        num_tokens=st.integers(1, 8),
+        whole_blocks=st.integers(0, 1),
+        hash_blocks_more=st.integers(1, 3),
         size_factor=st.integers(2, 4),
         group=st.integers(0, 2),
     )
     def cache_partial_block(
-        self, block_id: int, tokens: list[int], num_tokens: int, size_factor: int, group: int
+        self,
+        block_id: int,
+        tokens: list[int],
+        whole_blocks: int,
+        hash_blocks_more: int,
+        size_factor: int,
+        group: int,
     ) -> None:
+        """A partial entry ``whole_blocks`` blocks plus some hash blocks into the request."""
         assert self.model is not None
         hbs = self.model.config.hash_block_size
-        block_size = hbs * size_factor
-        group %= self.num_groups
-        request = request_for(tokens, hbs)
+        into_block = 1 + (hash_blocks_more - 1) % (size_factor - 1)
+        num_tokens = hbs * (whole_blocks * size_factor + into_block)
+        self._cache_partial_block(
+            block_id, tokens, num_tokens, group % self.num_groups, hbs * size_factor
+        )
+
+    def _cache_partial_block(
+        self, block_id: int, tokens: list[int], num_tokens: int, group: int, block_size: int
+    ) -> None:
+        assert self.model is not None
+        request = request_for(tokens, self.model.config.hash_block_size)
         self._step(
             f"cache_partial_block(tokens={tokens}, block={block_id}, num_tokens={num_tokens}, "
             f"group={group}, block_size={block_size})",
@@ -251,7 +297,7 @@ class PoolMachine(RuleBasedStateMachine):
             lambda t: t.cache_partial_block(request, block_id, num_tokens, group, block_size),
         )
 
-    @rule(tokens=TOKENS, num_hash_blocks=st.integers(1, 4), groups=st.sets(st.integers(0, 2)))
+    @rule(tokens=TOKENS, num_hash_blocks=st.integers(1, 8), groups=st.sets(st.integers(0, 2)))
     def get_cached_block(self, tokens: list[int], num_hash_blocks: int, groups: set[int]) -> None:
         assert self.model is not None
         hbs = self.model.config.hash_block_size
@@ -371,6 +417,47 @@ class PoolMachine(RuleBasedStateMachine):
             lambda t: t.cache_full_blocks(request, block_ids, 0, num_full_blocks, hbs, 0),
             returns_none=True,
         )
+
+    @precondition(lambda self: self.level >= 2 and self.holds_blocks())
+    @rule(
+        block_ids=st.lists(held, unique=True, min_size=1, max_size=3),
+        tokens=st.lists(st.integers(1, 2), max_size=6),
+        num_cached_blocks=st.integers(-1, 4),
+        num_full_blocks=st.integers(0, 5),
+        block_size=st.integers(1, 5),
+        group=st.integers(-1, 2),
+        mask=st.none() | st.lists(st.booleans(), max_size=4),
+    )
+    def cache_full_blocks_raw_arguments(
+        self,
+        block_ids: list[int],
+        tokens: list[int],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+        group: int,
+        mask: list[bool] | None,
+    ) -> None:
+        """Arguments drawn with no regard for validity: ranges, sizes, masks, groups."""
+        group = group if group < 0 else group % self.num_groups
+        self._cache_full_blocks(
+            block_ids, tokens, num_cached_blocks, num_full_blocks, block_size, group, mask
+        )
+
+    @precondition(lambda self: self.level >= 2 and self.model is not None)
+    @rule(
+        block_id=block_ids,
+        tokens=TOKENS,
+        num_tokens=st.integers(-1, 9),
+        block_size=st.integers(1, 5),
+        group=st.integers(-1, 2),
+    )
+    def cache_partial_block_raw_arguments(
+        self, block_id: int, tokens: list[int], num_tokens: int, block_size: int, group: int
+    ) -> None:
+        """Partial entries on any block, at any length, for any block size."""
+        group = group if group < 0 else group % self.num_groups
+        self._cache_partial_block(block_id, tokens, num_tokens, group, block_size)
 
     # ------------------------------------------------------------------
     # After every step
