@@ -1,1 +1,7 @@
-"""kvpool.impl: the fast block pool."""
+"""kvpool.impl: the fast block pool, with kvpool.model's semantics and vLLM's interface."""
+
+from kvpool.impl.block import KVCacheBlock
+from kvpool.impl.free_queue import FreeKVCacheBlockQueue
+from kvpool.impl.pool import BlockPool, MetricsCollector
+
+__all__ = ["BlockPool", "FreeKVCacheBlockQueue", "KVCacheBlock", "MetricsCollector"]

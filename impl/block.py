@@ -8,7 +8,12 @@ moving a block in or out of that list never allocates.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from kvpool.model.state import HashKey
+
+if TYPE_CHECKING:
+    from kvpool.impl.pool import BlockPool
 
 
 class KVCacheBlock:
@@ -27,6 +32,7 @@ class KVCacheBlock:
         "block_id",
         "is_null",
         "next_free_block",
+        "pool",
         "prev_free_block",
         "ref_cnt",
     )
@@ -42,9 +48,19 @@ class KVCacheBlock:
     prev_free_block: KVCacheBlock | None
     next_free_block: KVCacheBlock | None
     is_null: bool
+    pool: BlockPool | None
+    """The pool that owns this block (None for a free-standing block or a sentinel)."""
 
-    def __init__(self, block_id: int, ref_cnt: int = 0, is_null: bool = False) -> None:
+    def __init__(
+        self,
+        block_id: int,
+        ref_cnt: int = 0,
+        is_null: bool = False,
+        *,
+        pool: BlockPool | None = None,
+    ) -> None:
         self.block_id = block_id
+        self.pool = pool
         self.ref_cnt = ref_cnt
         self._block_hash = None
         self._block_hash_num_tokens = None

@@ -4,8 +4,10 @@ The list threads through the blocks' own ``prev_free_block`` /
 ``next_free_block`` fields, so no node objects exist and no operation
 allocates. Two sentinel blocks (id -1) bracket the list: every real block in
 it always has a real neighbour on both sides, which removes the empty-list
-branches from removal and insertion. A block outside the list has both link
-fields None.
+branches from removal and insertion. The queue's own methods set both link
+fields of a block they take out to None; the pool's hot paths skip that and
+leave a held block's links stale (the pool never reads them: a block is in
+the queue exactly when its ref_cnt is 0).
 
     fake_head <-> b1 <-> b2 <-> ... <-> bk <-> fake_tail
     (front: handed out first)          (back: handed out last)

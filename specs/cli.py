@@ -4,6 +4,7 @@ Exit codes of ``kvpool check``: 0 the target conforms, 1 it diverges from
 the model, 2 the command or the target could not be run.
 """
 
+import dataclasses
 import json
 import os
 from enum import StrEnum
@@ -19,8 +20,13 @@ from rich.table import Table
 
 from kvpool.model import PROFILES
 from kvpool.specs.conformance import ConformanceReport, run_conformance
+from kvpool.specs.explain import explain
+from kvpool.specs.regression import print_counterexample
+from kvpool.specs.regression import save as save_counterexample
 from kvpool.specs.settings import PROFILE_NAMES, default_profile_name
 from kvpool.specs.targets import TargetSpecError, resolve_target
+from kvpool.specs.vectors import vectors_app
+from kvpool.specs.vllm_releases import default_profile_for, delegate_check
 
 app = typer.Typer(
     help="kvpool: check KV-cache block pools against an executable specification.",
@@ -29,6 +35,8 @@ app = typer.Typer(
 )
 
 EXIT_CONFORMS, EXIT_DIVERGES, EXIT_ERROR = 0, 1, 2
+
+app.add_typer(vectors_app, name="vectors")
 
 
 class ReportFormat(StrEnum):
@@ -39,8 +47,14 @@ class ReportFormat(StrEnum):
 
 @app.command()
 def check(
+    ctx: typer.Context,
     target: Annotated[
-        str, typer.Option(help="impl, model, or module:factory (a callable taking a PoolConfig).")
+        str,
+        typer.Option(
+            help="impl, model, module:factory (a callable taking a PoolConfig), "
+            "cmd:PROGRAM ARGS (any language, docs/formats.md), "
+            "vllm, vllm:module:Class or vllm==X.Y.Z."
+        ),
     ] = "impl",
     level: Annotated[
         int, typer.Option(min=1, max=2, help="1: valid operations; 2: invalid ones too.")
@@ -64,6 +78,9 @@ def check(
     output: Annotated[
         Path | None, typer.Option(help="Write the json or junit report here instead of stdout.")
     ] = None,
+    regression_dir: Annotated[
+        Path, typer.Option(help="Where a divergence's regression test and vector are written.")
+    ] = Path("kvpool-regression"),
 ) -> None:
     """Run the lock-step state machine against a target and report conformance."""
     console = Console(stderr=report_format is not ReportFormat.terminal)
@@ -75,6 +92,10 @@ def check(
     if unknown:
         console.print(f"[red]unknown semantics profile(s) {unknown}; known: {list(PROFILES)}[/red]")
         raise typer.Exit(EXIT_ERROR)
+    delegated = delegate_check(target, ctx)  # vllm==X.Y.Z runs in a child interpreter
+    if delegated is not None:
+        raise typer.Exit(delegated)
+    profile = profile or default_profile_for(target)
     try:
         factory = resolve_target(target)
     except TargetSpecError as error:
@@ -105,6 +126,11 @@ def check(
             on_example=lambda n: progress.update(task, completed=min(n, total)),
         )
 
+    if report.counterexample is not None:
+        try:
+            save_counterexample(report.counterexample, regression_dir)
+        except OSError as error:
+            console.print(f"[yellow]cannot write the regression files: {error}[/yellow]")
     if report_format is ReportFormat.terminal:
         _print_terminal(console, report)
     else:
@@ -127,14 +153,22 @@ def profiles() -> None:
     Console().print(table)
 
 
+app.command(name="explain")(explain)
+
+
 def _print_terminal(console: Console, report: ConformanceReport) -> None:
     if not report.conforms:
-        console.rule(f"[red]{report.target} diverges from the model[/red]")
+        broken = report.failure_kind == "target-error"
+        title = "could not be run" if broken else "diverges from the model"
+        console.rule(f"[red]{report.target} {title}[/red]")
         if report.program:
             console.print("[bold]Minimal failing program:[/bold]")
             console.print(report.program, markup=False, highlight=False)
-        console.print(f"[bold]What went wrong ({report.failure_kind}):[/bold]")
-        console.print(report.failure or "", markup=False, highlight=False)
+        if report.counterexample is not None:
+            print_counterexample(console, report.counterexample)
+        else:
+            console.print(f"[bold]What went wrong ({report.failure_kind}):[/bold]")
+            console.print(report.failure or "", markup=False, highlight=False)
     table = Table(title="kvpool check", show_header=False)
     table.add_row("target", report.target)
     table.add_row("level", str(report.level))
@@ -150,7 +184,7 @@ def _print_terminal(console: Console, report: ConformanceReport) -> None:
 
 
 def _to_json(report: ConformanceReport) -> str:
-    return json.dumps(report.__dict__, indent=2)
+    return json.dumps(dataclasses.asdict(report), indent=2)
 
 
 def _to_junit(report: ConformanceReport) -> str:

@@ -10,8 +10,10 @@ from hypothesis.stateful import get_state_machine_test
 
 from kvpool.model import DEFAULT_PROFILE, PROFILES, Profile
 from kvpool.specs import settings as _profiles  # noqa: F401  (registers the profiles)
+from kvpool.specs.adapters.cmd_target import TargetAbort
 from kvpool.specs.invariants import InvariantViolation
 from kvpool.specs.machine import Divergence, PoolMachine, pool_machine
+from kvpool.specs.regression import Counterexample, Recorder, explain
 from kvpool.specs.target import TargetError, TargetFactory
 
 
@@ -32,6 +34,8 @@ class ConformanceReport:
     program: str | None = None
     """The minimal failing program, as Hypothesis printed it."""
     notes: list[str] = field(default_factory=list)
+    counterexample: Counterexample | None = None
+    """Where target and model part, side by side, and a regression test (divergences only)."""
 
 
 def run_conformance(
@@ -79,8 +83,19 @@ def run_conformance(
         profiles=tuple(p.name for p in profiles),
         hypothesis_profile=hypothesis_profile,
     )
+    preflight = getattr(make_target, "preflight", None)
+    if preflight is not None:
+        try:
+            preflight(level, report.profiles)
+        except TargetError as failure:
+            _fail(report, "target-error", failure)
+            return report
+        except TargetAbort as abort:
+            _fail(report, "target-error", abort.error)
+            return report
+    recorder = Recorder(make_target)
     machine = pool_machine(
-        make_target,
+        recorder,
         level=level,
         profiles=profiles,
         caching=caching,
@@ -89,7 +104,9 @@ def run_conformance(
     )
     counted = _counting(machine, report, on_example)
 
-    overrides: dict[str, object] = {}
+    # One failure per run: with several distinct bugs Hypothesis would raise an
+    # ExceptionGroup, which the report cannot explain as one counterexample.
+    overrides: dict[str, object] = {"report_multiple_bugs": False}
     if max_examples is not None:
         overrides["max_examples"] = max_examples
     if steps is not None:
@@ -103,20 +120,40 @@ def run_conformance(
 
     printed: list[str] = []
     started = time.perf_counter()
+    caught: BaseException | None = None
     try:
         with with_reporter(lambda value: printed.append(str(value))):
             test()
     except Divergence as failure:
-        _fail(report, "divergence", failure)
+        _fail(report, "divergence", caught := failure)
     except InvariantViolation as failure:
-        _fail(report, "invariant", failure)
+        _fail(report, "invariant", caught := failure)
     except TargetError as failure:
-        _fail(report, "target-error", failure)
+        _fail(report, "target-error", caught := failure)
+    except TargetAbort as abort:
+        # A broken program: stopped at once, so no minimal program to show.
+        _fail(report, "target-error", abort.error)
     finally:
         report.seconds = time.perf_counter() - started
-    if not report.conforms:
-        report.program = "\n".join(line for line in printed if line.strip()) or None
+    if caught is not None:
+        report.program = _program(printed, caught)
+    if report.failure_kind in ("divergence", "invariant"):
+        report.counterexample = explain(recorder, target_name, caught)
     return report
+
+
+def _program(printed: list[str], failure: BaseException | None) -> str | None:
+    """The minimal program: printed by Hypothesis, or attached to the failure as notes."""
+    lines = [line for line in printed if line.strip()]
+    notes = [str(n) for n in getattr(failure, "__notes__", ())]
+    if not lines and notes:
+        for note in notes:
+            if note.startswith(("Explanation:", "\nYou can reproduce", "You can reproduce")):
+                break
+            lines.append(note)
+    noise = ("state.target_agrees_with_model()", "Failing test case: <state machine>")
+    program = [line for line in lines if line.strip() not in noise]
+    return "\n".join(program) or None
 
 
 def _fail(report: ConformanceReport, kind: str, failure: BaseException) -> None:

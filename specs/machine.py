@@ -563,7 +563,10 @@ class PoolMachine(RuleBasedStateMachine):
 
     def _normal_state(self, state: PoolState) -> PoolState:
         normalize = getattr(self.target, "normalize_state", None)
-        return state if normalize is None else normalize(state)  # type: ignore[no-any-return]
+        if normalize is None:
+            return state
+        normal: PoolState = normalize(state)
+        return normal
 
     def _normal_events(self, events: Sequence[KVCacheEvent]) -> tuple[KVCacheEvent, ...]:
         normalize = getattr(self.target, "normalize_events", None)

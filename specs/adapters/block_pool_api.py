@@ -7,7 +7,7 @@ the vLLM adapter specialises the few places where vLLM's types differ.
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from kvpool.model import CacheRequest, HashKey, KVCacheEvent, UnknownBlock
+from kvpool.model import CacheRequest, HashKey, KVCacheEvent
 
 
 class BlockPoolApiTarget:
@@ -33,16 +33,23 @@ class BlockPoolApiTarget:
     # The target protocol ------------------------------------------------------
 
     def _blocks(self, block_ids: Iterable[int]) -> list[Any]:
-        return [self.pool.blocks[b] for b in block_ids]
+        """The pool's block objects; an unknown id becomes a block of no pool.
+
+        The stand-in lets the pool itself reject the call, with the model's
+        exception, after the preconditions the model checks first.
+        """
+        blocks = self.pool.blocks
+        stand_in = type(self.pool.null_block)
+        return [blocks[b] if 0 <= b < len(blocks) else stand_in(b) for b in block_ids]
 
     def get_new_blocks(self, num_blocks: int) -> Sequence[int]:
         return [b.block_id for b in self.pool.get_new_blocks(num_blocks)]
 
     def touch(self, block_ids: Sequence[int]) -> None:
-        self.pool.touch(self._blocks(_checked(self.pool, block_ids)))
+        self.pool.touch(self._blocks(block_ids))
 
     def free_blocks(self, block_ids: Sequence[int]) -> None:
-        self.pool.free_blocks(self._blocks(_checked(self.pool, block_ids)))
+        self.pool.free_blocks(self._blocks(block_ids))
 
     def cache_full_blocks(
         self,
@@ -56,7 +63,7 @@ class BlockPoolApiTarget:
     ) -> None:
         self.pool.cache_full_blocks(
             self.request(request),
-            self._blocks(_checked(self.pool, block_ids)),
+            self._blocks(block_ids),
             num_cached_blocks,
             num_full_blocks,
             block_size,
@@ -72,7 +79,7 @@ class BlockPoolApiTarget:
         kv_cache_group_id: int,
         block_size: int,
     ) -> HashKey | None:
-        (block,) = self._blocks(_checked(self.pool, [block_id]))
+        (block,) = self._blocks([block_id])
         key = self.pool.cache_partial_block(
             self.request(request), block, num_tokens, kv_cache_group_id, block_size
         )
@@ -98,16 +105,3 @@ class BlockPoolApiTarget:
 
     def take_events(self) -> Sequence[KVCacheEvent]:
         return [self.event(e) for e in self.pool.take_events()]
-
-
-def _checked(pool: Any, block_ids: Iterable[int]) -> list[int]:
-    """The ids, after rejecting those no block object stands for.
-
-    The pool cannot be handed a block that does not exist, so an unknown id
-    is rejected here, with the model's exception, before the pool is called.
-    """
-    ids = list(block_ids)
-    for block_id in ids:
-        if not 0 <= block_id < len(pool.blocks):
-            raise UnknownBlock(f"block id {block_id} is not in 0..{len(pool.blocks) - 1}")
-    return ids

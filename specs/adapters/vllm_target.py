@@ -1,0 +1,1082 @@
+"""vLLM's own ``BlockPool`` behind the target protocol, with its abstraction function.
+
+``VllmTarget`` drives ``vllm.v1.core.block_pool.BlockPool`` (or a subclass or
+fork with the same constructor) through kvpool's lock-step machine. vLLM is
+imported when the first target is built, never when this module is imported:
+kvpool does not depend on vLLM.
+
+What the adapter translates, and nothing more (docs/vllm-conformance.md
+justifies each point):
+
+* **Hashes.** The machine's hashes are short byte strings. The adapter hands
+  vLLM ``sha256(b"kvpool:" + h)`` instead, a 32-byte digest like vLLM's own,
+  and maps every hash that comes back (block keys, map keys, event hashes) to
+  the machine's bytes through a dictionary. vLLM reports event hashes as the
+  last 8 bytes of the hash read as a big-endian int; distinct short hashes
+  can share those 8 bytes, distinct digests practically cannot.
+* **Keys.** vLLM's ``BlockHashWithGroupId`` is the hash followed by the group
+  id as 4 big-endian bytes; the model's key is the pair ``(hash, group)``.
+* **Events.** vLLM's msgspec events become the model's dataclasses. Fields
+  the model does not have (``kv_cache_spec_kind``, ``locality``,
+  ``session_id``, ...) must be None at the pool layer; an event where one
+  is not comes back as an ``UnmappedEvent`` and so never compares equal.
+* **Errors.** ``get_new_blocks`` signals a shortage with ``ValueError``,
+  which becomes the model's ``NotEnoughFreeBlocks``. Any other exception
+  vLLM raises becomes a ``VllmRejection`` (a ``PoolError`` named after the
+  original, e.g. ``VllmAssertionError``) so that the machine reports it as a
+  divergence; ``AttributeError`` and ``TypeError`` mean the adapter and the
+  release disagree on the API, and become ``TargetError``.
+* **Releases.** One small shim per API change, listed in ``VllmApi``.
+"""
+
+import functools
+import hashlib
+import importlib
+import inspect
+import logging
+import os
+import re
+from collections.abc import Callable, Collection, Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
+
+from hypothesis import strategies as st
+from hypothesis.stateful import RULE_MARKER, precondition, rule
+
+from kvpool import model
+from kvpool.model import (
+    NULL_BLOCK_ID,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockState,
+    BlockStored,
+    CacheRequest,
+    HashKey,
+    KVCacheEvent,
+    NotEnoughFreeBlocks,
+    PoolConfig,
+    PoolError,
+    PoolState,
+)
+from kvpool.specs.adapters.block_pool_api import BlockPoolApiTarget
+from kvpool.specs.target import TargetError
+
+T = TypeVar("T")
+
+MODEL_ONLY_EVENT_FIELDS = (
+    "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window",
+    "locality",
+    "ownership",
+    "session_id",
+    "lookahead_token_ids",
+)
+"""Fields vLLM's events carry that the model's do not; None at the pool layer."""
+
+OPERATIONS = (
+    "get_new_blocks",
+    "touch",
+    "free_blocks",
+    "cache_full_blocks",
+    "cache_partial_block",
+    "get_cached_block",
+    "evict_blocks",
+)
+
+
+# --------------------------------------------------------------------------
+# What the loaded vLLM offers
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class VllmApi:
+    """The shape of the importable vLLM's block pool API, found by introspection.
+
+    Each flag is one API era; the adapter has one shim per flag.
+    """
+
+    version: str
+    pool_class: Any
+    kv_cache_utils: Any
+    hash_block_size_arg: bool
+    """0.12.0+: the constructor takes ``hash_block_size``. Before, a request's
+    hashes are per block, so the adapter hands the pool the hashes at the
+    call's ``block_size``."""
+    touch_per_group: bool
+    """0.9.1-0.13.x: ``touch`` takes one list of blocks per KV cache group."""
+    evict_blocks: bool
+    """0.13.0+: ``evict_blocks(ids)``. Before, the adapter calls the pool's own
+    ``_maybe_evict_cached_block`` per id, the primitive ``evict_blocks`` wraps."""
+    block_mask: bool
+    """0.22.0+: ``cache_full_blocks(..., block_mask)``."""
+    cache_partial_block: bool
+    """0.24.0+: ``cache_partial_block``."""
+    hash_num_tokens: bool
+    """0.24.0+: blocks record how many tokens their key covers."""
+    events_with_group: bool
+    """0.20.0+: events carry ``group_idx``, ``lora_name`` and ``extra_keys``."""
+    map_is_object: bool
+    """0.11.0+: the hash map is a ``BlockHashToBlockMap`` (its ``_cache``
+    dict); before, a dict of dicts."""
+    last_hash_names_block: bool
+    """A block of k hash blocks is keyed by the last of its k hashes (0.24.0+,
+    and before 0.12 through the per-block-size shim). 0.12-0.23 key it by the
+    concatenation of the k hashes, which only a caller knowing the group's
+    block size can look up: those releases are checked with block_size ==
+    hash_block_size."""
+
+    def unsupported_operations(self) -> frozenset[str]:
+        """Machine features this release cannot run (see ``restrict_machine``)."""
+        missing = set()
+        if not self.cache_partial_block:
+            missing.add("cache_partial_block")
+        if not self.block_mask:
+            missing.add("block_mask")
+        if not self.events_with_group:
+            missing.add("events")
+        if not self.last_hash_names_block:
+            missing.add("block_size_multiple")
+        return frozenset(missing)
+
+
+class UnsupportedRelease(TargetError):
+    """The importable vLLM predates the API eras this adapter supports."""
+
+
+_none_hash_ready = False
+
+
+def load_vllm(pool_class: Any = None) -> VllmApi:
+    """Import vLLM's block pool and describe its API; ``pool_class`` overrides the class."""
+    global _none_hash_ready
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # read when vllm is first imported
+    try:
+        vllm = importlib.import_module("vllm")
+        block_pool = importlib.import_module("vllm.v1.core.block_pool")
+        utils = importlib.import_module("vllm.v1.core.kv_cache_utils")
+        kv_events = importlib.import_module("vllm.distributed.kv_events")
+    except ImportError as error:
+        raise TargetError(f"vLLM cannot be imported: {error}") from error
+    version = str(getattr(vllm, "__version__", "unknown"))
+    # reset_prefix_cache logs a warning each time it refuses; the machine asks often.
+    logging.getLogger("vllm").setLevel(logging.ERROR)
+    if not hasattr(utils, "make_block_hash_with_group_id"):
+        raise UnsupportedRelease(
+            f"vLLM {version} predates byte-string block hashes (0.10.2); "
+            "kvpool's vLLM adapter supports 0.10.2 and later"
+        )
+    if not _none_hash_ready and hasattr(utils, "init_none_hash"):
+        utils.init_none_hash(_vllm_sha256())
+        _none_hash_ready = True
+    cls = pool_class if pool_class is not None else block_pool.BlockPool
+    init_params = inspect.signature(cls.__init__).parameters
+    full_params = inspect.signature(cls.cache_full_blocks).parameters
+    touch_params = inspect.signature(cls.touch).parameters
+    touch_annotation = str(touch_params["blocks"].annotation) if "blocks" in touch_params else ""
+    return VllmApi(
+        version=version,
+        pool_class=cls,
+        kv_cache_utils=utils,
+        hash_block_size_arg="hash_block_size" in init_params,
+        touch_per_group=touch_annotation.startswith("tuple"),
+        evict_blocks=hasattr(cls, "evict_blocks"),
+        block_mask="block_mask" in full_params,
+        cache_partial_block=hasattr(cls, "cache_partial_block"),
+        hash_num_tokens=hasattr(utils.KVCacheBlock, "block_hash_num_tokens"),
+        events_with_group="group_idx" in getattr(kv_events.BlockRemoved, "__struct_fields__", ()),
+        map_is_object=hasattr(block_pool, "BlockHashToBlockMap"),
+        last_hash_names_block=_names_block_by_last_hash(utils),
+    )
+
+
+def _names_block_by_last_hash(utils: Any) -> bool:
+    """Whether a block of two hash blocks is keyed by its second hash (see ``VllmApi``)."""
+    view = getattr(utils, "BlockHashListWithBlockSize", None)
+    if view is None:
+        return True
+    first, second = b"\x01" * 32, b"\x02" * 32
+    return bytes(view([first, second], 1, 2)[0]) == second
+
+
+def _vllm_sha256() -> Callable[[Any], bytes]:
+    for module_name in ("vllm.utils.hashing", "vllm.utils"):
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        function = getattr(module, "sha256", None)
+        if callable(function):
+            return function  # type: ignore[no-any-return]
+    raise TargetError("vLLM's sha256 hash function was not found")
+
+
+# --------------------------------------------------------------------------
+# Errors
+# --------------------------------------------------------------------------
+
+
+class VllmRejection(PoolError):
+    """vLLM raised where the model expects something else; named after vLLM's exception."""
+
+    original: BaseException
+
+
+@functools.cache
+def _rejection_class(name: str) -> type[VllmRejection]:
+    return type(f"Vllm{name}", (VllmRejection,), {"__module__": __name__})
+
+
+def rejection(error: BaseException) -> VllmRejection:
+    """``error`` as a ``PoolError`` the machine can report: ``VllmAssertionError`` etc."""
+    wrapped = _rejection_class(type(error).__name__)(f"{type(error).__name__}: {error}")
+    wrapped.original = error
+    return wrapped
+
+
+def vllm_reaction(error_name: str) -> str:
+    """The name of the exception vLLM raised, from a ``VllmRejection`` class name."""
+    return error_name[len("Vllm") :] if error_name.startswith("Vllm") else error_name
+
+
+@dataclass(frozen=True)
+class UnmappedEvent:
+    """An event of vLLM's the model has no equivalent for; never equal to a model event."""
+
+    description: str
+
+
+# --------------------------------------------------------------------------
+# Requests
+# --------------------------------------------------------------------------
+
+
+class DuckRequest:
+    """The attributes of ``vllm.v1.request.Request`` the block pool reads, and no others.
+
+    Reading any other attribute raises ``AttributeError`` naming it, which the
+    adapter reports as a ``TargetError``: the release reads something new.
+    """
+
+    def __init__(self, block_hashes: list[bytes], token_ids: Sequence[int]) -> None:
+        self.block_hashes = block_hashes
+        self.all_token_ids = list(token_ids)
+        self.num_tokens = len(token_ids)
+        self.lora_request = None
+        self.mm_features: list[Any] = []
+        self.cache_salt = None
+        self.session_id = None
+        self.prompt_embeds = None
+
+    def __getattr__(self, name: str) -> Any:
+        raise AttributeError(f"the duck-typed request has no {name!r}: the release reads it")
+
+
+# --------------------------------------------------------------------------
+# The target
+# --------------------------------------------------------------------------
+
+
+class VllmTarget(BlockPoolApiTarget):
+    """A vLLM ``BlockPool`` built for ``config``, speaking block ids.
+
+    ``pool_class`` replaces ``vllm.v1.core.block_pool.BlockPool`` (a subclass
+    or a fork with the same constructor). ``suppress`` names known findings
+    (``KNOWN_FINDINGS`` keys, or ``operation:ModelError``) to step over at
+    level 2: for an operation the
+    model rejects with a suppressed finding's exception, the adapter raises
+    that exception itself and does not call vLLM, so a run can go on to find
+    the next divergence. ``workarounds`` (``WORKAROUNDS`` keys) do the same
+    for known level-1 bugs of old releases, by calling vLLM differently with
+    the same meaning; the matrix (bench/vllm_matrix.py) uses them to look
+    past a release's first bug.
+    """
+
+    def __init__(
+        self,
+        config: PoolConfig,
+        pool_class: Any = None,
+        suppress: Collection[str] = (),
+        workarounds: Collection[str] = (),
+    ) -> None:
+        self.api = load_vllm(pool_class)
+        unknown = set(workarounds) - WORKAROUNDS.keys()
+        if unknown:
+            raise TargetError(
+                f"unknown workaround(s) {sorted(unknown)}; known: {list(WORKAROUNDS)}"
+            )
+        self.workarounds = frozenset(workarounds)
+        self.config = config
+        if config.enable_events and not self.api.events_with_group:
+            raise TargetError(
+                f"vLLM {self.api.version}'s events carry no KV cache group; "
+                "check it with events off (kvpool check --target vllm==X does)"
+            )
+        self._suppressed = {_suppression(item) for item in suppress}
+        self._to_model: dict[bytes, bytes] = {}
+        self._int_to_model: dict[int, bytes] = {}
+        cls = self.api.pool_class
+        kwargs: dict[str, Any] = {"enable_kv_cache_events": config.enable_events}
+        try:
+            if self.api.hash_block_size_arg:
+                pool = cls(
+                    config.num_blocks, config.enable_caching, config.hash_block_size, **kwargs
+                )
+            else:
+                pool = cls(config.num_blocks, config.enable_caching, **kwargs)
+        except Exception as error:
+            raise TargetError(f"{cls.__name__}({config}) failed: {error!r}") from error
+        super().__init__(pool)
+
+    # Hashes -------------------------------------------------------------------
+
+    def vllm_hash(self, block_hash: bytes) -> bytes:
+        """The 32-byte hash vLLM is given for the machine's ``block_hash``."""
+        digest = hashlib.sha256(b"kvpool:" + block_hash).digest()
+        if digest not in self._to_model:
+            self._to_model[digest] = block_hash
+            self._int_to_model[int.from_bytes(digest[-8:], "big")] = block_hash
+        return digest
+
+    def model_hash(self, value: Any) -> bytes:
+        """The machine's hash for a hash vLLM reports (bytes, or the int events carry)."""
+        if isinstance(value, int):
+            found = self._int_to_model.get(value)
+            return found if found is not None else f"<unknown int hash {value}>".encode()
+        raw = bytes(value)
+        found = self._to_model.get(raw)
+        return found if found is not None else b"<unknown hash " + raw.hex().encode() + b">"
+
+    def hash_key(self, key: Any) -> HashKey | None:
+        """``BlockHashWithGroupId`` (hash + 4 big-endian group bytes) as ``(hash, group)``."""
+        if key is None:
+            return None
+        raw = bytes(key)
+        return self.model_hash(raw[:-4]), int.from_bytes(raw[-4:], "big")
+
+    def vllm_request(self, request: CacheRequest, block_size: int | None = None) -> DuckRequest:
+        """The request vLLM sees; before 0.12 its hashes are per ``block_size`` tokens."""
+        hashes: Sequence[bytes] = request.block_hashes
+        if not self.api.hash_block_size_arg and block_size is not None:
+            hashes = model.hashes_at_block_size(hashes, self.config.hash_block_size, block_size)
+        return DuckRequest([self.vllm_hash(h) for h in hashes], request.all_token_ids)
+
+    # Events -------------------------------------------------------------------
+
+    def event(self, event: Any) -> KVCacheEvent:
+        """One of vLLM's msgspec events as the model's event."""
+        kind = type(event).__name__
+        unexpected = {
+            name: getattr(event, name)
+            for name in MODEL_ONLY_EVENT_FIELDS
+            if getattr(event, name, None) is not None
+        }
+        if unexpected or kind not in ("BlockStored", "BlockRemoved", "AllBlocksCleared"):
+            return UnmappedEvent(f"{event!r}")  # type: ignore[return-value]
+        if kind == "AllBlocksCleared":
+            return AllBlocksCleared()
+        if kind == "BlockRemoved":
+            return BlockRemoved(
+                block_hashes=tuple(self.model_hash(h) for h in event.block_hashes),
+                medium=getattr(event, "medium", None),
+                group_idx=getattr(event, "group_idx", None),  # type: ignore[arg-type]
+            )
+        extra_keys = getattr(event, "extra_keys", None)
+        parent = event.parent_block_hash
+        return BlockStored(
+            block_hashes=tuple(self.model_hash(h) for h in event.block_hashes),
+            parent_block_hash=None if parent is None else self.model_hash(parent),
+            token_ids=tuple(event.token_ids),
+            block_size=event.block_size,
+            lora_id=event.lora_id,
+            medium=getattr(event, "medium", None),
+            lora_name=getattr(event, "lora_name", None),
+            extra_keys=None if extra_keys is None else tuple(extra_keys),
+            group_idx=getattr(event, "group_idx", None),  # type: ignore[arg-type]
+        )
+
+    # Calling vLLM -------------------------------------------------------------
+
+    def _vllm(self, call: Callable[[], T]) -> T:
+        """Run one call into vLLM, translating its exceptions (see the module docstring)."""
+        try:
+            return call()
+        except (PoolError, TargetError):
+            raise
+        except (AttributeError, TypeError) as error:
+            raise TargetError(
+                f"the adapter and vLLM {self.api.version} disagree: {error!r}"
+            ) from error
+        except Exception as error:
+            raise rejection(error) from error
+
+    def _guard(self, operation: str, on_model: Callable[[PoolState], object]) -> None:
+        """Raise the model's exception for a suppressed known finding instead of calling vLLM."""
+        if not any(op == operation for op, _ in self._suppressed):
+            return
+        try:
+            on_model(self.snapshot())
+        except PoolError as error:
+            if (operation, type(error).__name__) in self._suppressed:
+                raise type(error)(f"known vLLM finding, not sent to vLLM: {error}") from error
+
+    # The target protocol ------------------------------------------------------
+
+    def get_new_blocks(self, num_blocks: int) -> Sequence[int]:
+        self._guard("get_new_blocks", lambda s: model.get_new_blocks(s, num_blocks))
+        try:
+            blocks = self._vllm(lambda: self.pool.get_new_blocks(num_blocks))
+        except VllmRejection as error:
+            if isinstance(error.original, ValueError):
+                raise NotEnoughFreeBlocks(str(error.original)) from error
+            raise
+        return [b.block_id for b in blocks]
+
+    def touch(self, block_ids: Sequence[int]) -> None:
+        self._guard("touch", lambda s: model.touch(s, block_ids))
+        blocks = self._blocks(block_ids)
+        argument = (blocks,) if self.api.touch_per_group else blocks
+        self._vllm(lambda: self.pool.touch(argument))
+
+    def free_blocks(self, block_ids: Sequence[int]) -> None:
+        self._guard("free_blocks", lambda s: model.free_blocks(s, block_ids))
+        if "free-listed-twice" in self.workarounds:
+            for batch in _batches_of_distinct(block_ids):
+                self._vllm(lambda b=batch: super(VllmTarget, self).free_blocks(b))  # type: ignore[misc]
+            return
+        self._vllm(lambda: super(VllmTarget, self).free_blocks(block_ids))
+
+    def cache_full_blocks(
+        self,
+        request: CacheRequest,
+        block_ids: Sequence[int],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+        kv_cache_group_id: int,
+        block_mask: Sequence[bool] | None = None,
+    ) -> None:
+        self._guard(
+            "cache_full_blocks",
+            lambda s: model.cache_full_blocks(
+                s,
+                request,
+                block_ids,
+                num_cached_blocks,
+                num_full_blocks,
+                block_size,
+                kv_cache_group_id,
+                block_mask,
+            ),
+        )
+        blocks = self._blocks(block_ids)
+        args: list[Any] = [
+            self.vllm_request(request, block_size),
+            blocks,
+            num_cached_blocks,
+            num_full_blocks,
+            block_size,
+            kv_cache_group_id,
+        ]
+        if block_size != self.config.hash_block_size and not self.api.last_hash_names_block:
+            raise TargetError(
+                f"vLLM {self.api.version} keys a block of several hash blocks by their "
+                "concatenation; `kvpool check --target vllm==X` checks it with "
+                "block_size == hash_block_size"
+            )
+        if block_mask is not None:
+            if not self.api.block_mask:
+                raise TargetError(f"vLLM {self.api.version} has no block_mask (0.22.0+)")
+            args.append(list(block_mask))
+        self._vllm(lambda: self.pool.cache_full_blocks(*args))
+
+    def cache_partial_block(
+        self,
+        request: CacheRequest,
+        block_id: int,
+        num_tokens: int,
+        kv_cache_group_id: int,
+        block_size: int,
+    ) -> HashKey | None:
+        if not self.api.cache_partial_block:
+            raise TargetError(
+                f"vLLM {self.api.version} has no cache_partial_block (0.24.0+); "
+                f"`kvpool check --target vllm=={self.api.version}` leaves it out"
+            )
+        self._guard(
+            "cache_partial_block",
+            lambda s: model.cache_partial_block(
+                s, request, block_id, num_tokens, kv_cache_group_id, block_size
+            ),
+        )
+        (block,) = self._blocks([block_id])
+        key = self._vllm(
+            lambda: self.pool.cache_partial_block(
+                self.vllm_request(request), block, num_tokens, kv_cache_group_id, block_size
+            )
+        )
+        return self.hash_key(key)
+
+    def get_cached_block(
+        self, block_hash: bytes, kv_cache_group_ids: Sequence[int]
+    ) -> Sequence[int] | None:
+        self._guard(
+            "get_cached_block", lambda s: model.get_cached_block(s, block_hash, kv_cache_group_ids)
+        )
+        digest = self.vllm_hash(block_hash)
+        blocks = self._vllm(lambda: self.pool.get_cached_block(digest, list(kv_cache_group_ids)))
+        return None if blocks is None else [b.block_id for b in blocks]
+
+    def evict_blocks(self, block_ids: Iterable[int]) -> None:
+        ids = sorted(set(block_ids))
+        self._guard("evict_blocks", lambda s: model.evict_blocks(s, ids))
+
+        def evict_each() -> None:
+            # One id at a time, ascending: vLLM iterates its set in hash-table
+            # order, which docs/semantics.md leaves out of the contract.
+            for block_id in ids:
+                if self.api.evict_blocks:
+                    self.pool.evict_blocks({block_id})
+                else:
+                    self.pool._maybe_evict_cached_block(self.pool.blocks[block_id])
+
+        self._vllm(evict_each)
+
+    def reset_prefix_cache(self) -> bool:
+        return self._vllm(lambda: super(VllmTarget, self).reset_prefix_cache())
+
+    def take_events(self) -> Sequence[KVCacheEvent]:
+        return self._vllm(lambda: super(VllmTarget, self).take_events())
+
+    # The abstraction function -------------------------------------------------
+
+    def snapshot(self) -> PoolState:
+        """vLLM's pool as the model's ``PoolState``.
+
+        The free queue is the linked list front to back; the null block's
+        ref count is not maintained by vLLM and reads as 0; partial keys come
+        from ``cached_block_hashes_by_block`` (a set: in sorted order); the
+        map lists a key's blocks in insertion order. Releases before 0.24 do
+        not record how many tokens a key covers: the snapshot says 0, and
+        ``normalize_state`` erases the field on both sides.
+        """
+        pool = self.pool
+        partial_keys: dict[int, Any] = getattr(pool, "cached_block_hashes_by_block", {})
+        blocks = []
+        for block in pool.blocks:
+            key = self.hash_key(block.block_hash)
+            if key is None:
+                num_tokens = None
+            elif self.api.hash_num_tokens:
+                num_tokens = block.block_hash_num_tokens
+            else:
+                num_tokens = 0
+            partial = sorted(
+                k for k in (self.hash_key(p) for p in partial_keys.get(block.block_id, ())) if k
+            )
+            blocks.append(
+                BlockState(
+                    ref_cnt=0 if block.block_id == NULL_BLOCK_ID else block.ref_cnt,
+                    block_hash=key,
+                    hash_num_tokens=num_tokens,
+                    partial_keys=tuple(partial),
+                )
+            )
+        free = tuple(b.block_id for b in pool.free_block_queue.get_all_free_blocks())
+        return PoolState(
+            config=self.config,
+            blocks=tuple(blocks),
+            free_queue=free,
+            cached=self._hash_map(),
+            pending_events=tuple(self.event(e) for e in pool.kv_event_queue),
+        )
+
+    def _hash_map(self) -> dict[HashKey, tuple[int, ...]]:
+        table = self.pool.cached_block_hash_to_block
+        entries = table._cache if self.api.map_is_object else table
+        cached: dict[HashKey, tuple[int, ...]] = {}
+        for raw_key, entry in entries.items():
+            key = self.hash_key(raw_key)
+            assert key is not None
+            if isinstance(entry, dict):
+                cached[key] = tuple(block.block_id for block in entry.values())
+            else:
+                cached[key] = (entry.block_id,)
+        return cached
+
+    # Normalization (docs/vllm-conformance.md) ---------------------------------
+
+    def normalize_state(self, state: PoolState) -> PoolState:
+        """Partial keys in sorted order; token counts erased where vLLM has none; events."""
+        blocks = tuple(
+            replace(
+                b,
+                partial_keys=tuple(sorted(b.partial_keys)),
+                hash_num_tokens=b.hash_num_tokens
+                if self.api.hash_num_tokens or b.block_hash is None
+                else 0,
+            )
+            for b in state.blocks
+        )
+        return replace(
+            state, blocks=blocks, pending_events=tuple(self.normalize_events(state.pending_events))
+        )
+
+    def normalize_events(self, events: Sequence[KVCacheEvent]) -> Sequence[KVCacheEvent]:
+        """Each run of consecutive ``BlockRemoved`` events in sorted order.
+
+        vLLM removes a block's keys primary first, then its partial keys in
+        the iteration order of a set of bytes, which depends on
+        ``PYTHONHASHSEED``. Order inside a run of removals is therefore not
+        compared; which keys are removed, and everything else, still is.
+        """
+        result: list[KVCacheEvent] = []
+        run: list[BlockRemoved] = []
+        for event in [*events, None]:
+            if isinstance(event, BlockRemoved):
+                run.append(event)
+                continue
+            result.extend(sorted(run, key=_removed_order))
+            run = []
+            if event is not None:
+                result.append(event)
+        return result
+
+
+def _batches_of_distinct(block_ids: Sequence[int]) -> list[list[int]]:
+    """``block_ids`` cut, in order, into runs in which no id repeats."""
+    batches: list[list[int]] = [[]]
+    for block_id in block_ids:
+        if block_id in batches[-1]:
+            batches.append([])
+        batches[-1].append(block_id)
+    return [b for b in batches if b]
+
+
+WORKAROUNDS: dict[str, str] = {
+    "free-listed-twice": (
+        "vLLM 0.23 and earlier queue a block once per time it is listed in one "
+        "free_blocks call once its count reaches 0 (vllm-project/vllm#42571); the "
+        "workaround frees in consecutive calls without repeats, which under the "
+        "append free order of those releases has exactly the meaning of one call"
+    ),
+}
+"""Known level-1 bugs the adapter can step around without changing what is checked."""
+
+
+def _removed_order(event: BlockRemoved) -> tuple[int, tuple[bytes, ...], str]:
+    return (event.group_idx, event.block_hashes, event.medium or "")
+
+
+def _suppression(item: str) -> tuple[str, str]:
+    """A finding key, or ``operation:ModelError``, as the pair the guard matches."""
+    if item in KNOWN_FINDINGS:
+        return KNOWN_FINDINGS[item].operation, KNOWN_FINDINGS[item].model_error
+    operation, _, error = item.partition(":")
+    if operation not in OPERATIONS or not error:
+        raise ValueError(f"not a known finding or operation:ModelError: {item!r}")
+    return operation, error
+
+
+# --------------------------------------------------------------------------
+# Target factories and strings
+# --------------------------------------------------------------------------
+
+
+class VllmTargetFactory:
+    """Builds ``VllmTarget``s; ``pool_class`` is a class or a ``module:Class`` string."""
+
+    def __init__(
+        self,
+        pool_class: Any = None,
+        suppress: Collection[str] = (),
+        workarounds: Collection[str] = (),
+    ) -> None:
+        self._pool_class = pool_class
+        self.suppress = tuple(suppress)
+        self.workarounds = tuple(workarounds)
+
+    def pool_class(self) -> Any:
+        """The class to instantiate (None: vLLM's own ``BlockPool``), imported on first use."""
+        if isinstance(self._pool_class, str):
+            module_name, _, attribute = self._pool_class.partition(":")
+            try:
+                module = importlib.import_module(module_name)
+            except ImportError as error:
+                raise TargetError(f"cannot import {module_name!r}: {error}") from error
+            found = getattr(module, attribute, None)
+            if not isinstance(found, type):
+                raise TargetError(f"{module_name!r} has no class {attribute!r}")
+            self._pool_class = found
+        return self._pool_class
+
+    def __call__(self, config: PoolConfig) -> VllmTarget:
+        return VllmTarget(
+            config,
+            pool_class=self.pool_class(),
+            suppress=self.suppress,
+            workarounds=self.workarounds,
+        )
+
+    def preflight(self, level: int, profiles: Sequence[str]) -> None:
+        """Fail fast, before any program runs, if this vLLM cannot be checked here."""
+        api = load_vllm(self.pool_class())
+        missing = api.unsupported_operations()
+        from kvpool.specs import conformance
+
+        if missing and not getattr(conformance.pool_machine, "_kvpool_filtered", False):
+            raise TargetError(
+                f"vLLM {api.version} lacks {', '.join(sorted(missing))}: check it with "
+                f"`kvpool check --target vllm=={api.version}`, which leaves those out"
+            )
+
+    def unsupported_operations(self) -> frozenset[str]:
+        """What the machine must leave out for this vLLM (empty if it cannot be imported)."""
+        try:
+            return load_vllm(self.pool_class()).unsupported_operations()
+        except TargetError:
+            return frozenset()
+
+
+def vllm_factory(spec: str, suppress: Collection[str] = ()) -> VllmTargetFactory:
+    """The factory for ``vllm`` or ``vllm:package.module:Class``."""
+    if spec == "vllm":
+        return VllmTargetFactory(None, suppress)
+    if spec.startswith("vllm:") and spec.count(":") == 2:
+        return VllmTargetFactory(spec[len("vllm:") :], suppress)
+    raise ValueError(f"not a vLLM target string: {spec!r}")
+
+
+# --------------------------------------------------------------------------
+# Releases without some operations: a machine without those rules
+# --------------------------------------------------------------------------
+
+
+def restrict_machine(machine: Any, unsupported: Collection[str]) -> Any:
+    """A subclass of the state machine ``machine`` without the features in ``unsupported``.
+
+    ``cache_partial_block`` drops every rule that calls it; ``block_mask``
+    makes every rule that draws a mask (``use_mask`` or ``mask``) draw none;
+    ``block_size_multiple`` makes full blocks one hash block long
+    (``size_factor`` 1, raw ``block_size`` 1).
+    Events are left out through ``pool_machine``'s ``events`` argument. This
+    stands in for a hook the machine lacks: a target declaring the operations
+    it does not have.
+    """
+    attrs: dict[str, Any] = {}
+    for name, member in inspect.getmembers(machine):
+        found = getattr(member, RULE_MARKER, None)
+        if found is None:
+            continue
+        if "cache_partial_block" in unsupported and "cache_partial_block" in name:
+            attrs[name] = None
+            continue
+        arguments = dict(found.arguments)
+        changes: dict[str, Any] = {}
+        if "block_mask" in unsupported:
+            changes.update(use_mask=st.just(False), mask=st.none())
+        if "block_size_multiple" in unsupported and "partial" not in name:
+            changes.update(size_factor=st.just(1), block_size=st.just(1))
+        changed = {k: v for k, v in changes.items() if k in arguments}
+        if changed and not found.targets:
+            arguments.update(changed)
+            replacement = rule(**arguments)(found.function)
+            for precondition_function in found.preconditions:
+                replacement = precondition(precondition_function)(replacement)
+            attrs[name] = replacement
+    if not attrs:
+        return machine
+    return type(machine.__name__, (machine,), attrs)
+
+
+def _factory_query(make_target: Any, name: str) -> Any:
+    """``make_target``'s attribute ``name``, looking through wrappers that keep ``make_target``."""
+    for _ in range(5):
+        found = getattr(make_target, name, None)
+        if found is not None:
+            return found
+        make_target = getattr(make_target, "make_target", None)
+        if make_target is None:
+            break
+    return None
+
+
+def install_operation_filter() -> None:
+    """Make ``run_conformance`` honour a factory's ``unsupported_operations()``.
+
+    Replaces ``kvpool.specs.conformance.pool_machine`` with a wrapper that
+    restricts the machine (``restrict_machine``) and turns events off when
+    the factory says so; factories without the method are untouched.
+    Idempotent. Used in the child interpreter that runs an old release.
+    """
+    from kvpool.specs import conformance
+
+    original = conformance.pool_machine
+    if getattr(original, "_kvpool_filtered", False):
+        return
+
+    @functools.wraps(original)
+    def filtered(make_target: Any, *args: Any, **kwargs: Any) -> Any:
+        query = _factory_query(make_target, "unsupported_operations")
+        unsupported = frozenset(query()) if callable(query) else frozenset()
+        if "events" in unsupported:
+            kwargs["events"] = (False,)
+        return restrict_machine(original(make_target, *args, **kwargs), unsupported)
+
+    filtered._kvpool_filtered = True  # type: ignore[attr-defined]
+    conformance.pool_machine = filtered
+
+
+# --------------------------------------------------------------------------
+# Known level-2 findings
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KnownFinding:
+    """A precondition vLLM does not enforce the way the model does, already understood.
+
+    A level-2 divergence is this finding when its operation and the model's
+    exception match and vLLM's reaction is one of ``vllm_reactions``:
+    ``"accepts"`` or the name of the exception vLLM raised.
+    """
+
+    key: str
+    operation: str
+    model_error: str
+    vllm_reactions: frozenset[str]
+    what_vllm_does: str
+
+
+def _finding(key: str, op: str, error: str, reactions: str, does: str) -> KnownFinding:
+    return KnownFinding(key, op, error, frozenset(reactions.split()), does)
+
+
+KNOWN_FINDINGS: dict[str, KnownFinding] = {
+    f.key: f
+    for f in (
+        _finding(
+            "negative-get",
+            "get_new_blocks",
+            "InvalidBlockCount",
+            "accepts",
+            "returns no blocks but raises the free count by the magnitude of the request",
+        ),
+        _finding(
+            "double-free",
+            "free_blocks",
+            "BlockNotHeld",
+            "accepts",
+            "ref_cnt goes to -1 and the block is queued again",
+        ),
+        _finding(
+            "over-free",
+            "free_blocks",
+            "OverFree",
+            "accepts",
+            "a block held once and listed twice ends at ref_cnt -1, queued once",
+        ),
+        _finding(
+            "evict-unknown-id",
+            "evict_blocks",
+            "UnknownBlock",
+            "accepts AssertionError IndexError",
+            "ids >= N fail an assert; negative ids index Python-style and evict another block",
+        ),
+        _finding(
+            "cache-disabled",
+            "cache_full_blocks",
+            "CachingDisabled",
+            "accepts AssertionError IndexError",
+            "the pool does not check enable_caching: it caches anyway",
+        ),
+        _finding(
+            "partial-cache-disabled",
+            "cache_partial_block",
+            "CachingDisabled",
+            "accepts AssertionError",
+            "the pool does not check enable_caching: it caches anyway",
+        ),
+        _finding(
+            "cache-free-block",
+            "cache_full_blocks",
+            "BlockNotHeld",
+            "accepts AssertionError IndexError",
+            "a free block is hashed in place, at a position meant for hash-less blocks",
+        ),
+        _finding(
+            "recache",
+            "cache_full_blocks",
+            "AlreadyCached",
+            "AssertionError",
+            "an assert, possibly after the blocks before it were cached",
+        ),
+        _finding(
+            "too-few-hashes",
+            "cache_full_blocks",
+            "NotEnoughHashes",
+            "AssertionError IndexError",
+            "IndexError after caching the blocks that have hashes (an assert before 0.12)",
+        ),
+        _finding(
+            "range-beyond-blocks",
+            "cache_full_blocks",
+            "InvalidBlockRange",
+            "accepts AssertionError IndexError",
+            "slices the block list: caches the blocks that exist, or fails the mask assert",
+        ),
+        _finding(
+            "duplicate-block",
+            "cache_full_blocks",
+            "DuplicateBlock",
+            "accepts AssertionError",
+            "the second position re-caches the block",
+        ),
+        _finding(
+            "full-block-size",
+            "cache_full_blocks",
+            "InvalidBlockSize",
+            "accepts AssertionError",
+            "nothing checked when there is nothing to cache; an assert otherwise",
+        ),
+        _finding(
+            "full-negative-group",
+            "cache_full_blocks",
+            "InvalidGroup",
+            "accepts OverflowError",
+            "nothing checked when there is nothing to cache; OverflowError packing the group",
+        ),
+        _finding(
+            "partial-negative-group",
+            "cache_partial_block",
+            "InvalidGroup",
+            "accepts AssertionError OverflowError",
+            "OverflowError packing the group id (or an assert on another argument)",
+        ),
+        _finding(
+            "mask-length",
+            "cache_full_blocks",
+            "InvalidBlockMask",
+            "accepts AssertionError",
+            "nothing checked when there is nothing to cache; an assert otherwise",
+        ),
+        _finding(
+            "partial-on-boundary",
+            "cache_partial_block",
+            "InvalidPartialBlock",
+            "accepts AssertionError",
+            "0.30+ accept a prefix ending on a block boundary; any release asserts on a "
+            "prefix that is not a whole number of hash blocks",
+        ),
+        _finding(
+            "partial-too-few-hashes",
+            "cache_partial_block",
+            "NotEnoughHashes",
+            "AssertionError",
+            "an assert",
+        ),
+        _finding(
+            "partial-free-block",
+            "cache_partial_block",
+            "BlockNotHeld",
+            "accepts AssertionError",
+            "a free block gets a partial key in place (or an assert on another argument)",
+        ),
+        _finding(
+            "block-size",
+            "cache_partial_block",
+            "InvalidBlockSize",
+            "accepts AssertionError",
+            "0.30+ accept block_size == hash_block_size; others assert",
+        ),
+        _finding(
+            "negative-group",
+            "get_cached_block",
+            "InvalidGroup",
+            "OverflowError",
+            "OverflowError packing the group id into 4 bytes",
+        ),
+    )
+}
+"""The level-2 divergences of vLLM's pool, by key; docs/semantics.md has the measurements."""
+
+
+@dataclass(frozen=True)
+class Level2Divergence:
+    """A level-2 divergence taken apart: which call, what the model and vLLM did."""
+
+    operation: str
+    model_error: str
+    vllm_reaction: str
+    """``"accepts"``, or the name of the exception vLLM raised."""
+    finding: KnownFinding | None
+    """The known finding it is, or None: a new one."""
+
+
+_REJECTION = re.compile(
+    r"^(?P<op>\w+)\(.*?: the model rejects it with (?P<error>\w+), "
+    r"the target (?:(?P<accepts>accepts it)|with (?P<raised>\w+))\s*$",
+    re.DOTALL,
+)
+
+
+def classify_divergence(failure: str | None) -> Level2Divergence | None:
+    """Match a divergence message against ``KNOWN_FINDINGS``.
+
+    Returns None when the message is not a rejection mismatch at all (a
+    wrong result, state or event: never a known finding), otherwise the
+    parsed divergence with its known finding, if any.
+    """
+    if not failure:
+        return None
+    first_line = failure.strip().splitlines()[0]
+    found = _REJECTION.match(first_line)
+    if found is None:
+        return None
+    reaction = "accepts" if found["accepts"] else vllm_reaction(found["raised"])
+    for known in KNOWN_FINDINGS.values():
+        if (
+            known.operation == found["op"]
+            and known.model_error == found["error"]
+            and reaction in known.vllm_reactions
+        ):
+            return Level2Divergence(found["op"], found["error"], reaction, known)
+    return Level2Divergence(found["op"], found["error"], reaction, None)
+
+
+def survey_level2(
+    factory: VllmTargetFactory, rounds: int = 30, step_over_new: bool = False, **run_options: Any
+) -> tuple[list[Level2Divergence], Any]:
+    """Run level 2 again and again, stepping over each known finding once it is found.
+
+    Returns the divergences in the order found and the last run's
+    ``ConformanceReport``: it conforms when every divergence left is a known
+    finding; otherwise its failure is the first divergence that is not (a
+    new finding, or a wrong result, state or event, which no suppression
+    can step over). With ``step_over_new`` a new rejection mismatch is stepped
+    over too, to list every one. ``run_options`` go to ``run_conformance``.
+    """
+    from kvpool.specs.conformance import run_conformance
+
+    found: list[Level2Divergence] = []
+    suppressed: list[str] = list(factory.suppress)
+    report: Any = None
+    for _ in range(rounds):
+        current = VllmTargetFactory(factory.pool_class(), suppressed, factory.workarounds)
+        report = run_conformance(current, level=2, **run_options)
+        if report.conforms:
+            break
+        divergence = classify_divergence(report.failure)
+        if divergence is None:
+            break
+        found.append(divergence)
+        if divergence.finding is not None:
+            key = divergence.finding.key
+        elif step_over_new:
+            key = f"{divergence.operation}:{divergence.model_error}"
+        else:
+            break
+        if key in suppressed:
+            break
+        suppressed.append(key)
+    return found, report

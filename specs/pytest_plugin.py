@@ -1,0 +1,175 @@
+"""A pytest plugin: ``pytest --kvpool-target=...`` adds conformance checks to any suite.
+
+Installed with kvpool (entry point ``pytest11``); it does nothing unless asked::
+
+    pytest --kvpool-target=mypackage.adapter:make_target --kvpool-level=2
+    pytest --kvpool-target="cmd:node pool.js" --kvpool-vectors
+
+``--kvpool-target`` adds one test item, ``kvpool-conformance[TARGET]``, that
+runs the lock-step machine (``run_conformance``) and fails with the report:
+the minimal program, where the target parts from the model, and a
+regression test. ``--kvpool-vectors`` (optionally a directory) adds a second
+item replaying the conformance vectors (the bundled corpus by default).
+"""
+
+import io
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpool.model import PROFILES
+
+
+class KvpoolFailure(Exception):
+    """Raised by a kvpool item; its text is the whole report."""
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("kvpool", "kvpool block pool conformance")
+    group.addoption(
+        "--kvpool-target",
+        default=None,
+        help="Check this target against the kvpool model: impl, model, cmd:PROGRAM ARGS, "
+        "or module:factory.",
+    )
+    group.addoption(
+        "--kvpool-level",
+        type=int,
+        choices=(1, 2),
+        default=1,
+        help="1: valid operations only (default); 2: invalid ones too.",
+    )
+    group.addoption(
+        "--kvpool-profile",
+        action="append",
+        default=None,
+        choices=list(PROFILES),
+        help="Semantics profile the target claims (repeatable; default hashless-first).",
+    )
+    group.addoption(
+        "--kvpool-hypothesis-profile",
+        default="ci",
+        help="Hypothesis settings for the conformance run: ci (default), dev, deep or fuzz.",
+    )
+    group.addoption(
+        "--kvpool-examples",
+        type=int,
+        default=None,
+        help="Number of programs to run (default: the Hypothesis profile's).",
+    )
+    group.addoption(
+        "--kvpool-steps",
+        type=int,
+        default=None,
+        help="Operations per program (default: the Hypothesis profile's).",
+    )
+    group.addoption(
+        "--kvpool-vectors",
+        nargs="?",
+        const="",
+        default=None,
+        help="Also replay conformance vectors (a directory or .jsonl; default: the bundled "
+        "corpus).",
+    )
+
+
+def pytest_collection_modifyitems(
+    session: pytest.Session, config: pytest.Config, items: list[pytest.Item]
+) -> None:
+    target = config.getoption("--kvpool-target")
+    if not target:
+        return
+    items.append(ConformanceItem.from_parent(session, name=f"kvpool-conformance[{target}]"))
+    vectors = config.getoption("--kvpool-vectors")
+    if vectors is not None:
+        items.append(VectorsItem.from_parent(session, name=f"kvpool-vectors[{target}]"))
+
+
+class ConformanceItem(pytest.Item):
+    """Runs ``run_conformance`` against ``--kvpool-target``."""
+
+    def runtest(self) -> None:
+        from kvpool.specs.conformance import run_conformance
+        from kvpool.specs.regression import print_counterexample
+        from kvpool.specs.targets import TargetSpecError, resolve_target
+
+        options = self.config.option
+        try:
+            factory = resolve_target(options.kvpool_target)
+        except TargetSpecError as error:
+            raise KvpoolFailure(str(error)) from None
+        try:
+            report = run_conformance(
+                factory,
+                level=options.kvpool_level,
+                profile=options.kvpool_profile,
+                hypothesis_profile=options.kvpool_hypothesis_profile,
+                max_examples=options.kvpool_examples,
+                steps=options.kvpool_steps,
+                target_name=options.kvpool_target,
+            )
+        finally:
+            close = getattr(factory, "close", None)
+            if close is not None:
+                close()
+        self.user_properties.append(("kvpool_programs_run", report.examples_run))
+        if report.conforms:
+            return
+        lines = [f"{options.kvpool_target}: {report.failure_kind}"]
+        if report.program:
+            lines += ["Minimal failing program:", report.program]
+        if report.counterexample is not None:
+            lines.append(_render(print_counterexample, report.counterexample))
+        else:
+            lines.append(report.failure or "")
+        raise KvpoolFailure("\n".join(lines))
+
+    def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None) -> str:
+        if isinstance(excinfo.value, KvpoolFailure):
+            return str(excinfo.value)
+        return str(super().repr_failure(excinfo))
+
+    def reportinfo(self) -> tuple[Path, int | None, str]:
+        return self.path, None, self.name
+
+
+class VectorsItem(ConformanceItem):
+    """Replays conformance vectors against ``--kvpool-target``."""
+
+    def runtest(self) -> None:
+        from kvpool.specs.targets import TargetSpecError, resolve_target
+        from kvpool.specs.vectors import VectorFormatError, bundled_corpus, load, run_corpus
+
+        options = self.config.option
+        source = Path(options.kvpool_vectors) if options.kvpool_vectors else bundled_corpus()
+        try:
+            factory = resolve_target(options.kvpool_target)
+            vectors = load(source)
+        except (TargetSpecError, VectorFormatError) as error:
+            raise KvpoolFailure(str(error)) from None
+        levels = list(range(1, options.kvpool_level + 1))
+        try:
+            result = run_corpus(factory, vectors, levels, options.kvpool_profile)
+        finally:
+            close = getattr(factory, "close", None)
+            if close is not None:
+                close()
+        problems = [m.describe() for m in result.mismatches]
+        if result.target_error is not None:
+            problems.append(f"target error: {result.target_error}")
+        if problems:
+            raise KvpoolFailure(
+                f"{len(result.mismatches)} of {result.run} vectors from {source} do not match:\n"
+                + "\n\n".join(problems[:10])
+            )
+
+
+def _render(printer: Any, value: Any) -> str:
+    from rich.console import Console
+
+    console = Console(width=120, file=io.StringIO(), color_system=None)
+    printer(console, value)
+    file = console.file
+    assert isinstance(file, io.StringIO)
+    return file.getvalue()

@@ -1,0 +1,189 @@
+"""Each structural invariant of check_invariants catches a hand-corrupted pool."""
+
+from collections.abc import Callable
+
+import pytest
+
+from kvpool.impl import BlockPool
+from kvpool.model import AllBlocksCleared
+from tests.impl.helpers import REQ
+
+
+def busy_pool(caching: bool = True, events: bool = False) -> BlockPool:
+    """Held, free, cached, shared-key and partial-key blocks all at once.
+
+    Free queue afterwards: [3, 4, 5, 6, 7, 2]; 1 and 8 are held.
+    """
+    pool = BlockPool(9, caching, 1, enable_kv_cache_events=events)
+    blocks = pool.get_new_blocks(8)
+    if caching:
+        pool.cache_full_blocks(REQ, blocks[:2], 0, 2, 1, 0)
+        pool.cache_full_blocks(REQ, [blocks[7]], 0, 1, 1, 0)  # shares (h0, 0) with block 1
+        pool.cache_partial_block(REQ, blocks[0], 1, 1, 2)  # a partial key beside the primary
+    pool.free_blocks(blocks[1:7])
+    pool.check_invariants()
+    return pool
+
+
+Corruption = Callable[[BlockPool], None]
+
+
+def _break_prev(pool: BlockPool) -> None:
+    pool.blocks[5].prev_free_block = pool.blocks[7]
+
+
+def _desync_count(pool: BlockPool) -> None:
+    pool.free_block_queue.num_free_blocks += 1
+
+
+def _cycle(pool: BlockPool) -> None:
+    last = pool.blocks[2]
+    last.next_free_block = pool.blocks[3]
+
+
+def _gap(pool: BlockPool) -> None:
+    pool.blocks[4].next_free_block = None
+
+
+def _listed_but_held(pool: BlockPool) -> None:
+    pool.blocks[4].ref_cnt = 1
+
+
+def _free_but_unlisted(pool: BlockPool) -> None:
+    pool.free_block_queue.remove(pool.blocks[4])
+
+
+def _foreign_owner(pool: BlockPool) -> None:
+    pool.blocks[6].pool = BlockPool(2, True, 1)
+
+
+def _negative_ref(pool: BlockPool) -> None:
+    pool.free_block_queue.remove(pool.blocks[4])
+    pool.blocks[4].ref_cnt = -1
+
+
+def _null_linked(pool: BlockPool) -> None:
+    pool.free_block_queue.append(pool.null_block)
+
+
+def _null_held(pool: BlockPool) -> None:
+    pool.null_block.ref_cnt = 1
+
+
+def _second_null(pool: BlockPool) -> None:
+    pool.blocks[1].is_null = True
+
+
+def _sentinel_prev(pool: BlockPool) -> None:
+    pool.free_block_queue.fake_free_list_head.prev_free_block = pool.blocks[3]
+
+
+def _sentinel_id(pool: BlockPool) -> None:
+    pool.free_block_queue.fake_free_list_tail.block_id = 0
+
+
+def _tail_prev(pool: BlockPool) -> None:
+    pool.free_block_queue.fake_free_list_tail.prev_free_block = pool.blocks[3]
+
+
+def _wrong_id(pool: BlockPool) -> None:
+    pool.blocks[6].block_id = 5
+
+
+def _key_lost_from_map(pool: BlockPool) -> None:
+    del pool._cached[(b"h1", 0)]
+
+
+def _map_points_at_a_stranger(pool: BlockPool) -> None:
+    pool._cached[(b"zz", 0)] = pool.blocks[3]
+
+
+def _one_block_dict(pool: BlockPool) -> None:
+    pool._cached[(b"h1", 0)] = {2: pool.blocks[2]}
+
+
+def _extra_without_primary(pool: BlockPool) -> None:
+    pool.blocks[3]._extra_keys = [(b"h0", 1)]
+
+
+def _tokens_without_primary(pool: BlockPool) -> None:
+    pool.blocks[3]._block_hash_num_tokens = 4
+
+
+def _key_recorded_twice(pool: BlockPool) -> None:
+    block = pool.blocks[1]
+    assert block._extra_keys is not None
+    block._extra_keys.append(block._extra_keys[0])
+
+
+def _block_forgets_its_key(pool: BlockPool) -> None:
+    pool.blocks[2].reset_hash()
+
+
+def _null_hashed(pool: BlockPool) -> None:
+    pool.null_block._block_hash = (b"n", 0)
+    pool.null_block._block_hash_num_tokens = 1
+    pool._cached[(b"n", 0)] = pool.null_block
+
+
+CORRUPTIONS: dict[str, tuple[Corruption, str]] = {
+    "break a prev pointer": (_break_prev, "prev_free_block is not"),
+    "desync num_free_blocks": (_desync_count, "num_free_blocks="),
+    "make a cycle": (_cycle, "cycle"),
+    "cut the list": (_gap, "breaks off"),
+    "hold a listed block": (_listed_but_held, "is listed"),
+    "unlist a free block": (_free_but_unlisted, "is not listed"),
+    "a block owned by another pool": (_foreign_owner, "blocks[6] belongs to"),
+    "negative ref count": (_negative_ref, "ref_cnt -1"),
+    "link the null block": (_null_linked, "null block is in the free list"),
+    "hold the null block": (_null_held, "null block is held"),
+    "a second null block": (_second_null, "is_null"),
+    "something before the head": (_sentinel_prev, "precedes the fake head"),
+    "sentinel with a real id": (_sentinel_id, "fake tail has block_id"),
+    "tail points at the wrong last block": (_tail_prev, "block -1: prev_free_block is not"),
+    "block id off its index": (_wrong_id, "has block_id"),
+    "key lost from the map": (_key_lost_from_map, "does not point back"),
+    "map points at a block without the key": (_map_points_at_a_stranger, "does not record it"),
+    "dict entry with one block": (_one_block_dict, "dict of 1 block"),
+    "extra keys without a primary key": (_extra_without_primary, "no primary key"),
+    "token count without a primary key": (_tokens_without_primary, "disagree"),
+    "a key recorded twice by one block": (_key_recorded_twice, "records a key twice"),
+    "a block forgets a key the map still has": (_block_forgets_its_key, "does not record it"),
+    "the null block hashed": (_null_hashed, "null block carries a hash"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CORRUPTIONS))
+def test_check_invariants_catches(name: str) -> None:
+    corrupt, message = CORRUPTIONS[name]
+    pool = busy_pool()
+    corrupt(pool)
+    with pytest.raises(AssertionError) as info:
+        pool.check_invariants()
+    text = str(info.value)
+    assert message in text.splitlines()[0]
+    # sortedcontainers style: the message carries a dump of the whole pool.
+    assert "free list (front first" in text and "hash map:" in text
+    assert all(f"block_id={i}," in text for i in range(1, 5))
+
+
+def test_caching_disabled_pool_with_a_cached_key_is_caught() -> None:
+    pool = busy_pool(caching=False)
+    block = pool.blocks[1]
+    block._block_hash, block._block_hash_num_tokens = (b"x", 0), 1
+    pool._cached[(b"x", 0)] = block
+    with pytest.raises(AssertionError, match="without prefix caching"):
+        pool.check_invariants()
+
+
+def test_events_on_a_pool_without_events_are_caught() -> None:
+    pool = busy_pool()
+    pool.kv_event_queue.append(AllBlocksCleared())
+    with pytest.raises(AssertionError, match="without events"):
+        pool.check_invariants()
+
+
+def test_an_intact_pool_passes_in_every_shape() -> None:
+    busy_pool(caching=False).check_invariants()
+    busy_pool(events=True).check_invariants()
+    BlockPool(1, True, 1).check_invariants()

@@ -1,0 +1,57 @@
+"""The pytest plugin: ``--kvpool-target`` adds a conformance item to any suite."""
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+
+def test_without_the_option_nothing_is_added(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile("def test_mine():\n    assert True\n")
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+
+
+def test_a_conforming_target_adds_one_passing_item(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile("def test_mine():\n    assert True\n")
+    result = pytester.runpytest(
+        "-p", "no:cacheprovider", "--kvpool-target=impl", "--kvpool-examples=20", "-v"
+    )
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(["*kvpool-conformance?impl? PASSED*"])
+
+
+def test_a_diverging_target_fails_with_the_counterexample(pytester: pytest.Pytester) -> None:
+    result = pytester.runpytest(
+        "-p",
+        "no:cacheprovider",
+        "--kvpool-target=tests.kit.buggy_pool:WrongUsage",
+    )
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*tests.kit.buggy_pool:WrongUsage: divergence*",
+            "*Minimal failing program:*",
+            "*Where they part: step 1 of 1, get_usage*",
+            "*the model returns 0.0, the target returned 0.25*",
+            "*def test_kvpool_regression_*",
+        ]
+    )
+
+
+def test_level_profile_and_vectors_options(pytester: pytest.Pytester) -> None:
+    result = pytester.runpytest(
+        "-p",
+        "no:cacheprovider",
+        "--kvpool-target=model",
+        "--kvpool-level=2",
+        "--kvpool-profile=append",
+        "--kvpool-examples=10",
+        "--kvpool-vectors",
+    )
+    result.assert_outcomes(passed=2)
+
+
+def test_an_unknown_target_fails_cleanly(pytester: pytest.Pytester) -> None:
+    result = pytester.runpytest("-p", "no:cacheprovider", "--kvpool-target=nosuchmodule:make")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*cannot import 'nosuchmodule'*"])
