@@ -93,21 +93,26 @@ def run_child(version: str, examples: int) -> dict[str, Any]:
     order = [expected, *(p for p in PROFILES if p != expected)]
     level1: dict[str, Any] = {}
     for profile in order:
-        report = run_conformance(
-            VllmTargetFactory(), level=1, profile=profile, target_name=version, **options
-        )
-        entry = _summary(report)
-        if not report.conforms and report.failure_kind != "target-error":
-            for workaround in WORKAROUNDS:
-                again = run_conformance(
-                    VllmTargetFactory(workarounds=[workaround]),
+        for caching in (True, False):
+
+            def check(
+                workarounds: list[str], profile: str = profile, caching: bool = caching
+            ) -> Any:
+                return run_conformance(
+                    VllmTargetFactory(workarounds=workarounds),
                     level=1,
                     profile=profile,
+                    caching=(caching,),
                     target_name=version,
                     **options,
                 )
-                entry[f"with {workaround}"] = _summary(again)
-        level1[profile] = entry
+
+            report = check([])
+            entry = _summary(report)
+            if not report.conforms and report.failure_kind != "target-error":
+                for workaround in WORKAROUNDS:
+                    entry[f"with {workaround}"] = _summary(check([workaround]))
+            level1[f"{profile} caching={'on' if caching else 'off'}"] = entry
     result["level1"] = level1
 
     workarounds = [
@@ -193,6 +198,12 @@ def markdown(results: list[dict[str, Any]]) -> str:
             continue
         level1 = r["level1"]
         verdicts = "; ".join(f"{p}: {_verdict(e)}" for p, e in level1.items())
+        conforming = [
+            p
+            for p in dict.fromkeys(k.split()[0] for k in level1)
+            if all(_verdict(e) != "diverges" for k, e in level1.items() if k.split()[0] == p)
+        ]
+        verdicts = f"**{', '.join(conforming) or 'none'}** ({verdicts})"
         findings = r["level2"]["findings"]
         known = [f["known"] or f"NEW {f['operation']}/{f['model_error']}" for f in findings]
         tail = "" if r["level2"]["last"]["conforms"] else " (stopped: see JSON)"

@@ -718,7 +718,7 @@ class BlockPool:
             )
         blocks = self.blocks
         collector = self.metrics_collector
-        for block_id in sorted(ids, reverse=True):
+        for block_id in sorted(ids) if self.enable_kv_cache_events else ids:
             block = blocks[block_id]
             if collector is not None:
                 collector.on_block_evicted(block)

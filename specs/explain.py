@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.columns import Columns
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
@@ -94,12 +95,15 @@ def describe(outcome: Outcome) -> str:
     """One or two sentences saying what the step did, read off the states around it."""
     op, before, after, result = outcome.step.op, outcome.before, outcome.state, outcome.result
     if outcome.error is not None:
-        return f"Rejected with {outcome.error}; the pool is unchanged."
+        return "A rejection: the pool is unchanged."
     added, removed = _key_moves(before, after)
     facts: list[str] = []
     if op == "get_new_blocks":
-        facts.append(f"Handed out block(s) {_ids(result)} from the front of the free queue."
-                     if result else "Handed out no block.")
+        facts.append(
+            f"Handed out block(s) {_ids(result)} from the front of the free queue."
+            if result
+            else "Handed out no block."
+        )
     elif op == "touch":
         left = [b for b in before.free_queue if b not in after.free_queue]
         if left:
@@ -193,7 +197,7 @@ def _block_text(state: PoolState, block_id: int, changed: frozenset[int]) -> Tex
         if block.partial_keys:
             label += f" +{len(block.partial_keys)}"
     if block.ref_cnt > 0:
-        label += f" ×{block.ref_cnt}"
+        label += f" ×{block.ref_cnt}"  # noqa: RUF001 (a multiplication sign: held n times)
     label += " "
     style = HASHLESS_STYLE if block.block_hash is None else HASHED_STYLE
     text = Text(label, style=style)
@@ -256,7 +260,7 @@ def print_scenario(console: Console, scenario: Scenario) -> int:
     console.print(_header(scenario), style="dim")
     console.print(
         "Blocks: [black on #f6c560] id hash [/] has a hash, [black on #dde3ea] id [/] has "
-        "none, ×n ref count, * changed by the step."
+        "none, ×n ref count, * changed by the step."  # noqa: RUF001
     )
     console.print()
     console.print("[bold]Step 0[/bold]: the new pool")
@@ -283,7 +287,6 @@ def print_scenario(console: Console, scenario: Scenario) -> int:
             console.print(f"[red]note: {outcome.mismatch}[/red]", highlight=False)
         console.print(pool_table(outcome.state, outcome.changed))
     return mismatches
-
 
 
 # --------------------------------------------------------------------------
@@ -314,7 +317,8 @@ def render_html(scenario: Scenario) -> str:
         f"<title>kvpool explain: {e(scenario.name)}</title>",
         f"<style>{_CSS}</style></head><body>",
         f"<h1>{e(scenario.title or scenario.name)}</h1>",
-        f'<p class="meta"><code>kvpool explain {e(scenario.name)}</code>: {e(_header(scenario))}</p>',
+        f'<p class="meta"><code>kvpool explain {e(scenario.name)}</code>: '
+        f"{e(_header(scenario))}</p>",
     ]
     if scenario.summary:
         parts.append(f"<p>{e(scenario.summary)}</p>")
@@ -341,7 +345,7 @@ def render_html(scenario: Scenario) -> str:
             parts.append(f'<ul class="events">{items}</ul>')
         if outcome.mismatch:
             parts.append(f'<p class="note">{e(outcome.mismatch)}</p>')
-        caption = f"After step {outcome.index}: {outcome.step.say or describe(outcome)}"
+        caption = f"After step {outcome.index} of {total}"
         svg = render_svg(outcome.state, caption=caption, highlight=outcome.changed)
         parts.append(f"<figure>{svg}</figure></section>")
     parts.append("</body></html>")
@@ -372,7 +376,7 @@ def _list(console: Console) -> None:
         "bundled vector:",
         highlight=False,
     )
-    console.print("  " + "  ".join(ids), highlight=False, soft_wrap=False)
+    console.print(Columns(ids, padding=(0, 3)))
 
 
 def explain(
@@ -388,7 +392,9 @@ def explain(
     ] = False,
     html_out: Annotated[
         Path | None,
-        typer.Option("--html", help="Also write a self-contained HTML page with a picture per step."),
+        typer.Option(
+            "--html", help="Also write a self-contained HTML page with a picture per step."
+        ),
     ] = None,
     vector: Annotated[
         str | None, typer.Option(help="The id of the vector to explain, in a file of several.")

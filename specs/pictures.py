@@ -49,6 +49,45 @@ TEXT = "#1d2126"
 KEY_FILL = "#fff8e6"
 
 
+MIN_WIDTH = 600
+LEGEND = (
+    ("fill", HASHED_FILL, "has a hash"),
+    ("fill", HASHLESS_FILL, "no hash"),
+    ("free", FREE_STROKE, "free"),
+    ("held", HELD_STROKE, "held"),
+    ("fill", NULL_FILL, "null block"),
+    ("outline", HIGHLIGHT, "changed"),
+    ("dotted", ARROW, "partial key"),
+)
+
+
+def _swatch(kind: str, colour: str, x: int, y: int) -> str:
+    if kind == "fill":
+        return (
+            f'<rect x="{x}" y="{y - 11}" width="16" height="14" rx="3" fill="{colour}" '
+            f'stroke="{FREE_STROKE}"/>'
+        )
+    if kind == "free":
+        return (
+            f'<rect x="{x}" y="{y - 11}" width="16" height="14" rx="3" fill="#ffffff" '
+            f'stroke="{colour}" stroke-dasharray="4 2"/>'
+        )
+    if kind == "held":
+        return (
+            f'<rect x="{x}" y="{y - 11}" width="16" height="14" rx="3" fill="#ffffff" '
+            f'stroke="{colour}" stroke-width="2.5"/>'
+        )
+    if kind == "outline":
+        return (
+            f'<rect x="{x}" y="{y - 12}" width="16" height="16" rx="4" fill="none" '
+            f'stroke="{colour}" stroke-width="2.5"/>'
+        )
+    return (
+        f'<line x1="{x}" y1="{y - 4}" x2="{x + 16}" y2="{y - 4}" stroke="{colour}" '
+        f'stroke-width="1.5" stroke-dasharray="2 3"/>'
+    )
+
+
 def hash_label(block_hash: BlockHash, width: int = 8) -> str:
     """A short label for a hash: its text if printable, else hex; long ones keep their end.
 
@@ -189,7 +228,7 @@ def _block_body(
 
 
 def _ordinal(n: int) -> str:
-    return f"{n}{ {1: 'st', 2: 'nd', 3: 'rd'}.get(n if n < 20 else n % 10, 'th')}"
+    return f"{n}{ {1: 'st', 2: 'nd', 3: 'rd'}.get(n if n < 20 else n % 10, 'th') }"
 
 
 def _arrowhead(x: int, y: int, up: bool) -> str:
@@ -210,13 +249,8 @@ def render_svg(state: PoolState, caption: str = "", highlight: Iterable[int] = (
     held = [b for b in range(1, config.num_blocks) if state.blocks[b].ref_cnt > 0]
     keys = sorted(state.cached, key=lambda k: (k[0], k[1]))
 
-    caption_lines = _wrap(caption, 96) if caption else []
-    y = MARGIN
+    y = 0
     svg = _Svg()
-    for line in caption_lines:
-        y += LINE_H
-        svg.text(MARGIN, y, line, size=14, weight="bold")
-    y += 10 if caption_lines else 0
 
     # --- free queue -------------------------------------------------------
     x0 = MARGIN + LABEL_W
@@ -230,7 +264,7 @@ def render_svg(state: PoolState, caption: str = "", highlight: Iterable[int] = (
     if free:
         first, last = boxes[free[0]], boxes[free[-1]]
         svg.text(first.x, free_label_y, "next to evict ▸", size=11, weight="bold")
-        if len(free) > 2:
+        if len(free) > 3:
             svg.text(last.x + last.w, free_label_y, "evicted last", size=11, anchor="end")
         for i, block_id in enumerate(free):
             box = boxes[block_id]
@@ -331,52 +365,52 @@ def render_svg(state: PoolState, caption: str = "", highlight: Iterable[int] = (
             _block(svg, boxes[block_id], state, block_id, is_held, block_id in marked)
         svg.add("</g>")
 
-    # --- legend and summary ------------------------------------------------
+    # --- legend and summary, wrapped to the width of the drawing ----------
+    right = max(free_right, held_right, keys_right, MIN_WIDTH)
     y = held_y + BLOCK_H + 42
-    legend = [
-        (HASHED_FILL, FREE_STROKE, "has a hash (a hit can reuse it)", ""),
-        (HASHLESS_FILL, FREE_STROKE, "no hash", ""),
-        ("#ffffff", FREE_STROKE, "free", ' stroke-dasharray="4 2"'),
-        ("#ffffff", HELD_STROKE, "held", ' stroke-width="2.5"'),
-        (NULL_FILL, NULL_FILL, "null block", ""),
-    ]
     lx = MARGIN
-    for fill, stroke, text, extra in legend:
-        svg.add(
-            f'<rect x="{lx}" y="{y - 11}" width="16" height="14" rx="3" fill="{fill}" '
-            f'stroke="{stroke}"{extra}/>'
-        )
+    for kind, colour, text in LEGEND:
+        item_w = 22 + len(text) * 6 + 16
+        if lx > MARGIN and lx + item_w > right:
+            lx, y = MARGIN, y + LINE_H
+        svg.add(_swatch(kind, colour, lx, y))
         svg.text(lx + 22, y, text, size=11)
-        lx += 22 + len(text) * 6 + 22
-    svg.add(
-        f'<rect x="{lx}" y="{y - 12}" width="16" height="16" rx="4" fill="none" '
-        f'stroke="{HIGHLIGHT}" stroke-width="2.5"/>'
-    )
-    svg.text(lx + 22, y, "changed by this step", size=11)
-    lx += 22 + 20 * 6 + 22
-    svg.add(
-        f'<line x1="{lx}" y1="{y - 4}" x2="{lx + 22}" y2="{y - 4}" stroke="{ARROW}" '
-        f'stroke-width="1.5" stroke-dasharray="2 3"/>'
-    )
-    svg.text(lx + 28, y, "partial key", size=11)
-    legend_right = lx + 28 + 11 * 6
+        lx += item_w
 
-    y += 22
     usage = 0.0 if config.num_blocks <= 1 else 1 - len(free) / (config.num_blocks - 1)
-    summary = (
-        f"{config.num_blocks} blocks · {len(free)} free · {len(held)} held · "
-        f"usage {usage:.0%} · profile {config.profile.name} · "
-        f"caching {'on' if config.enable_caching else 'off'} · "
-        f"hash block size {config.hash_block_size}"
-    )
+    facts = [
+        f"{config.num_blocks} blocks",
+        f"{len(free)} free",
+        f"{len(held)} held",
+        f"usage {usage:.0%}",
+        f"profile {config.profile.name}",
+        f"caching {'on' if config.enable_caching else 'off'}",
+    ]
+    if config.hash_block_size != 1:
+        facts.append(f"hash block size {config.hash_block_size}")
     if state.pending_events:
-        summary += f" · {len(state.pending_events)} event(s) pending"
-    svg.text(MARGIN, y, summary, size=11, fill=MUTED)
-    summary_right = MARGIN + len(summary) * 6
+        facts.append(f"{len(state.pending_events)} event(s) pending")
+    line = ""
+    y += 22
+    for fact in facts:
+        candidate = f"{line} · {fact}" if line else fact
+        if line and MARGIN + len(candidate) * 6 > right:
+            svg.text(MARGIN, y, line, size=11, fill=MUTED)
+            line, y = fact, y + LINE_H - 2
+        else:
+            line = candidate
+    svg.text(MARGIN, y, line, size=11, fill=MUTED)
 
-    width = max(free_right, held_right, keys_right, legend_right, summary_right) + MARGIN
-    width = max(width, max((len(line) * 8 for line in caption_lines), default=0) + 2 * MARGIN)
-    height = y + MARGIN
+    # --- the caption on top, wrapped to the same width ----------------------
+    width = right + MARGIN
+    caption_lines = _wrap(caption, max((width - 2 * MARGIN) // 9, 30)) if caption else []
+    top = MARGIN + len(caption_lines) * LINE_H + (10 if caption_lines else 0)
+    head_parts = [
+        f'<text x="{MARGIN}" y="{MARGIN + (i + 1) * LINE_H - 4}" font-size="14" '
+        f'font-weight="bold" fill="{TEXT}">{escape(text)}</text>'
+        for i, text in enumerate(caption_lines)
+    ]
+    height = top + y + MARGIN
     label = escape(caption or "block pool", {'"': "&quot;"})
     head = (
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
@@ -384,4 +418,5 @@ def render_svg(state: PoolState, caption: str = "", highlight: Iterable[int] = (
         f'font-family="system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif">'
     )
     background = f'<rect x="0" y="0" width="{width}" height="{height}" fill="#ffffff"/>'
-    return "\n".join([head, background, *svg.parts, "</svg>"]) + "\n"
+    body = [f'<g transform="translate(0,{top})">', *svg.parts, "</g>"]
+    return "\n".join([head, background, *head_parts, *body, "</svg>"]) + "\n"

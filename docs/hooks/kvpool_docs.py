@@ -26,7 +26,6 @@ import textwrap
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import click
 import typer.main
 
 from kvpool import model
@@ -59,10 +58,7 @@ def scenario_pictures(scenario: Scenario) -> dict[str, str]:
         )
     }
     for outcome in scenarios.run(scenario):
-        caption = (
-            f"{scenario.name}, after step {outcome.index}: "
-            f"{call_text(outcome.step.op, dict(outcome.step.args))}"
-        )
+        caption = f"{scenario.name}, after step {outcome.index}: {outcome.step.op}"
         pictures[picture_path(scenario.name, outcome.index)] = render_svg(
             outcome.state, caption=caption, highlight=outcome.changed
         )
@@ -92,6 +88,8 @@ def _picture(page_src: str, name: str, step: int, alt: str) -> str:
 def expand_picture(page_src: str, name: str, step: str) -> str:
     scenario = scenarios.get(name)
     index = int(step)
+    if not 0 <= index <= len(scenario.steps):
+        raise ValueError(f"{name} has no step {step}")
     alt = "the new pool" if index == 0 else scenario.steps[index - 1].say
     return _picture(page_src, name, index, alt)
 
@@ -115,9 +113,11 @@ def expand_scenario(page_src: str, name: str) -> str:
             "",
             f"{outcome.step.say} *{describe(outcome)}*",
             "",
-            _picture(page_src, name, outcome.index, outcome.step.say),
-            "",
         ]
+        if outcome.state == outcome.before:
+            lines += ["*(The pool is unchanged: no new picture.)*", ""]
+        else:
+            lines += [_picture(page_src, name, outcome.index, outcome.step.say), ""]
     return "\n".join(lines)
 
 
@@ -177,15 +177,40 @@ def rejections(function: Callable[..., Any]) -> list[str]:
     return found
 
 
+def _annotation(annotation: Any) -> str:
+    text = inspect.formatannotation(annotation)
+    return re.sub(r"\b(?:kvpool\.model\.\w+|collections\.abc|typing)\.", "", text)
+
+
+def signature_text(function: Callable[..., Any]) -> str:
+    """``model.name(arg: type = default, ...) -> type``, one argument a line when long."""
+    signature = inspect.signature(function)
+    params = []
+    for param in signature.parameters.values():
+        text = param.name
+        if param.annotation is not inspect.Parameter.empty:
+            text += f": {_annotation(param.annotation)}"
+        if param.default is not inspect.Parameter.empty:
+            default = "DEFAULT_PROFILE" if param.default is model.DEFAULT_PROFILE else None
+            text += f" = {default or repr(param.default)}"
+        params.append(text)
+    returns = ""
+    if signature.return_annotation is not inspect.Signature.empty:
+        returns = f" -> {_annotation(signature.return_annotation)}"
+    one_line = f"model.{function.__name__}({', '.join(params)}){returns}"
+    if len(one_line) <= 88:
+        return one_line
+    inner = "".join(f"    {p},\n" for p in params)
+    return f"model.{function.__name__}(\n{inner}){returns}"
+
+
 def expand_operation(name: str) -> str:
     function = getattr(model, name)
     if name not in operations():
         raise ValueError(f"{name} is not a public operation of kvpool.model")
-    signature = str(inspect.signature(function)).replace("kvpool.model.state.", "")
-    signature = re.sub(r"kvpool\.model\.\w+\.", "", signature)
     lines = [
         "```python",
-        f"model.{name}{signature}",
+        signature_text(function),
         "```",
         "",
         _docstring_markdown(function.__doc__ or ""),
@@ -249,33 +274,51 @@ def expand_profiles() -> str:
 # --------------------------------------------------------------------------
 
 
-def cli_root() -> click.Command:
+# Typer may vendor its own copy of click, so commands are duck-typed here:
+# a group is a command with a ``commands`` mapping.
+
+
+def cli_root() -> Any:
     from kvpool.specs.cli import app
 
     return typer.main.get_command(app)
 
 
-def cli_commands(group: click.Command | None = None, prefix: str = "kvpool") -> Iterator[str]:
+def subcommands(command: Any) -> dict[str, Any]:
+    """A group's commands by name; empty for a plain command."""
+    return dict(getattr(command, "commands", None) or {})
+
+
+def cli_commands(group: Any = None, prefix: str = "kvpool") -> Iterator[str]:
     """Every command of the CLI, as ``kvpool NAME`` / ``kvpool GROUP NAME``."""
     group = cli_root() if group is None else group
-    if isinstance(group, click.Group):
-        for name, command in group.commands.items():
-            yield f"{prefix} {name}"
-            yield from cli_commands(command, f"{prefix} {name}")
+    for name, command in subcommands(group).items():
+        yield f"{prefix} {name}"
+        yield from cli_commands(command, f"{prefix} {name}")
 
 
-def find_command(path: str) -> click.Command:
+def find_command(path: str) -> Any:
     command = cli_root()
     for name in path.split()[1:]:
-        if not isinstance(command, click.Group) or name not in command.commands:
+        children = subcommands(command)
+        if name not in children:
             raise ValueError(f"no command {path!r}")
-        command = command.commands[name]
+        command = children[name]
     return command
+
+
+def _type_name(param: Any, ctx: Any) -> str:
+    """The value type of an option, whichever click Typer uses."""
+    display = getattr(param, "display_type", None)
+    if callable(display):
+        return str(display(ctx)).strip("<>")
+    kind = getattr(param, "type", None)
+    return str(getattr(kind, "name", "text"))
 
 
 def expand_cli(path: str) -> str:
     command = find_command(path)
-    ctx = click.Context(command, info_name=path)
+    ctx = command.context_class(command, info_name=path)
     usage = " ".join(command.collect_usage_pieces(ctx))
     lines = [
         "```text",
@@ -285,20 +328,24 @@ def expand_cli(path: str) -> str:
         inspect.cleandoc(command.help or "").split("\n\n")[0],
         "",
     ]
-    if isinstance(command, click.Group):
-        lines += [f"Sub-commands: {', '.join(f'`{n}`' for n in command.commands)}.", ""]
+    if subcommands(command):
+        names = ", ".join(f"`{n}`" for n in subcommands(command))
+        lines += [f"Sub-commands: {names}.", ""]
         return "\n".join(lines)
     rows = ["| argument or option | type | default | meaning |", "| --- | --- | --- | --- |"]
     for param in command.params:
-        if isinstance(param, click.Option):
+        if param.param_type_name == "option":
             names = ", ".join(f"`{o}`" for o in param.opts)
             if param.secondary_opts:
                 names += ", " + ", ".join(f"`{o}`" for o in param.secondary_opts)
         else:
             names = f"`{(param.name or '').upper()}`"
-        kind = "flag" if getattr(param, "is_flag", False) else param.type.name
-        default = param.default
+        kind = "flag" if getattr(param, "is_flag", False) else _type_name(param, ctx)
+        default = getattr(param.default, "value", param.default)  # enums by value
         shown = "" if default in (None, False, ()) or callable(default) else f"`{default}`"
+        kind = kind.replace("|", " / ").replace("list[str]", "str")
+        if getattr(param, "multiple", False):
+            kind += ", repeatable"
         help_text = getattr(param, "help", None) or ""
         help_text = " ".join(help_text.split()).replace("|", "\\|")
         rows.append(f"| {names} | {kind} | {shown} | {help_text} |")

@@ -478,7 +478,8 @@ class VllmTarget(BlockPoolApiTarget):
             block_size,
             kv_cache_group_id,
         ]
-        if block_size != self.config.hash_block_size and not self.api.last_hash_names_block:
+        hbs = self.config.hash_block_size
+        if block_size > hbs and block_size % hbs == 0 and not self.api.last_hash_names_block:
             raise TargetError(
                 f"vLLM {self.api.version} keys a block of several hash blocks by their "
                 "concatenation; `kvpool check --target vllm==X` checks it with "

@@ -142,6 +142,10 @@ def test_a_rejected_touch_relinks_every_block_where_it_was() -> None:
     touched = [b[1], b[3], b[2], b[1], b[7], pool.null_block, b[4], KVCacheBlock(3)]
     assert_rejected(pool, UnknownBlock, pool.touch, touched)
     assert queue_ids(pool) == [1, 2, 3, 4, 5, 6, 7]
+    # Neighbours taken out in either order are put back exactly.
+    assert_rejected(pool, UnknownBlock, pool.touch, [b[2], b[3], b[4], KVCacheBlock(1)])
+    assert_rejected(pool, UnknownBlock, pool.touch, [b[4], b[3], b[2], KVCacheBlock(1)])
+    assert queue_ids(pool) == [1, 2, 3, 4, 5, 6, 7]
     pool.touch(touched[:-1])
     assert queue_ids(pool) == [5, 6]
     assert [x.ref_cnt for x in b] == [0, 2, 1, 1, 1, 0, 0, 1]
@@ -322,6 +326,9 @@ def test_cache_full_blocks_preconditions_in_the_models_order() -> None:
     assert_rejected(pool, BlockNotHeld, pool.cache_full_blocks, REQ, [a, free], 0, 2, 2, 0)
     pool.cache_full_blocks(REQ, [a], 0, 1, 2, 0)
     assert_rejected(pool, AlreadyCached, pool.cache_full_blocks, REQ, [a, b], 0, 2, 2, 0)
+    # The same block and prefix again, alone (a decode-step call): also AlreadyCached.
+    assert_rejected(pool, AlreadyCached, pool.cache_full_blocks, REQ, [a], 0, 1, 2, 0)
+    assert_rejected(pool, BlockNotHeld, pool.cache_full_blocks, REQ, [a, free], 1, 2, 2, 0)
     # An empty range validates its arguments and then does nothing.
     pool.cache_full_blocks(REQ, [a, b], 2, 1, 2, 0)
     assert_rejected(pool, InvalidBlockMask, pool.cache_full_blocks, REQ, [a], 1, 1, 2, 0, [True])
