@@ -9,6 +9,9 @@ and, for the vLLM column, with an interpreter that has both vLLM and kvpool
 
     /path/to/vllm-venv/bin/python bench/bench_pool.py
 
+``--scale`` lengthens or shortens the traces, ``--only serving`` picks traces by
+name, ``--no-model`` and ``--no-scaling`` skip parts.
+
 How it measures:
 
 * Each trace is produced once, from a fixed seed, by a scheduler-like driver
@@ -415,13 +418,17 @@ def replay_once(make: PoolFactory, trace: Trace, setup: list[Call], calls: list[
     return seconds
 
 
-def bench_traces(targets: dict[str, PoolFactory], scale: float, repeat: int) -> None:
+def bench_traces(
+    targets: dict[str, PoolFactory], scale: float, repeat: int, only: str | None = None
+) -> None:
     print(f"\n== Traces: replayed pool calls per second (median of {repeat}) ==")
     header = f"{'trace':36} {'target':6} {'calls':>8} {'calls/s':>11}"
     print(header)
     print("-" * len(header))
     ratios: list[tuple[str, str, float]] = []
     for trace in traces(scale):
+        if only is not None and only not in trace.name:
+            continue
         setup, calls = record(trace)
         replayed = {name: calls for name in targets}
         if "model" in targets:
@@ -505,6 +512,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cycles", type=int, default=20_000, help="cycles per pool size")
     parser.add_argument("--no-model", action="store_true", help="skip the model column")
     parser.add_argument("--no-scaling", action="store_true", help="skip the pool-size sweep")
+    parser.add_argument("--only", help="run only the traces whose name contains this")
     args = parser.parse_args(argv)
 
     print(f"Python {sys.version.split()[0]}")
@@ -514,7 +522,7 @@ def main(argv: list[str] | None = None) -> None:
         targets["vllm"] = vllm
     if not args.no_model:
         targets["model"] = make_model
-    bench_traces(targets, args.scale, args.repeat)
+    bench_traces(targets, args.scale, args.repeat, args.only)
     if not args.no_scaling:
         bench_scaling(args.repeat, args.cycles)
 

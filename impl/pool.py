@@ -454,10 +454,6 @@ class BlockPool:
         # Verify that the group id is not negative
         if kv_cache_group_id < 0:
             raise InvalidGroup(f"KV cache group id {kv_cache_group_id} is negative")
-        # Verify that every block belongs to this pool
-        for block in blocks:
-            if block.pool is not self:
-                raise UnknownBlock(f"block {block!r} does not belong to this pool")
         # Verify that the block size is a positive multiple of the hash block size
         if block_size % hbs != 0 or block_size < hbs:
             raise InvalidBlockSize(
@@ -478,6 +474,10 @@ class BlockPool:
         # Verify that the mask, if any, has one entry per block to cache
         if block_mask is not None and len(block_mask) != num_new:
             raise InvalidBlockMask(f"block_mask has {len(block_mask)} entries for {num_new}")
+        # Verify that every block to cache belongs to this pool (the others are not read)
+        for i in range(num_cached_blocks, num_full_blocks):
+            if blocks[i].pool is not self:
+                raise UnknownBlock(f"block {blocks[i]!r} does not belong to this pool")
         block_hashes = request.block_hashes
         factor = block_size // hbs
         # Verify that the request has a hash for every block up to num_full_blocks
@@ -588,8 +588,9 @@ class BlockPool:
         if kv_cache_group_id < 0:
             raise InvalidGroup(f"KV cache group id {kv_cache_group_id} is negative")
         # Verify that the block belongs to this pool
-        self._verify_known((block,))
-        if block is self.null_block:
+        if block.pool is not self:
+            raise UnknownBlock(f"block {block!r} does not belong to this pool")
+        if block.is_null:
             return None
         # Verify that the block is held by someone
         if block.ref_cnt == 0:

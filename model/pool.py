@@ -248,8 +248,6 @@ def cache_full_blocks(
         raise CachingDisabled("cache_full_blocks on a pool without prefix caching")
     # Verify that the group id is not negative
     _verify_group(kv_cache_group_id)
-    # Verify that every id names a block of the pool
-    _verify_known(state, block_ids)
     # Verify that the block size is a positive multiple of the hash block size
     _verify_block_size(block_size, config.hash_block_size, at_least=config.hash_block_size)
     # Verify that the range to cache is a slice of the request's blocks
@@ -264,6 +262,8 @@ def cache_full_blocks(
         raise InvalidBlockMask(f"block_mask has {len(block_mask)} entries for {num_new} blocks")
     if num_new == 0:
         return state, None
+    # Verify that every block to cache is a block of the pool (the others are not read)
+    _verify_known(state, block_ids[num_cached_blocks:num_full_blocks])
 
     hashes = hashes_at_block_size(request.block_hashes, config.hash_block_size, block_size)
     # Verify that the request has a hash for every block up to num_full_blocks

@@ -314,6 +314,7 @@ class VllmTarget(BlockPoolApiTarget):
             )
         self._suppressed = {_suppression(item) for item in suppress}
         self._to_model: dict[bytes, bytes] = {}
+        self._token_counts: dict[Any, dict[int, int]] = {}
         self._int_to_model: dict[int, bytes] = {}
         cls = self.api.pool_class
         kwargs: dict[str, Any] = {"enable_kv_cache_events": config.enable_events}
@@ -490,6 +491,23 @@ class VllmTarget(BlockPoolApiTarget):
                 raise TargetError(f"vLLM {self.api.version} has no block_mask (0.22.0+)")
             args.append(list(block_mask))
         self._vllm(lambda: self.pool.cache_full_blocks(*args))
+        if not self.api.hash_num_tokens:
+            self._record_token_counts(blocks, num_cached_blocks, num_full_blocks, block_size)
+
+    def _record_token_counts(
+        self, blocks: Sequence[Any], num_cached_blocks: int, num_full_blocks: int, block_size: int
+    ) -> None:
+        """Before 0.24 vLLM does not keep how many tokens a block's key covers: note it here.
+
+        Position i of the call caches ``(i + 1) * block_size`` tokens; those
+        releases assert that a block they cache has no key yet, so every key in
+        the range after the call is this call's. The note is read only while
+        the block still has that key.
+        """
+        for i in range(max(0, num_cached_blocks), min(num_full_blocks, len(blocks))):
+            key = blocks[i].block_hash
+            if key is not None:
+                self._token_counts.setdefault(key, {})[blocks[i].block_id] = (i + 1) * block_size
 
     def cache_partial_block(
         self,
@@ -558,8 +576,8 @@ class VllmTarget(BlockPoolApiTarget):
         ref count is not maintained by vLLM and reads as 0; partial keys come
         from ``cached_block_hashes_by_block`` (a set: in sorted order); the
         map lists a key's blocks in insertion order. Releases before 0.24 do
-        not record how many tokens a key covers: the snapshot says 0, and
-        ``normalize_state`` erases the field on both sides.
+        not record how many tokens a key covers: the snapshot takes it from
+        the adapter's note of the ``cache_full_blocks`` call that set the key.
         """
         pool = self.pool
         partial_keys: dict[int, Any] = getattr(pool, "cached_block_hashes_by_block", {})
@@ -571,7 +589,7 @@ class VllmTarget(BlockPoolApiTarget):
             elif self.api.hash_num_tokens:
                 num_tokens = block.block_hash_num_tokens
             else:
-                num_tokens = 0
+                num_tokens = self._token_counts.get(block.block_hash, {}).get(block.block_id, 0)
             partial = sorted(
                 k for k in (self.hash_key(p) for p in partial_keys.get(block.block_id, ())) if k
             )
@@ -608,17 +626,8 @@ class VllmTarget(BlockPoolApiTarget):
     # Normalization (docs/vllm-conformance.md) ---------------------------------
 
     def normalize_state(self, state: PoolState) -> PoolState:
-        """Partial keys in sorted order; token counts erased where vLLM has none; events."""
-        blocks = tuple(
-            replace(
-                b,
-                partial_keys=tuple(sorted(b.partial_keys)),
-                hash_num_tokens=b.hash_num_tokens
-                if self.api.hash_num_tokens or b.block_hash is None
-                else 0,
-            )
-            for b in state.blocks
-        )
+        """Each block's partial keys in sorted order, and the events normalized."""
+        blocks = tuple(replace(b, partial_keys=tuple(sorted(b.partial_keys))) for b in state.blocks)
         return replace(
             state, blocks=blocks, pending_events=tuple(self.normalize_events(state.pending_events))
         )
@@ -637,7 +646,8 @@ class VllmTarget(BlockPoolApiTarget):
             if isinstance(event, BlockRemoved):
                 run.append(event)
                 continue
-            result.extend(sorted(run, key=_removed_order))
+            run.sort(key=_removed_order)
+            result.extend(run)
             run = []
             if event is not None:
                 result.append(event)
@@ -725,7 +735,8 @@ class VllmTargetFactory:
         missing = api.unsupported_operations()
         from kvpool.specs import conformance
 
-        if missing and not getattr(conformance.pool_machine, "_kvpool_filtered", False):
+        current = vars(conformance)["pool_machine"]
+        if missing and not getattr(current, "_kvpool_filtered", False):
             raise TargetError(
                 f"vLLM {api.version} lacks {', '.join(sorted(missing))}: check it with "
                 f"`kvpool check --target vllm=={api.version}`, which leaves those out"
@@ -812,7 +823,7 @@ def install_operation_filter() -> None:
     """
     from kvpool.specs import conformance
 
-    original = conformance.pool_machine
+    original = vars(conformance)["pool_machine"]
     if getattr(original, "_kvpool_filtered", False):
         return
 
@@ -825,7 +836,7 @@ def install_operation_filter() -> None:
         return restrict_machine(original(make_target, *args, **kwargs), unsupported)
 
     filtered._kvpool_filtered = True  # type: ignore[attr-defined]
-    conformance.pool_machine = filtered
+    vars(conformance)["pool_machine"] = filtered
 
 
 # --------------------------------------------------------------------------
@@ -876,6 +887,21 @@ KNOWN_FINDINGS: dict[str, KnownFinding] = {
             "OverFree",
             "accepts",
             "a block held once and listed twice ends at ref_cnt -1, queued once",
+        ),
+        _finding(
+            "touch-unknown-block",
+            "touch",
+            "UnknownBlock",
+            "RuntimeError accepts",
+            "a block object of no pool (what an unknown id stands for) fails to leave the "
+            "free queue with RuntimeError",
+        ),
+        _finding(
+            "free-unknown-block",
+            "free_blocks",
+            "UnknownBlock",
+            "accepts RuntimeError",
+            "a block object of no pool is decremented to -1 and otherwise ignored",
         ),
         _finding(
             "evict-unknown-id",

@@ -94,4 +94,4 @@ def test_block_fields_and_reset_hash() -> None:
     assert block.block_hash is None and block.block_hash_num_tokens is None
     assert block._extra_keys is None
     with pytest.raises(AttributeError):
-        block.unknown_field = 1  # type: ignore[attr-defined]
+        block.unknown_field = 1  # type: ignore[attr-defined,unused-ignore]

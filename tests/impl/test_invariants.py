@@ -4,7 +4,7 @@ from collections.abc import Callable
 
 import pytest
 
-from kvpool.impl import BlockPool
+from kvpool.impl import BlockPool, KVCacheBlock
 from kvpool.model import AllBlocksCleared
 from tests.impl.helpers import REQ
 
@@ -126,7 +126,72 @@ def _null_hashed(pool: BlockPool) -> None:
     pool._cached[(b"n", 0)] = pool.null_block
 
 
+def _extra_block(pool: BlockPool) -> None:
+    pool.blocks.append(KVCacheBlock(9, pool=pool))
+
+
+def _not_a_block(pool: BlockPool) -> None:
+    pool.blocks[5] = object()  # type: ignore[call-overload]
+
+
+def _null_moved(pool: BlockPool) -> None:
+    pool.null_block = pool.blocks[1]
+
+
+def _sentinel_held(pool: BlockPool) -> None:
+    pool.free_block_queue.fake_free_list_head.ref_cnt = 1
+
+
+def _sentinel_hashed(pool: BlockPool) -> None:
+    pool.free_block_queue.fake_free_list_tail._block_hash = (b"x", 0)
+
+
+def _sentinel_owned(pool: BlockPool) -> None:
+    pool.free_block_queue.fake_free_list_head.pool = pool
+
+
+def _one_sentinel(pool: BlockPool) -> None:
+    queue = pool.free_block_queue
+    queue.fake_free_list_tail = queue.fake_free_list_head
+
+
+def _after_tail(pool: BlockPool) -> None:
+    pool.free_block_queue.fake_free_list_tail.next_free_block = pool.blocks[3]
+
+
+def _stranger_listed(pool: BlockPool) -> None:
+    stranger = KVCacheBlock(4)
+    own = pool.blocks[4]
+    prev, nxt = own.prev_free_block, own.next_free_block
+    assert prev is not None and nxt is not None
+    prev.next_free_block = stranger
+    nxt.prev_free_block = stranger
+    stranger.prev_free_block, stranger.next_free_block = prev, nxt
+    own.ref_cnt = 1
+
+
+def _empty_extra_list(pool: BlockPool) -> None:
+    pool.blocks[2]._extra_keys = []
+
+
+def _map_points_at_a_copy(pool: BlockPool) -> None:
+    copy = KVCacheBlock(2, pool=pool)
+    copy._block_hash, copy._block_hash_num_tokens = (b"zz", 0), 2
+    pool._cached[(b"zz", 0)] = copy
+
+
 CORRUPTIONS: dict[str, tuple[Corruption, str]] = {
+    "a block too many": (_extra_block, "10 blocks for num_gpu_blocks=9"),
+    "not a block": (_not_a_block, "blocks[5] is a object"),
+    "null_block is not block 0": (_null_moved, "null_block is not blocks[0]"),
+    "a held sentinel": (_sentinel_held, "fake head has ref_cnt"),
+    "a hashed sentinel": (_sentinel_hashed, "fake tail carries a hash"),
+    "a sentinel owned by the pool": (_sentinel_owned, "fake head claims"),
+    "one sentinel for both ends": (_one_sentinel, "one block"),
+    "something after the tail": (_after_tail, "follows the fake tail"),
+    "a stranger in the list": (_stranger_listed, "does not belong to the pool"),
+    "an empty extra-key list": (_empty_extra_list, "empty extra-key list"),
+    "map points at a copy of a block": (_map_points_at_a_copy, "not this pool's block 2"),
     "break a prev pointer": (_break_prev, "prev_free_block is not"),
     "desync num_free_blocks": (_desync_count, "num_free_blocks="),
     "make a cycle": (_cycle, "cycle"),

@@ -207,6 +207,19 @@ def test_a_rejected_free_undoes_the_blocks_it_had_already_linked(profile: model.
     assert_rejected(pool, UnknownBlock, pool.free_blocks, [a, a, KVCacheBlock(99)])
 
 
+@pytest.mark.parametrize("caching", [True, False])
+def test_free_rejects_a_block_held_in_another_pool(caching: bool) -> None:
+    pool = BlockPool(5, caching, 1)
+    other = BlockPool(5, caching, 1)
+    (mine,) = pool.get_new_blocks(1)
+    once, twice = other.get_new_blocks(2)
+    other.touch([twice])
+    before = other.snapshot()
+    assert_rejected(pool, UnknownBlock, pool.free_blocks, [mine, once])
+    assert_rejected(pool, UnknownBlock, pool.free_blocks, [mine, twice])
+    assert other.snapshot() == before
+
+
 def test_free_errors_come_in_the_models_order() -> None:
     pool = BlockPool(6, True, 1)
     a, _ = pool.get_new_blocks(2)
@@ -315,12 +328,12 @@ def test_cache_full_blocks_preconditions_in_the_models_order() -> None:
     off = BlockPool(3, False, 2)
     assert_rejected(off, CachingDisabled, off.cache_full_blocks, REQ, [], 0, 0, 2, 0)
     assert_rejected(pool, InvalidGroup, pool.cache_full_blocks, REQ, [stranger], 0, 1, 3, -1)
-    assert_rejected(pool, UnknownBlock, pool.cache_full_blocks, REQ, [a, stranger], 0, 1, 3, 0)
     assert_rejected(pool, InvalidBlockSize, pool.cache_full_blocks, REQ, [a], 0, 1, 3, 0)
     assert_rejected(pool, InvalidBlockSize, pool.cache_full_blocks, REQ, [a], 0, 1, 1, 0)
     assert_rejected(pool, InvalidBlockRange, pool.cache_full_blocks, REQ, [a], -1, 1, 2, 0)
     assert_rejected(pool, InvalidBlockRange, pool.cache_full_blocks, REQ, [a], 0, 2, 2, 0)
     assert_rejected(pool, InvalidBlockMask, pool.cache_full_blocks, REQ, [a, b], 0, 2, 2, 0, [True])
+    assert_rejected(pool, UnknownBlock, pool.cache_full_blocks, REQ, [a, stranger], 0, 2, 2, 0)
     assert_rejected(pool, NotEnoughHashes, pool.cache_full_blocks, REQ, [a, b], 0, 2, 6, 0)
     assert_rejected(pool, DuplicateBlock, pool.cache_full_blocks, REQ, [free, a, a], 0, 3, 2, 0)
     assert_rejected(pool, BlockNotHeld, pool.cache_full_blocks, REQ, [a, free], 0, 2, 2, 0)
@@ -332,6 +345,14 @@ def test_cache_full_blocks_preconditions_in_the_models_order() -> None:
     # An empty range validates its arguments and then does nothing.
     pool.cache_full_blocks(REQ, [a, b], 2, 1, 2, 0)
     assert_rejected(pool, InvalidBlockMask, pool.cache_full_blocks, REQ, [a], 1, 1, 2, 0, [True])
+
+
+def test_cache_full_blocks_does_not_read_blocks_outside_the_range() -> None:
+    """Only blocks[num_cached:num_full] are read, so a stranger before them is fine."""
+    pool = BlockPool(4, True, 2)
+    (b,) = pool.get_new_blocks(1)
+    pool.cache_full_blocks(REQ, [KVCacheBlock(9), b], 1, 2, 2, 0)
+    assert b.block_hash is not None
 
 
 # --------------------------------------------------------------------------

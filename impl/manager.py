@@ -1,0 +1,373 @@
+"""The fast KV cache manager: kvpool.model.manager's semantics with vLLM 0.33's interface.
+
+``KVCacheManager`` takes duck-typed requests (``request_id``,
+``num_tokens``, ``num_computed_tokens``, ``block_hashes``,
+``all_token_ids``, ``num_preemptions``, ``skip_reading_prefix_cache``;
+kvpool.model's ``Request`` has them all) and answers with ``KVCacheBlocks``
+of ``KVCacheBlock`` objects, like vLLM's. Every public method raises the
+model's exception for the model's first failing precondition.
+``snapshot()`` is the abstraction function into the model's
+``KVCacheManagerState``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from kvpool.impl.block import KVCacheBlock
+from kvpool.impl.pool import BlockPool
+from kvpool.impl.single_type import SingleTypeKVCacheManager, get_manager_for_kv_cache_spec
+from kvpool.model.errors import CachingDisabled, UnknownBlock
+from kvpool.model.events import KVCacheEvent
+from kvpool.model.manager import (
+    KVCacheManagerState,
+    ManagerConfig,
+    PrefixCacheStats,
+    record,
+)
+from kvpool.model.managers import AttentionType, KVCacheSpec, ManagersState
+from kvpool.model.profiles import DEFAULT_PROFILE, Profile
+from kvpool.model.request import (
+    HitOnRunningRequest,
+    InvalidHit,
+    InvalidManagerConfig,
+    InvalidTokenCount,
+    NoNewTokens,
+    verify_hash_block_size,
+)
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    """The pool size and the KV cache groups, as vLLM's ``KVCacheConfig`` carries them."""
+
+    num_blocks: int
+    kv_cache_groups: tuple[KVCacheSpec, ...]
+
+
+class KVCacheBlocks:
+    """An allocation result: ``blocks[g][i]`` is block i of KV cache group g.
+
+    >>> KVCacheBlocks(([],)).get_block_ids()
+    ([],)
+    """
+
+    __slots__ = ("blocks",)
+
+    def __init__(self, blocks: tuple[Sequence[KVCacheBlock], ...]) -> None:
+        self.blocks = blocks
+
+    def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
+        return KVCacheBlocks(tuple([*a, *b] for a, b in zip(self.blocks, other.blocks, strict=True)))
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        """The block ids per group."""
+        return tuple([b.block_id for b in group] for group in self.blocks)
+
+    def __repr__(self) -> str:
+        return f"KVCacheBlocks({self.get_block_ids()})"
+
+
+class KVCacheManager:
+    """A KV cache manager over ``kvpool.impl.BlockPool``, one single-type manager per group.
+
+    >>> from kvpool.model.managers import full_attention
+    >>> from kvpool.model.request import new_request
+    >>> m = KVCacheManager(KVCacheConfig(8, (full_attention(4),)), max_model_len=32)
+    >>> m.allocate_slots(new_request("r", [1, 2, 3, 4, 5], 4), 5).get_block_ids()
+    ([1, 2],)
+    """
+
+    def __init__(
+        self,
+        kv_cache_config: KVCacheConfig,
+        max_model_len: int,
+        hash_block_size: int | None = None,
+        enable_caching: bool = True,
+        use_eagle: bool = False,
+        log_stats: bool = False,
+        enable_kv_cache_events: bool = False,
+        *,
+        profile: Profile = DEFAULT_PROFILE,
+    ) -> None:
+        specs = tuple(kv_cache_config.kv_cache_groups)
+        # Verify that requests can hold at least one token
+        if max_model_len < 1:
+            raise InvalidManagerConfig(f"max_model_len={max_model_len} must be positive")
+        # Verify that there is at least one group, all with one block size
+        if not specs or len({s.block_size for s in specs}) != 1:
+            raise InvalidManagerConfig("the groups must be at least one and share one block size")
+        hbs = specs[0].block_size if hash_block_size is None else hash_block_size
+        # Verify that a Mamba block holds a whole request
+        for spec in specs:
+            if spec.attention is AttentionType.MAMBA and spec.block_size < max_model_len:
+                raise InvalidManagerConfig(
+                    f"a Mamba block of {spec.block_size} tokens cannot hold {max_model_len} tokens"
+                )
+        # Verify that EAGLE runs with a single full-attention or sliding-window group
+        if use_eagle and (
+            len(specs) != 1
+            or specs[0].attention not in (AttentionType.FULL, AttentionType.SLIDING_WINDOW)
+        ):
+            raise InvalidManagerConfig("EAGLE needs one group of full attention or sliding window")
+        try:
+            self.block_pool = BlockPool(
+                kv_cache_config.num_blocks,
+                enable_caching,
+                hbs,
+                enable_kv_cache_events,
+                profile=profile,
+            )
+        except ValueError as error:
+            raise InvalidManagerConfig(str(error)) from error
+        # Verify each group's block size, window and chunk (as the model's new_managers does)
+        for spec in specs:
+            if spec.block_size < hbs or spec.block_size % hbs != 0:
+                raise InvalidManagerConfig(
+                    f"block_size={spec.block_size} is not a multiple of hash_block_size={hbs}"
+                )
+            if spec.attention is AttentionType.SLIDING_WINDOW and spec.sliding_window < 1:
+                raise InvalidManagerConfig(f"sliding_window={spec.sliding_window} must be positive")
+            if spec.attention is AttentionType.CHUNKED_LOCAL and spec.attention_chunk_size < 1:
+                raise InvalidManagerConfig(
+                    f"attention_chunk_size={spec.attention_chunk_size} must be positive"
+                )
+        self.kv_cache_config = kv_cache_config
+        self.specs = specs
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        self.use_eagle = use_eagle
+        self.log_stats = log_stats
+        self.prefix_cache_stats: PrefixCacheStats | None = PrefixCacheStats() if log_stats else None
+        self.managers: list[SingleTypeKVCacheManager] = [
+            get_manager_for_kv_cache_spec(spec, self.block_pool, g) for g, spec in enumerate(specs)
+        ]
+        self.num_kv_cache_groups = len(specs)
+        self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in specs))
+        # Same-spec groups are searched together, full attention first.
+        kinds: list[tuple[KVCacheSpec, list[int]]] = []
+        for g, spec in enumerate(specs):
+            for known, ids in kinds:
+                if known == spec:
+                    ids.append(g)
+                    break
+            else:
+                kinds.append((spec, [g]))
+        kinds.sort(key=lambda k: k[0].attention is not AttentionType.FULL)
+        self._kinds = kinds
+
+    # ------------------------------------------------------------------
+    # Hits
+    # ------------------------------------------------------------------
+
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[bytes], max_length: int
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        """The longest prefix every group has cached, and its length in tokens."""
+        managers = self.managers
+        if len(managers) == 1:
+            manager = managers[0]
+            hit = type(manager).find_longest_cache_hit(
+                block_hashes, max_length, [0], self.block_pool, manager.kv_cache_spec, self.use_eagle
+            )
+            return hit, len(hit[0]) * manager.block_size
+
+        hits: dict[int, list[KVCacheBlock]] = {}
+        length = max_length
+        while True:
+            candidate = length
+            for spec, ids in self._kinds:
+                cls = type(managers[ids[0]])
+                if spec.attention is AttentionType.FULL and ids[0] in hits:
+                    candidate = min(candidate, len(hits[ids[0]]) * spec.block_size)
+                    continue
+                found = cls.find_longest_cache_hit(
+                    block_hashes, candidate, ids, self.block_pool, spec, False
+                )
+                for g, blocks in zip(ids, found, strict=True):
+                    hits[g] = blocks
+                candidate = len(found[0]) * spec.block_size
+            if candidate >= length:
+                break
+            length = candidate
+        keep = -(-length // self.specs[0].block_size)
+        return tuple(hits[g][:keep] for g in range(len(managers))), length
+
+    def get_computed_blocks(self, request: Any) -> tuple[KVCacheBlocks, int]:
+        """The cached blocks the request may reuse (at most num_tokens - 1 tokens) and their tokens.
+
+        Complexity: O(blocks looked up).
+        """
+        # Verify that the request is hashed in the pool's hash blocks
+        verify_hash_block_size(request, self.block_pool.hash_block_size)
+        if not self.enable_caching or getattr(request, "skip_reading_prefix_cache", False):
+            return self.empty_kv_cache_blocks, 0
+        blocks, num_tokens = self.find_longest_cache_hit(
+            request.block_hashes, request.num_tokens - 1
+        )
+        if self.prefix_cache_stats is not None:
+            self.prefix_cache_stats = record(
+                self.prefix_cache_stats,
+                request.num_tokens,
+                num_tokens,
+                request.num_preemptions > 0,
+            )
+        return self.create_kv_cache_blocks(blocks), num_tokens
+
+    # ------------------------------------------------------------------
+    # Allocation
+    # ------------------------------------------------------------------
+
+    def allocate_slots(
+        self,
+        request: Any,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+    ) -> KVCacheBlocks | None:
+        """New slots for ``num_new_tokens`` (and look-ahead), or None with nothing else changed.
+
+        Order: free blocks outside the window; count (free hits included);
+        refuse if short; touch hits; record them; allocate; cache the blocks
+        full within min(computed + hits + new, the request's tokens).
+
+        Complexity: O(blocks touched, allocated, released or cached).
+        """
+        managers = self.managers
+        rid = request.request_id
+        hits: tuple[Sequence[KVCacheBlock], ...] = (
+            self.empty_kv_cache_blocks.blocks
+            if new_computed_blocks is None
+            else new_computed_blocks.blocks
+        )
+        # Verify that the request is hashed in the pool's hash blocks
+        verify_hash_block_size(request, self.block_pool.hash_block_size)
+        # Verify that at least one new token is asked for
+        if num_new_tokens <= 0:
+            raise NoNewTokens(f"num_new_tokens must be positive, got {num_new_tokens}")
+        # Verify that the other counts are not negative
+        if num_new_computed_tokens < 0 or num_lookahead_tokens < 0:
+            raise InvalidTokenCount("num_new_computed_tokens and num_lookahead_tokens must be >= 0")
+        # Verify that the hits have one entry per group, of known blocks
+        if len(hits) != len(managers):
+            raise InvalidHit(f"{len(hits)} hit lists for {len(managers)} groups")
+        has_hits = False
+        for group_hits in hits:
+            for block in group_hits:
+                if block.pool is not self.block_pool:
+                    raise UnknownBlock(f"hit block {block!r} is not a block of the pool")
+                has_hits = True
+        # Verify that hits come only with prefix caching
+        if has_hits and not self.enable_caching:
+            raise CachingDisabled("cache hits passed to a manager without prefix caching")
+        # Verify that only a request holding no blocks takes hits
+        if has_hits and any(rid in m.req_to_blocks for m in managers):
+            raise HitOnRunningRequest(f"request {rid!r} already holds blocks")
+
+        for manager in managers:
+            manager.remove_skipped_blocks(rid, request.num_computed_tokens)
+        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        num_slots = min(num_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
+        needed = 0
+        for manager, group_hits in zip(managers, hits, strict=True):
+            needed += manager.get_num_blocks_to_allocate(rid, num_slots, group_hits)
+        if needed > self.block_pool.get_num_free_blocks():
+            return None
+
+        if self.enable_caching and has_hits:
+            for group_hits in hits:
+                self.block_pool.touch(group_hits)
+        for manager, group_hits in zip(managers, hits, strict=True):
+            manager.save_new_computed_blocks(rid, group_hits)
+        new_blocks = tuple(manager.allocate_new_blocks(rid, num_slots) for manager in managers)
+        if self.enable_caching and not delay_cache_blocks:
+            num_to_cache = min(num_computed + num_new_tokens, request.num_tokens)
+            for manager in managers:
+                manager.cache_blocks(request, num_to_cache)
+        return self.create_kv_cache_blocks(new_blocks)
+
+    def free(self, request: Any) -> None:
+        """Release every block of the request in every group, each group's last block first."""
+        for manager in self.managers:
+            manager.free(request.request_id)
+
+    def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
+        """Cache the blocks full within ``num_computed_tokens``, if caching is on."""
+        if self.enable_caching:
+            for manager in self.managers:
+                manager.cache_blocks(request, num_computed_tokens)
+
+    def evict_blocks(self, block_ids: Iterable[int]) -> None:
+        """Remove the given blocks from the prefix cache."""
+        self.block_pool.evict_blocks(block_ids)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash if no block is held; flag it in the stats."""
+        if not self.block_pool.reset_prefix_cache():
+            return False
+        if self.prefix_cache_stats is not None:
+            self.prefix_cache_stats = replace(self.prefix_cache_stats, reset=True)
+        return True
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """Take the stats gathered so far (None unless log_stats) and start new ones."""
+        if self.prefix_cache_stats is None:
+            return None
+        stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
+        return stats
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """Every pool event since the last call, oldest first."""
+        return self.block_pool.take_events()
+
+    # ------------------------------------------------------------------
+    # Queries
+    # ------------------------------------------------------------------
+
+    @property
+    def usage(self) -> float:
+        """The fraction of usable blocks held."""
+        return self.block_pool.get_usage()
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
+        """Per group, the leading blocks every request holding blocks shares."""
+        return [
+            m.get_num_common_prefix_blocks(running_request_id, len(m.req_to_blocks))
+            for m in self.managers
+        ]
+
+    def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        """The request's block table in each group."""
+        return KVCacheBlocks(tuple(m.req_to_blocks.get(request_id, ()) for m in self.managers))
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """The request's block ids in each group."""
+        return self.get_blocks(request_id).get_block_ids()
+
+    def create_kv_cache_blocks(self, blocks: tuple[Sequence[KVCacheBlock], ...]) -> KVCacheBlocks:
+        """Wrap per-group block lists; the shared empty instance when there are none."""
+        return KVCacheBlocks(blocks) if any(blocks) else self.empty_kv_cache_blocks
+
+    def snapshot(self) -> KVCacheManagerState:
+        """The manager as the model's state (the abstraction function).
+
+        >>> from kvpool.model.managers import full_attention
+        >>> from kvpool.model.manager import new_kv_cache_manager
+        >>> cfg = KVCacheConfig(4, (full_attention(2),))
+        >>> KVCacheManager(cfg, 8).snapshot() == new_kv_cache_manager(4, cfg.kv_cache_groups, 8)
+        True
+        """
+        return KVCacheManagerState(
+            config=ManagerConfig(self.max_model_len, self.use_eagle, self.log_stats),
+            managers=ManagersState(
+                pool=self.block_pool.snapshot(),
+                specs=self.specs,
+                tables=tuple(m.table() for m in self.managers),
+            ),
+            stats=self.prefix_cache_stats,
+        )
+

@@ -1,0 +1,532 @@
+"""The single-type managers: one KV cache group's block tables, per attention type.
+
+A KV cache group is a set of layers sharing one attention type and one
+block table per request. Its manager decides which cached blocks a request
+may reuse (``find_longest_cache_hit``), how many blocks an allocation costs,
+which blocks leave the attention window (``remove_skipped_blocks``), and it
+hands out, caches and frees blocks through the shared block pool. Four
+attention types:
+
+* full attention: every token attends to every earlier token; a hit is the
+  longest run of cached blocks from the start;
+* sliding window: a token attends to the ``sliding_window`` tokens up to
+  itself; blocks entirely before the window are replaced by the null block,
+  and a hit needs only enough contiguous cached blocks to cover the window;
+* chunked local attention: a token attends to the tokens of its own chunk
+  of ``attention_chunk_size``; blocks of earlier chunks are null;
+* Mamba: a recurrent state of one block per request, never a prefix hit and
+  never cached.
+
+Every operation is a pure function over ``ManagersState``, which holds the
+block pool (``kvpool.model.pool`` does all the pool's work) and one
+``GroupTable`` per group. Semantics: seed ``002_1ac62bb789e467a7.txt``;
+docs/semantics.md, "The request layer", lists what decided the rest.
+"""
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from enum import Enum
+
+from kvpool.model.pool import (
+    cache_full_blocks,
+    free_blocks,
+    get_cached_block,
+    get_new_blocks,
+    hashes_at_block_size,
+)
+from kvpool.model.request import (
+    HitOnRunningRequest,
+    InvalidManagerConfig,
+    InvalidTokenCount,
+    Request,
+    UnknownGroup,
+    UnknownRequest,
+    cache_request,
+    verify_hash_block_size,
+)
+from kvpool.model.state import NULL_BLOCK_ID, BlockHash, PoolState
+
+# --------------------------------------------------------------------------
+# Specs and state
+# --------------------------------------------------------------------------
+
+
+class AttentionType(Enum):
+    """The attention type of a KV cache group."""
+
+    FULL = "full_attention"
+    SLIDING_WINDOW = "sliding_window"
+    CHUNKED_LOCAL = "chunked_local_attention"
+    MAMBA = "mamba"
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """What a group's manager needs to know about its layers."""
+
+    attention: AttentionType
+    block_size: int
+    sliding_window: int = 0
+    """Tokens a query attends to, itself included (sliding window only)."""
+    attention_chunk_size: int = 0
+    """Tokens per attention chunk (chunked local attention only)."""
+
+
+def full_attention(block_size: int) -> KVCacheSpec:
+    """A full-attention group of ``block_size``-token blocks.
+
+    >>> full_attention(4).attention.value
+    'full_attention'
+    """
+    return KVCacheSpec(AttentionType.FULL, block_size)
+
+
+def sliding_window(block_size: int, window: int) -> KVCacheSpec:
+    """A sliding-window group: each token attends to the ``window`` tokens ending at it.
+
+    >>> sliding_window(4, 8).sliding_window
+    8
+    """
+    return KVCacheSpec(AttentionType.SLIDING_WINDOW, block_size, sliding_window=window)
+
+
+def chunked_local(block_size: int, chunk_size: int) -> KVCacheSpec:
+    """A chunked-local-attention group with chunks of ``chunk_size`` tokens.
+
+    >>> chunked_local(4, 8).attention_chunk_size
+    8
+    """
+    return KVCacheSpec(AttentionType.CHUNKED_LOCAL, block_size, attention_chunk_size=chunk_size)
+
+
+def mamba(block_size: int) -> KVCacheSpec:
+    """A Mamba group: one state block per request, at least max_model_len tokens large.
+
+    >>> mamba(64).attention.value
+    'mamba'
+    """
+    return KVCacheSpec(AttentionType.MAMBA, block_size)
+
+
+@dataclass(frozen=True)
+class GroupTable:
+    """One group's bookkeeping: each request's blocks, and how many of them are cached.
+
+    A request is in both maps or in neither: it enters when its first
+    allocation succeeds and leaves when it is freed.
+    """
+
+    req_to_blocks: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    """Request id to its block table; the null block stands for skipped blocks."""
+    num_cached_block: Mapping[str, int] = field(default_factory=dict)
+    """Request id to the number of leading blocks already in the hash map."""
+
+
+@dataclass(frozen=True)
+class ManagersState:
+    """Every group's manager and the block pool they share. Group i hashes with group id i."""
+
+    pool: PoolState
+    specs: tuple[KVCacheSpec, ...]
+    tables: tuple[GroupTable, ...]
+
+
+def new_managers(pool: PoolState, specs: Sequence[KVCacheSpec]) -> ManagersState:
+    """Managers for ``specs`` over ``pool``, holding no request.
+
+    Complexity: O(len(specs)).
+
+    >>> from kvpool.model.pool import new_pool
+    >>> len(new_managers(new_pool(4), [full_attention(1)]).tables)
+    1
+    """
+    hbs = pool.config.hash_block_size
+    # Verify that there is at least one group
+    if not specs:
+        raise InvalidManagerConfig("a KV cache manager needs at least one group")
+    for spec in specs:
+        # Verify that each block size is a positive multiple of the hash block size
+        if spec.block_size < hbs or spec.block_size % hbs != 0:
+            raise InvalidManagerConfig(
+                f"block_size={spec.block_size} is not a multiple of hash_block_size={hbs}"
+            )
+        # Verify that windows and chunks are positive
+        if spec.attention is AttentionType.SLIDING_WINDOW and spec.sliding_window < 1:
+            raise InvalidManagerConfig(f"sliding_window={spec.sliding_window} must be positive")
+        if spec.attention is AttentionType.CHUNKED_LOCAL and spec.attention_chunk_size < 1:
+            raise InvalidManagerConfig(
+                f"attention_chunk_size={spec.attention_chunk_size} must be positive"
+            )
+    return ManagersState(pool, tuple(specs), tuple(GroupTable() for _ in specs))
+
+
+# --------------------------------------------------------------------------
+# Cache-hit search (queries over the pool)
+# --------------------------------------------------------------------------
+
+
+def find_longest_cache_hit(
+    pool: PoolState,
+    spec: KVCacheSpec,
+    block_hashes: Sequence[BlockHash],
+    max_length: int,
+    group_ids: Sequence[int],
+    use_eagle: bool = False,
+) -> tuple[tuple[int, ...], ...]:
+    """The cached blocks a request may reuse, one tuple per group of ``group_ids``.
+
+    The hit covers at most ``max_length`` tokens and is common to every
+    group listed (they share ``spec``). Skipped positions (outside a sliding
+    window or before the current chunk) hold the null block. With EAGLE the
+    last matched block is dropped, so the drafter recomputes it.
+
+    Complexity: O(max_length / block_size * len(group_ids)).
+
+    >>> from kvpool.model.pool import new_pool
+    >>> find_longest_cache_hit(new_pool(4), full_attention(1), [b"h"], 1, [0])
+    ((),)
+    """
+    # Verify that at least one group is searched and none is negative
+    if not group_ids or min(group_ids) < 0:
+        raise UnknownGroup(f"cannot search groups {list(group_ids)}")
+    # Verify that the length is not negative
+    if max_length < 0:
+        raise InvalidTokenCount(f"max_length={max_length} is negative")
+
+    hashes = hashes_at_block_size(block_hashes, pool.config.hash_block_size, spec.block_size)
+    max_blocks = min(max_length // spec.block_size, len(hashes))
+    kind = spec.attention
+    if kind is AttentionType.FULL:
+        hit = _prefix_hit(pool, hashes, 0, max_blocks, group_ids)
+        if use_eagle and hit:
+            hit.pop()
+    elif kind is AttentionType.SLIDING_WINDOW:
+        hit = _sliding_window_hit(pool, spec, hashes, max_blocks, group_ids, use_eagle)
+    elif kind is AttentionType.CHUNKED_LOCAL:
+        chunk = spec.attention_chunk_size
+        first = min(max_length // chunk * chunk // spec.block_size, max_blocks)
+        skipped = [tuple(NULL_BLOCK_ID for _ in group_ids)] * first
+        hit = skipped + _prefix_hit(pool, hashes, first, max_blocks, group_ids)
+    else:
+        hit = []
+    return tuple(tuple(blocks[g] for blocks in hit) for g in range(len(group_ids)))
+
+
+def _prefix_hit(
+    pool: PoolState,
+    hashes: Sequence[BlockHash],
+    start: int,
+    stop: int,
+    group_ids: Sequence[int],
+) -> list[tuple[int, ...]]:
+    """Blocks ``start..`` while every group has one cached, stopping at the first miss."""
+    hit: list[tuple[int, ...]] = []
+    for i in range(start, stop):
+        found = get_cached_block(pool, hashes[i], group_ids)
+        if found is None:
+            break
+        hit.append(found)
+    return hit
+
+
+def _sliding_window_hit(
+    pool: PoolState,
+    spec: KVCacheSpec,
+    hashes: Sequence[BlockHash],
+    max_blocks: int,
+    group_ids: Sequence[int],
+    use_eagle: bool,
+) -> list[tuple[int, ...]]:
+    """Right to left: the last run of ``needed`` contiguous cached blocks, nulls before it.
+
+    Without such a run, the run of cached blocks from the start (shorter than
+    the window) is the hit.
+    """
+    needed = _cdiv(spec.sliding_window - 1, spec.block_size) + (1 if use_eagle else 0)
+    null = tuple(NULL_BLOCK_ID for _ in group_ids)
+    hit = [null] * max_blocks
+    run = 0
+    end: int | None = None
+    for i in range(max_blocks - 1, -1, -1):
+        found = get_cached_block(pool, hashes[i], group_ids)
+        if found is None:
+            run = 0
+            continue
+        hit[i] = found
+        run += 1
+        if run >= needed:
+            end = i + run
+            break
+    hit = hit[:end] if end is not None else hit[:run]
+    if use_eagle and hit:
+        hit.pop()
+    return hit
+
+
+# --------------------------------------------------------------------------
+# Allocation
+# --------------------------------------------------------------------------
+
+
+def get_num_blocks_to_allocate(
+    state: ManagersState,
+    group: int,
+    request_id: str,
+    num_tokens: int,
+    new_computed_blocks: Sequence[int],
+) -> int:
+    """How many free blocks giving the request ``num_tokens`` slots in ``group`` takes.
+
+    The new blocks it lacks, plus one per hit block that is free now (an
+    eviction candidate): touching it takes it out of the free queue. The
+    null block is never free and costs nothing.
+
+    Complexity: O(len(new_computed_blocks)).
+
+    >>> from kvpool.model.pool import new_pool
+    >>> m = new_managers(new_pool(8), [full_attention(2)])
+    >>> get_num_blocks_to_allocate(m, 0, "r", 5, [])
+    3
+    """
+    spec, table = _group(state, group)
+    held = len(table.req_to_blocks.get(request_id, ()))
+    lacking = max(0, _cdiv(num_tokens, spec.block_size) - len(new_computed_blocks) - held)
+    evictable = sum(
+        1 for b in new_computed_blocks if b != NULL_BLOCK_ID and state.pool.blocks[b].ref_cnt == 0
+    )
+    return lacking + evictable
+
+
+def save_new_computed_blocks(
+    state: ManagersState, group: int, request_id: str, new_computed_blocks: Sequence[int]
+) -> tuple[ManagersState, None]:
+    """Start the request's block table in ``group`` with its cache hits (touched already).
+
+    A request seen for the first time enters the tables, its hit blocks
+    counted as cached. A request already holding blocks cannot take hits:
+    they must be empty.
+
+    Complexity: O(len(new_computed_blocks)).
+
+    >>> from kvpool.model.pool import new_pool
+    >>> m, _ = save_new_computed_blocks(new_managers(new_pool(4), [full_attention(1)]), 0, "r", [])
+    >>> dict(m.tables[0].req_to_blocks)
+    {'r': ()}
+    """
+    _, table = _group(state, group)
+    if request_id in table.req_to_blocks:
+        # Verify that a request holding blocks gets no new hits
+        if new_computed_blocks:
+            raise HitOnRunningRequest(f"request {request_id!r} already holds blocks")
+        return state, None
+    table = GroupTable(
+        req_to_blocks={**table.req_to_blocks, request_id: tuple(new_computed_blocks)},
+        num_cached_block={**table.num_cached_block, request_id: len(new_computed_blocks)},
+    )
+    return _with_table(state, group, table), None
+
+
+def allocate_new_blocks(
+    state: ManagersState, group: int, request_id: str, num_tokens: int
+) -> tuple[ManagersState, tuple[int, ...]]:
+    """Append fresh blocks to the request's table until it has ``num_tokens`` slots.
+
+    Returns the new blocks (none if it has enough). The pool hands them out
+    from the front of its free queue, evicting their hashes.
+
+    Complexity: O(number of new blocks).
+
+    >>> from kvpool.model.pool import new_pool
+    >>> m = new_managers(new_pool(4), [full_attention(2)])
+    >>> m, _ = save_new_computed_blocks(m, 0, "r", [])
+    >>> allocate_new_blocks(m, 0, "r", 3)[1]
+    (1, 2)
+    """
+    spec, table = _group(state, group)
+    # Verify that the request is in the group's tables
+    _verify_request(table, request_id)
+    blocks = table.req_to_blocks[request_id]
+    lacking = _cdiv(num_tokens, spec.block_size) - len(blocks)
+    if lacking <= 0:
+        return state, ()
+    pool, new = get_new_blocks(state.pool, lacking)
+    table = replace(table, req_to_blocks={**table.req_to_blocks, request_id: blocks + new})
+    return _with_table(replace(state, pool=pool), group, table), new
+
+
+def cache_blocks(
+    state: ManagersState, group: int, request: Request, num_tokens: int
+) -> tuple[ManagersState, None]:
+    """Put the request's blocks that are full within its first ``num_tokens`` tokens in the map.
+
+    Only blocks past those already cached, and only as far as the request
+    has hashes. Never goes back: a smaller ``num_tokens`` than before
+    caches nothing. Mamba groups never cache (their block holds a running
+    state, not the KV of the tokens its hash would name).
+
+    Complexity: O(number of blocks newly cached).
+
+    >>> from kvpool.model.pool import new_pool
+    >>> from kvpool.model.request import new_request
+    >>> m = new_managers(new_pool(4, hash_block_size=2), [full_attention(2)])
+    >>> m, _ = save_new_computed_blocks(m, 0, "r", [])
+    >>> m, _ = allocate_new_blocks(m, 0, "r", 4)
+    >>> m, _ = cache_blocks(m, 0, new_request("r", [7, 8, 9, 9], 2), 4)
+    >>> m.tables[0].num_cached_block["r"], len(m.pool.cached)
+    (2, 2)
+    """
+    spec, table = _group(state, group)
+    rid = request.request_id
+    # Verify that the request is in the group's tables
+    _verify_request(table, rid)
+    # Verify that the request is hashed in the pool's hash blocks
+    verify_hash_block_size(request, state.pool.config.hash_block_size)
+    if spec.attention is AttentionType.MAMBA:
+        return state, None
+    num_cached = table.num_cached_block[rid]
+    num_hashed = len(request.block_hashes) * state.pool.config.hash_block_size
+    num_full = min(num_tokens, num_hashed) // spec.block_size
+    if num_cached >= num_full:
+        return state, None
+    pool, _ = cache_full_blocks(
+        state.pool,
+        cache_request(request),
+        table.req_to_blocks[rid],
+        num_cached,
+        num_full,
+        spec.block_size,
+        group,
+    )
+    table = replace(table, num_cached_block={**table.num_cached_block, rid: num_full})
+    return _with_table(replace(state, pool=pool), group, table), None
+
+
+def free(state: ManagersState, group: int, request_id: str) -> tuple[ManagersState, None]:
+    """Release every block of the request in ``group``, last block first.
+
+    Freed in reverse, so the blocks at the tail of a prefix (the least
+    likely to be hit again) are evicted first. A request holding nothing
+    (aborted before it was allocated) is not an error.
+
+    Complexity: O(number of blocks the request holds).
+
+    >>> from kvpool.model.pool import new_pool
+    >>> m = new_managers(new_pool(4), [full_attention(1)])
+    >>> m, _ = save_new_computed_blocks(m, 0, "r", [])
+    >>> m, _ = allocate_new_blocks(m, 0, "r", 2)
+    >>> free(m, 0, "r")[0].pool.free_queue
+    (2, 1, 3)
+    """
+    _, table = _group(state, group)
+    if request_id not in table.req_to_blocks:
+        return state, None
+    blocks = table.req_to_blocks[request_id]
+    pool, _ = free_blocks(state.pool, blocks[::-1])
+    table = GroupTable(
+        req_to_blocks={r: b for r, b in table.req_to_blocks.items() if r != request_id},
+        num_cached_block={r: n for r, n in table.num_cached_block.items() if r != request_id},
+    )
+    return _with_table(replace(state, pool=pool), group, table), None
+
+
+def remove_skipped_blocks(
+    state: ManagersState, group: int, request_id: str, num_computed_tokens: int
+) -> tuple[ManagersState, None]:
+    """Free the blocks no future token of the request attends to; nulls take their place.
+
+    Sliding window: blocks entirely before the window of the next token
+    (token ``num_computed_tokens``). Chunked local: blocks of earlier chunks,
+    keeping the last cached block. Full attention and Mamba skip nothing.
+    Blocks are released from the window edge backwards, stopping at the
+    first null block (everything before it was released earlier).
+
+    Complexity: O(number of blocks released).
+
+    >>> from kvpool.model.pool import new_pool
+    >>> m = new_managers(new_pool(6), [sliding_window(2, 2)])
+    >>> m, _ = save_new_computed_blocks(m, 0, "r", [])
+    >>> m, _ = allocate_new_blocks(m, 0, "r", 6)
+    >>> remove_skipped_blocks(m, 0, "r", 5)[0].tables[0].req_to_blocks["r"]
+    (0, 0, 3)
+    """
+    spec, table = _group(state, group)
+    if request_id not in table.req_to_blocks:
+        return state, None
+    blocks = table.req_to_blocks[request_id]
+    if spec.attention is AttentionType.SLIDING_WINDOW:
+        first_useful_token = num_computed_tokens - spec.sliding_window + 1
+        first_useful = max(0, first_useful_token) // spec.block_size
+    elif spec.attention is AttentionType.CHUNKED_LOCAL:
+        chunk = spec.attention_chunk_size
+        first_useful = num_computed_tokens // chunk * chunk // spec.block_size
+        num_cached = table.num_cached_block[request_id]
+        if num_cached > 0:
+            first_useful = min(first_useful, num_cached - 1)
+    else:
+        return state, None
+
+    table_blocks = list(blocks)
+    removed: list[int] = []
+    for i in range(min(first_useful, len(blocks)) - 1, -1, -1):
+        if table_blocks[i] == NULL_BLOCK_ID:
+            break
+        removed.append(table_blocks[i])
+        table_blocks[i] = NULL_BLOCK_ID
+    if not removed:
+        return state, None
+    pool, _ = free_blocks(state.pool, removed)
+    table = replace(table, req_to_blocks={**table.req_to_blocks, request_id: tuple(table_blocks)})
+    return _with_table(replace(state, pool=pool), group, table), None
+
+
+def get_num_common_prefix_blocks(
+    state: ManagersState, group: int, request_id: str, num_running_requests: int
+) -> int:
+    """How many leading blocks of the request every running request shares.
+
+    Full attention only: a block is shared by all when its ref count equals
+    ``num_running_requests``. Other types answer 0 (their leading blocks are
+    null, or they are not prefixes).
+
+    Complexity: O(number of blocks counted).
+
+    >>> from kvpool.model.pool import new_pool
+    >>> m = new_managers(new_pool(4), [full_attention(1)])
+    >>> get_num_common_prefix_blocks(m, 0, "r", 1)
+    0
+    """
+    spec, table = _group(state, group)
+    if spec.attention is not AttentionType.FULL:
+        return 0
+    count = 0
+    for b in table.req_to_blocks.get(request_id, ()):
+        if state.pool.blocks[b].ref_cnt != num_running_requests:
+            break
+        count += 1
+    return count
+
+
+# --------------------------------------------------------------------------
+# Helpers (not operations)
+# --------------------------------------------------------------------------
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _group(state: ManagersState, group: int) -> tuple[KVCacheSpec, GroupTable]:
+    # Verify that the group index names a group
+    if not 0 <= group < len(state.specs):
+        raise UnknownGroup(f"group {group} is not in 0..{len(state.specs) - 1}")
+    return state.specs[group], state.tables[group]
+
+
+def _verify_request(table: GroupTable, request_id: str) -> None:
+    if request_id not in table.req_to_blocks:
+        raise UnknownRequest(f"request {request_id!r} holds no blocks in this group")
+
+
+def _with_table(state: ManagersState, group: int, table: GroupTable) -> ManagersState:
+    tables = (*state.tables[:group], table, *state.tables[group + 1 :])
+    return replace(state, tables=tables)

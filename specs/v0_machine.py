@@ -1,0 +1,615 @@
+"""The lock-step machine for the v0 allocator: the model and a target, operation by operation.
+
+The pattern is the v1 machine's (``kvpool.specs.machine``): Hypothesis builds
+programs of allocator calls on tiny allocators (1 to 6 blocks of 1 to 3
+tokens, tokens from a two-letter alphabet so contents repeat and
+de-duplication happens all the time). Each call runs on the model first; a
+call the model rejects is not sent (level 1: valid programs only). Then it
+runs on the target, the results are compared, and after every step the whole
+state (``snapshot()``) is compared and every v0 invariant is run on both.
+
+Block objects are named by handles, numbered in creation order on both
+sides. Rules pick a live handle by position (``pick`` modulo the number of
+live handles), so every program is valid by construction or filtered by the
+model. Divergences print the calls made so far, one per line.
+
+Two **disciplines** decide which programs are generated:
+
+* ``any``: every valid call, at any time value, on any block.
+* ``engine``: what vLLM's v0 block manager does. Time comes from a clock
+  that never goes back; only held blocks are marked as accessed (whole
+  sequences at once); a sequence is freed whole, first block first, right
+  after its blocks are marked with a fresh time; a new block is only
+  appended to the end of a sequence. vLLM's allocator conforms under this
+  discipline; under ``any`` the machine finds its evictor bugs
+  (docs/semantics.md, "The v0 allocator").
+"""
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol, TypeVar
+
+from hypothesis import HealthCheck, event
+from hypothesis import settings as Settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    get_state_machine_test,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from kvpool.model import PoolError
+from kvpool.model import v0 as model
+from kvpool.model.v0 import ContentHash, V0Config, V0State
+from kvpool.specs.v0_invariants import V0InvariantViolation, check_all, dump_v0_state
+
+T = TypeVar("T")
+
+MAX_BLOCKS = 6
+MAX_BLOCK_SIZE = 3
+TOKENS = st.lists(st.integers(1, 2), min_size=MAX_BLOCK_SIZE * 3, max_size=MAX_BLOCK_SIZE * 3)
+PICK = st.integers(0, 63)
+DISCIPLINES = ("any", "engine")
+
+
+class V0Target(Protocol):
+    """What a v0 allocator must offer to be checked: the model's operations, in handles."""
+
+    def allocate_mutable_block(self, prev: int | None) -> int: ...
+
+    def allocate_immutable_block(self, prev: int | None, token_ids: Sequence[int]) -> int: ...
+
+    def allocate_immutable_blocks(
+        self, prev: int | None, block_token_ids: Sequence[Sequence[int]]
+    ) -> Sequence[int]: ...
+
+    def append_token_ids(self, handle: int, token_ids: Sequence[int]) -> int: ...
+
+    def cow_block_if_not_appendable(self, handle: int) -> int: ...
+
+    def clear_copy_on_writes(self) -> Sequence[tuple[int, int]]: ...
+
+    def fork(self, last_block: int) -> Sequence[int]: ...
+
+    def free(self, handle: int) -> None: ...
+
+    def mark_blocks_as_accessed(self, block_ids: Sequence[int], now: float) -> None: ...
+
+    def mark_blocks_as_computed(self, block_ids: Sequence[int]) -> None: ...
+
+    def find_cached_blocks_prefix(
+        self, block_hashes: Sequence[ContentHash]
+    ) -> Sequence[ContentHash]: ...
+
+    def get_common_computed_block_ids(
+        self, seq_block_ids: Sequence[Sequence[int]]
+    ) -> Sequence[int]: ...
+
+    def get_num_free_blocks(self) -> int: ...
+
+    def reset_prefix_cache(self) -> bool: ...
+
+    def snapshot(self) -> V0State: ...
+
+
+V0TargetFactory = Callable[[V0Config], V0Target]
+
+
+class V0Divergence(AssertionError):
+    """The target and the model parted: the message says where, and the calls that led there."""
+
+
+class ModelV0Target:
+    """The model itself as a target: conforms by construction; a smoke test of the machine."""
+
+    def __init__(self, config: V0Config) -> None:
+        self.state = model.new_allocator(config.num_blocks, config.block_size)
+
+    def snapshot(self) -> V0State:
+        return self.state
+
+    def _do(self, result: tuple[V0State, T]) -> T:
+        self.state, value = result
+        return value
+
+    def allocate_mutable_block(self, prev: int | None) -> int:
+        return self._do(model.allocate_mutable_block(self.state, prev))
+
+    def allocate_immutable_block(self, prev: int | None, token_ids: Sequence[int]) -> int:
+        return self._do(model.allocate_immutable_block(self.state, prev, token_ids))
+
+    def allocate_immutable_blocks(
+        self, prev: int | None, block_token_ids: Sequence[Sequence[int]]
+    ) -> Sequence[int]:
+        return self._do(model.allocate_immutable_blocks(self.state, prev, block_token_ids))
+
+    def append_token_ids(self, handle: int, token_ids: Sequence[int]) -> int:
+        return self._do(model.append_token_ids(self.state, handle, token_ids))
+
+    def cow_block_if_not_appendable(self, handle: int) -> int:
+        return self._do(model.cow_block_if_not_appendable(self.state, handle))
+
+    def clear_copy_on_writes(self) -> Sequence[tuple[int, int]]:
+        return self._do(model.clear_copy_on_writes(self.state))
+
+    def fork(self, last_block: int) -> Sequence[int]:
+        return self._do(model.fork(self.state, last_block))
+
+    def free(self, handle: int) -> None:
+        self._do(model.free(self.state, handle))
+
+    def mark_blocks_as_accessed(self, block_ids: Sequence[int], now: float) -> None:
+        self._do(model.mark_blocks_as_accessed(self.state, block_ids, now))
+
+    def mark_blocks_as_computed(self, block_ids: Sequence[int]) -> None:
+        self._do(model.mark_blocks_as_computed(self.state, block_ids))
+
+    def find_cached_blocks_prefix(
+        self, block_hashes: Sequence[ContentHash]
+    ) -> Sequence[ContentHash]:
+        return model.find_cached_blocks_prefix(self.state, block_hashes)
+
+    def get_common_computed_block_ids(
+        self, seq_block_ids: Sequence[Sequence[int]]
+    ) -> Sequence[int]:
+        return model.get_common_computed_block_ids(seq_block_ids)
+
+    def get_num_free_blocks(self) -> int:
+        return model.get_num_free_blocks(self.state)
+
+    def reset_prefix_cache(self) -> bool:
+        return self._do(model.reset_prefix_cache(self.state))
+
+
+class V0Machine(RuleBasedStateMachine):
+    """Drives ``make_target`` against the v0 model. Subclass via ``v0_machine(...)``."""
+
+    make_target: ClassVar[V0TargetFactory]
+    discipline: ClassVar[str] = "any"
+    last_trace: ClassVar[list[str]] = []
+    """The calls of the last program run (after a failure: the shrunk one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model: V0State | None = None
+        self.target: V0Target | None = None
+        self.clock = 0
+        self.trace: list[str] = []
+        type(self).last_trace = self.trace
+
+    @property
+    def engine(self) -> bool:
+        return self.discipline == "engine"
+
+    # ------------------------------------------------------------------
+    # Construction and picking
+    # ------------------------------------------------------------------
+
+    @initialize(num_blocks=st.integers(1, MAX_BLOCKS), block_size=st.integers(1, MAX_BLOCK_SIZE))
+    def new_allocator(self, num_blocks: int, block_size: int) -> None:
+        config = V0Config(num_blocks, block_size)
+        self.model = model.new_allocator(num_blocks, block_size)
+        self.trace.append(f"new_allocator(num_blocks={num_blocks}, block_size={block_size})")
+        self.target = type(self).make_target(config)
+
+    def live(self) -> list[int]:
+        assert self.model is not None
+        return sorted(self.model.handles)
+
+    def has_live(self) -> bool:
+        return self.model is not None and bool(self.model.handles)
+
+    def pick(self, pick: int) -> int:
+        live = self.live()
+        return live[pick % len(live)]
+
+    def tails(self) -> list[int]:
+        """Live handles that no live handle follows: the ends of sequences."""
+        assert self.model is not None
+        followed = {b.prev for b in self.model.handles.values()}
+        return [h for h in self.live() if h not in followed]
+
+    def pick_prev(self, pick: int | None) -> int | None:
+        """A previous block for a new one: none, or (engine) the end of a sequence."""
+        if pick is None or not self.has_live():
+            return None
+        candidates = self.tails() if self.engine else self.live()
+        return candidates[pick % len(candidates)] if candidates else None
+
+    def block_size(self) -> int:
+        assert self.model is not None
+        return self.model.config.block_size
+
+    # ------------------------------------------------------------------
+    # Allocation and appending
+    # ------------------------------------------------------------------
+
+    @precondition(lambda self: self.model is not None)
+    @rule(prev=st.none() | PICK)
+    def allocate_mutable_block(self, prev: int | None) -> None:
+        after = self.pick_prev(prev)
+        self._step(
+            f"allocate_mutable_block(prev={after})",
+            lambda s: model.allocate_mutable_block(s, after),
+            lambda t: t.allocate_mutable_block(after),
+        )
+
+    @precondition(lambda self: self.model is not None)
+    @rule(prev=st.none() | PICK, tokens=TOKENS)
+    def allocate_immutable_block(self, prev: int | None, tokens: list[int]) -> None:
+        after = self.pick_prev(prev)
+        block = tokens[: self.block_size()]
+        self._step(
+            f"allocate_immutable_block(prev={after}, token_ids={block})",
+            lambda s: model.allocate_immutable_block(s, after, block),
+            lambda t: t.allocate_immutable_block(after, block),
+        )
+
+    @precondition(lambda self: self.model is not None)
+    @rule(prev=st.none() | PICK, count=st.integers(1, 3), tokens=TOKENS)
+    def allocate_immutable_blocks(self, prev: int | None, count: int, tokens: list[int]) -> None:
+        after = self.pick_prev(prev)
+        size = self.block_size()
+        blocks = [tokens[i * size : (i + 1) * size] for i in range(count)]
+        self._step(
+            f"allocate_immutable_blocks(prev={after}, block_token_ids={blocks})",
+            lambda s: model.allocate_immutable_blocks(s, after, blocks),
+            lambda t: tuple(t.allocate_immutable_blocks(after, blocks)),
+        )
+
+    @precondition(lambda self: self.has_live())
+    @rule(pick=PICK, count=st.integers(0, MAX_BLOCK_SIZE), fill=st.booleans(), tokens=TOKENS)
+    def append_token_ids(self, pick: int, count: int, fill: bool, tokens: list[int]) -> None:
+        """Append ``count`` tokens (capped to the empty slots), or fill the block."""
+        assert self.model is not None
+        handle = self.pick(pick)
+        empty = self.block_size() - len(self.model.handles[handle].token_ids)
+        appended = tokens[: empty if fill else min(count, empty)]
+        self._step(
+            f"append_token_ids({handle}, {appended})",
+            lambda s: model.append_token_ids(s, handle, appended),
+            lambda t: t.append_token_ids(handle, appended),
+        )
+
+    # ------------------------------------------------------------------
+    # Sharing
+    # ------------------------------------------------------------------
+
+    @precondition(lambda self: self.has_live())
+    @rule(pick=PICK)
+    def fork(self, pick: int) -> None:
+        handle = self.tails()[pick % len(self.tails())] if self.engine else self.pick(pick)
+        self._step(
+            f"fork({handle})",
+            lambda s: model.fork(s, handle),
+            lambda t: tuple(t.fork(handle)),
+        )
+
+    @precondition(lambda self: self.has_live())
+    @rule(pick=PICK)
+    def cow_block_if_not_appendable(self, pick: int) -> None:
+        handle = self.pick(pick)
+        self._step(
+            f"cow_block_if_not_appendable({handle})",
+            lambda s: model.cow_block_if_not_appendable(s, handle),
+            lambda t: t.cow_block_if_not_appendable(handle),
+        )
+
+    @precondition(lambda self: self.model is not None)
+    @rule()
+    def clear_copy_on_writes(self) -> None:
+        self._step(
+            "clear_copy_on_writes()",
+            model.clear_copy_on_writes,
+            lambda t: tuple(tuple(pair) for pair in t.clear_copy_on_writes()),
+        )
+
+    # ------------------------------------------------------------------
+    # Freeing
+    # ------------------------------------------------------------------
+
+    @precondition(lambda self: self.has_live() and not self.engine)
+    @rule(pick=PICK)
+    def free(self, pick: int) -> None:
+        handle = self.pick(pick)
+        self._step(
+            f"free({handle})",
+            lambda s: model.free(s, handle),
+            lambda t: t.free(handle),
+        )
+
+    @precondition(lambda self: self.has_live())
+    @rule(pick=PICK, mark=st.booleans(), now=st.integers(0, 4))
+    def free_sequence(self, pick: int, mark: bool, now: int) -> None:
+        """Free a whole sequence, first block first; engine: marked at a fresh time just before."""
+        assert self.model is not None
+        tails = self.tails()
+        if not tails:
+            return
+        handle = tails[pick % len(tails)]
+        try:
+            handles = model.chain(self.model, handle)
+        except PoolError:
+            event("level 1: a sequence with a freed block is not freed whole")
+            return
+        if self.engine:
+            self.clock += 1
+            mark, now = True, self.clock
+        if mark:
+            self._mark_accessed(handles, now)
+        for h in handles:
+            self._step(f"free({h})", lambda s, h=h: model.free(s, h), lambda t, h=h: t.free(h))
+
+    # ------------------------------------------------------------------
+    # Access times and computed blocks
+    # ------------------------------------------------------------------
+
+    @precondition(lambda self: self.has_live())
+    @rule(pick=PICK, tick=st.integers(0, 2), now=st.integers(0, 4))
+    def mark_sequence_as_accessed(self, pick: int, tick: int, now: int) -> None:
+        """Mark every block of a sequence (engine: at the clock, moved on by ``tick``)."""
+        assert self.model is not None
+        handle = self.pick(pick)
+        try:
+            handles = model.chain(self.model, handle)
+        except PoolError:
+            event("level 1: a sequence with a freed block is not marked")
+            return
+        if self.engine:
+            self.clock += tick
+            now = self.clock
+        self._mark_accessed(handles, now)
+
+    def _mark_accessed(self, handles: Sequence[int], now: int) -> None:
+        assert self.model is not None
+        ids = [self.model.handles[h].block_id for h in handles]
+        self._step(
+            f"mark_blocks_as_accessed({ids}, now={now})",
+            lambda s: model.mark_blocks_as_accessed(s, ids, now),
+            lambda t: t.mark_blocks_as_accessed(ids, now),
+        )
+
+    @precondition(lambda self: self.model is not None and not self.engine)
+    @rule(block_ids=st.lists(st.integers(0, MAX_BLOCKS - 1), min_size=1, max_size=3), now=st.integers(0, 4))
+    def mark_blocks_as_accessed(self, block_ids: list[int], now: int) -> None:
+        """Any blocks, held or evictable (vLLM's block manager only marks held ones)."""
+        self._step(
+            f"mark_blocks_as_accessed({block_ids}, now={now})",
+            lambda s: model.mark_blocks_as_accessed(s, block_ids, now),
+            lambda t: t.mark_blocks_as_accessed(block_ids, now),
+        )
+
+    @precondition(lambda self: self.model is not None)
+    @rule()
+    def mark_blocks_as_computed(self) -> None:
+        self._step(
+            "mark_blocks_as_computed([])",
+            lambda s: model.mark_blocks_as_computed(s, []),
+            lambda t: t.mark_blocks_as_computed([]),
+        )
+
+    # ------------------------------------------------------------------
+    # Queries and reset
+    # ------------------------------------------------------------------
+
+    @precondition(lambda self: self.model is not None)
+    @rule(tokens=TOKENS, pick=st.none() | PICK)
+    def find_cached_blocks_prefix(self, tokens: list[int], pick: int | None) -> None:
+        """Hashes of random tokens, or of a live sequence's tokens followed by random ones."""
+        assert self.model is not None
+        prefix: tuple[int, ...] = ()
+        if pick is not None and self.has_live():
+            try:
+                handles = model.chain(self.model, self.pick(pick))
+                prefix = sum((self.model.handles[h].token_ids for h in handles), ())
+            except PoolError:
+                prefix = ()
+        hashes = model.content_hashes(prefix + tuple(tokens), self.block_size())[:6]
+        self._query(
+            f"find_cached_blocks_prefix({list(hashes)})",
+            lambda s: model.find_cached_blocks_prefix(s, hashes),
+            lambda t: tuple(t.find_cached_blocks_prefix(hashes)),
+        )
+
+    @precondition(lambda self: self.model is not None)
+    @rule(lists=st.lists(st.lists(st.integers(0, 3), max_size=3), max_size=3))
+    def get_common_computed_block_ids(self, lists: list[list[int]]) -> None:
+        self._query(
+            f"get_common_computed_block_ids({lists})",
+            lambda s: model.get_common_computed_block_ids(lists),
+            lambda t: tuple(t.get_common_computed_block_ids(lists)),
+        )
+
+    @precondition(lambda self: self.model is not None)
+    @rule()
+    def reset_prefix_cache(self) -> None:
+        self._step("reset_prefix_cache()", model.reset_prefix_cache, lambda t: t.reset_prefix_cache())
+
+    # ------------------------------------------------------------------
+    # After every step
+    # ------------------------------------------------------------------
+
+    @invariant()
+    def target_agrees_with_model(self) -> None:
+        if self.model is None or self.target is None:
+            return
+        self._compare(
+            "get_num_free_blocks()",
+            model.get_num_free_blocks(self.model),
+            self.target.get_num_free_blocks(),
+        )
+        check_all(self.model)
+        snapshot = self.target.snapshot()
+        if snapshot != self.model:
+            raise V0Divergence(
+                self._history(
+                    "the target's state differs from the model's:\n"
+                    + state_diff(self.model, snapshot)
+                )
+            )
+        check_all(snapshot)
+        reason = cached_prefix_reason(self.model)
+        if reason is not None:
+            event("the binary-search property does not hold (cached prefix not closed)")
+
+    # ------------------------------------------------------------------
+    # Lock-step machinery
+    # ------------------------------------------------------------------
+
+    def _step(
+        self,
+        description: str,
+        on_model: Callable[[V0State], tuple[V0State, T]],
+        on_target: Callable[[V0Target], Any],
+    ) -> None:
+        assert self.model is not None and self.target is not None
+        try:
+            after, expected = on_model(self.model)
+        except PoolError:
+            event(f"level 1: invalid {description.split('(')[0]} not sent")
+            return
+        self.trace.append(f"{description} -> {expected!r}")
+        actual = self._call(description, on_target)
+        self.model = after
+        self._compare(description, expected, actual)
+
+    def _query(
+        self,
+        description: str,
+        on_model: Callable[[V0State], T],
+        on_target: Callable[[V0Target], Any],
+    ) -> None:
+        assert self.model is not None
+        try:
+            expected = on_model(self.model)
+        except PoolError:
+            return
+        self.trace.append(f"{description} -> {expected!r}")
+        self._compare(description, expected, self._call(description, on_target))
+
+    def _call(self, description: str, on_target: Callable[[V0Target], Any]) -> Any:
+        assert self.target is not None
+        try:
+            return on_target(self.target)
+        except Exception as error:
+            raise V0Divergence(
+                self._history(f"{description}: the model accepts it, the target raises {error!r}")
+            ) from error
+
+    def _compare(self, description: str, expected: object, actual: object) -> None:
+        if expected != actual:
+            raise V0Divergence(
+                self._history(f"{description}: model returned {expected!r}, target {actual!r}")
+            )
+
+    def _history(self, what: str) -> str:
+        calls = "\n".join(f"  {line}" for line in self.trace)
+        return f"{what}\n\ncalls (model results):\n{calls}"
+
+
+def cached_prefix_reason(state: V0State) -> str | None:
+    """``v0_invariants.cached_prefix_closed``, imported late to keep this module's imports short."""
+    from kvpool.specs.v0_invariants import cached_prefix_closed
+
+    return cached_prefix_closed(state)
+
+
+def state_diff(expected: V0State, actual: V0State) -> str:
+    """The two states side by side, as a unified diff of their dumps."""
+    import difflib
+
+    return "\n".join(
+        difflib.unified_diff(
+            dump_v0_state(expected).splitlines(),
+            dump_v0_state(actual).splitlines(),
+            fromfile="model",
+            tofile="target",
+            lineterm="",
+        )
+    )
+
+
+def v0_machine(
+    make_target: V0TargetFactory, discipline: str = "any", name: str = "V0Machine"
+) -> type[V0Machine]:
+    """A state machine class that checks ``make_target`` under ``discipline``."""
+    if discipline not in DISCIPLINES:
+        raise ValueError(f"unknown discipline {discipline!r}; known: {', '.join(DISCIPLINES)}")
+    attrs = {"make_target": staticmethod(make_target), "discipline": discipline}
+    return type(name, (V0Machine,), attrs)
+
+
+# --------------------------------------------------------------------------
+# Running a check
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class V0Report:
+    """The outcome of one check: whether the target conformed, and if not, how."""
+
+    target: str
+    discipline: str
+    conforms: bool = True
+    failure_kind: str | None = None
+    """``divergence`` or ``invariant``."""
+    failure: str | None = None
+    program: list[str] = field(default_factory=list)
+    """The calls of the (shrunk) failing program, with the model's results."""
+    examples_run: int = 0
+    seconds: float = 0.0
+
+
+def check_v0(
+    make_target: V0TargetFactory,
+    discipline: str = "any",
+    *,
+    hypothesis_profile: str = "ci",
+    max_examples: int | None = None,
+    steps: int | None = None,
+    seed: int | None = None,
+    target_name: str = "target",
+) -> V0Report:
+    """Run the v0 machine against ``make_target`` and report whether it conforms.
+
+    >>> check_v0(ModelV0Target, max_examples=5, steps=10).conforms
+    True
+    """
+    import kvpool.specs.settings  # noqa: F401  (registers the Hypothesis profiles)
+
+    report = V0Report(target=target_name, discipline=discipline)
+    machine = v0_machine(make_target, discipline)
+
+    class Counted(machine):  # type: ignore[valid-type,misc]
+        def __init__(self) -> None:
+            super().__init__()
+            report.examples_run += 1
+
+    overrides: dict[str, object] = {
+        "report_multiple_bugs": False,
+        "suppress_health_check": list(HealthCheck),
+    }
+    if max_examples is not None:
+        overrides["max_examples"] = max_examples
+    if steps is not None:
+        overrides["stateful_step_count"] = steps
+    chosen = Settings(Settings.get_profile(hypothesis_profile), **overrides)  # type: ignore[arg-type]
+    test = get_state_machine_test(Counted, settings=chosen)
+    if seed is not None:
+        test._hypothesis_internal_use_seed = seed  # type: ignore[attr-defined]
+    started = time.perf_counter()
+    try:
+        test()
+    except V0Divergence as failure:
+        report.conforms, report.failure_kind, report.failure = False, "divergence", str(failure)
+    except V0InvariantViolation as failure:
+        report.conforms, report.failure_kind, report.failure = False, "invariant", str(failure)
+    finally:
+        report.seconds = time.perf_counter() - started
+    if not report.conforms:
+        report.program = list(Counted.last_trace)
+    return report

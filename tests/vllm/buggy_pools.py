@@ -1,0 +1,45 @@
+"""Planted bugs in subclasses of vLLM's BlockPool, for `kvpool check --target vllm:...`.
+
+Importing this module imports vLLM. Each class changes one behaviour, in code
+written here, and keeps vLLM's constructor.
+"""
+
+from collections.abc import Iterable
+from typing import Any
+
+from vllm.v1.core.block_pool import BlockPool
+
+
+class HashlessToBackPool(BlockPool):
+    """Frees every block to the back of the free queue, hash-less ones too.
+
+    Since 0.24 a hash-less block goes to the front: it can never be a cache
+    hit, so it should be reused first. This pool keeps it alive instead and
+    evicts cached prefixes earlier than needed.
+    """
+
+    def free_blocks(self, ordered_blocks: Iterable[Any]) -> None:
+        released = []
+        for block in ordered_blocks:
+            if block.is_null:
+                continue
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                released.append(block)
+        self.free_block_queue.append_n(released)
+
+
+class StaleHashPool(BlockPool):
+    """Hands out free blocks without evicting their hashes.
+
+    A reused block keeps its old key in the prefix cache, so a later lookup
+    of that prefix returns a block that now holds another request's KV data.
+    """
+
+    def get_new_blocks(self, num_blocks: int) -> list[Any]:
+        if num_blocks > self.get_num_free_blocks():
+            raise ValueError(f"cannot get {num_blocks} free blocks")
+        blocks: list[Any] = self.free_block_queue.popleft_n(num_blocks)
+        for block in blocks:
+            block.ref_cnt += 1
+        return blocks
