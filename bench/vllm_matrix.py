@@ -11,11 +11,14 @@ For each release the wheel's sources are fetched once into the kvpool cache
 (``kvpool.specs.vllm_releases``) and a child interpreter imports that
 release and runs, with the ``ci`` Hypothesis profile:
 
-* level 1 against every semantics profile, the release's expected one
-  first; when a profile fails on a known level-1 bug the adapter can step
-  around (``WORKAROUNDS``), that profile is tried again with the workaround;
-* level 2 with the expected profile, stepping over each rejection mismatch
-  once found (``survey_level2``), so every one is listed.
+* level 1 with the release's expected profile, caching on and off, with
+  shrinking (the programs printed are minimal); if it diverges, again with
+  the fewest known-bug workarounds (``WORKAROUNDS``) that make it conform,
+  so that what lies behind a release's first bug is checked too;
+* level 1 with every other profile and those workarounds, without
+  shrinking: only whether it conforms;
+* level 2 with the expected profile, without shrinking, stepping over each
+  rejection mismatch once found (``survey_level2``), so every one is listed.
 
 The results are written as JSON (``--output``) and printed as a Markdown
 table for docs/vllm-conformance.md.
@@ -65,7 +68,12 @@ def _summary(report: Any) -> dict[str, Any]:
 
 def run_child(version: str, examples: int) -> dict[str, Any]:
     """Everything the matrix wants to know about the importable release ``version``."""
+    from itertools import combinations
+
+    from hypothesis import Phase, settings
+
     from kvpool.model import PROFILES
+    from kvpool.specs import settings as _registered  # noqa: F401  (the ci profile)
     from kvpool.specs.adapters.vllm_target import (
         WORKAROUNDS,
         TargetError,
@@ -77,6 +85,11 @@ def run_child(version: str, examples: int) -> dict[str, Any]:
     from kvpool.specs.conformance import run_conformance
     from kvpool.specs.vllm_releases import activate_release, profile_for_release
 
+    settings.register_profile(
+        "matrix-explore",
+        settings.get_profile("ci"),
+        phases=[Phase.explicit, Phase.reuse, Phase.generate],
+    )
     activate_release(version)
     install_operation_filter()
     result: dict[str, Any] = {"version": version, "expected_profile": profile_for_release(version)}
@@ -87,49 +100,65 @@ def run_child(version: str, examples: int) -> dict[str, Any]:
         return result
     result["imported_version"] = api.version
     result["left_out"] = sorted(api.unsupported_operations())
-    options: dict[str, Any] = {"hypothesis_profile": "ci", "max_examples": examples}
 
+    def check(
+        profile: str, caching: bool, workarounds: tuple[str, ...], shrink: bool
+    ) -> dict[str, Any]:
+        report = run_conformance(
+            VllmTargetFactory(workarounds=workarounds),
+            level=1,
+            profile=profile,
+            caching=(caching,),
+            target_name=version,
+            hypothesis_profile="ci" if shrink else "matrix-explore",
+            max_examples=examples,
+        )
+        return _summary(report)
+
+    # The expected profile, shrunk; then the fewest workarounds that make it conform.
     expected = result["expected_profile"]
-    order = [expected, *(p for p in PROFILES if p != expected)]
     level1: dict[str, Any] = {}
-    for profile in order:
-        for caching in (True, False):
-
-            def check(
-                workarounds: list[str], profile: str = profile, caching: bool = caching
-            ) -> Any:
-                return run_conformance(
-                    VllmTargetFactory(workarounds=workarounds),
-                    level=1,
-                    profile=profile,
-                    caching=(caching,),
-                    target_name=version,
-                    **options,
+    chosen: tuple[str, ...] = ()
+    for caching in (True, False):
+        level1[f"{expected} caching={'on' if caching else 'off'}"] = check(
+            expected, caching, (), shrink=True
+        )
+    if not all(e["conforms"] for e in level1.values()):
+        candidates = [c for n in (1, 2) for c in combinations(WORKAROUNDS, n)]
+        for combination in candidates:
+            runs = {
+                f"{expected} caching={'on' if c else 'off'}": check(
+                    expected, c, combination, shrink=True
                 )
+                for c in (True, False)
+            }
+            for key, entry in runs.items():
+                level1[key][f"with {'+'.join(combination)}"] = entry
+            if all(e["conforms"] for e in runs.values()):
+                chosen = combination
+                break
+    result["workarounds"] = list(chosen)
 
-            report = check([])
-            entry = _summary(report)
-            if not report.conforms and report.failure_kind != "target-error":
-                for workaround in WORKAROUNDS:
-                    entry[f"with {workaround}"] = _summary(check([workaround]))
-            level1[f"{profile} caching={'on' if caching else 'off'}"] = entry
+    # The other profiles, with the same workarounds, not shrunk: do they conform?
+    for profile in PROFILES:
+        if profile == expected:
+            continue
+        for caching in (True, False):
+            level1[f"{profile} caching={'on' if caching else 'off'}"] = check(
+                profile, caching, chosen, shrink=False
+            )
     result["level1"] = level1
 
-    workarounds = [
-        w
-        for w in WORKAROUNDS
-        if any(e.get(f"with {w}", {}).get("conforms") for e in level1.values())
-    ]
     started = time.perf_counter()
     found, last = survey_level2(
-        VllmTargetFactory(workarounds=workarounds),
+        VllmTargetFactory(workarounds=chosen),
         step_over_new=True,
         profile=expected,
         target_name=version,
-        **options,
+        hypothesis_profile="matrix-explore",
+        max_examples=examples,
     )
     result["level2"] = {
-        "workarounds": workarounds,
         "findings": [
             {
                 "operation": d.operation,
@@ -177,12 +206,12 @@ def run_release(version: str, examples: int) -> dict[str, Any]:
     return result
 
 
-def _verdict(entry: dict[str, Any]) -> str:
+def _verdict(entry: dict[str, Any], workarounds: list[str]) -> str:
     if entry.get("conforms"):
         return "conforms"
-    for key, again in entry.items():
-        if key.startswith("with ") and isinstance(again, dict) and again.get("conforms"):
-            return f"conforms {key}"
+    again = entry.get(f"with {'+'.join(workarounds)}") if workarounds else None
+    if isinstance(again, dict) and again.get("conforms"):
+        return f"conforms with {'+'.join(workarounds)}"
     return "diverges"
 
 
@@ -197,11 +226,14 @@ def markdown(results: list[dict[str, Any]]) -> str:
             rows.append(f"| {r['version']} | | | not run: {r['error'][:80]} | |")
             continue
         level1 = r["level1"]
-        verdicts = "; ".join(f"{p}: {_verdict(e)}" for p, e in level1.items())
+        chosen = r.get("workarounds", [])
+        verdicts = "; ".join(f"{p}: {_verdict(e, chosen)}" for p, e in level1.items())
         conforming = [
             p
             for p in dict.fromkeys(k.split()[0] for k in level1)
-            if all(_verdict(e) != "diverges" for k, e in level1.items() if k.split()[0] == p)
+            if all(
+                _verdict(e, chosen) != "diverges" for k, e in level1.items() if k.split()[0] == p
+            )
         ]
         verdicts = f"**{', '.join(conforming) or 'none'}** ({verdicts})"
         findings = r["level2"]["findings"]

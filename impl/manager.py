@@ -60,7 +60,9 @@ class KVCacheBlocks:
         self.blocks = blocks
 
     def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
-        return KVCacheBlocks(tuple([*a, *b] for a, b in zip(self.blocks, other.blocks, strict=True)))
+        return KVCacheBlocks(
+            tuple([*a, *b] for a, b in zip(self.blocks, other.blocks, strict=True))
+        )
 
     def get_block_ids(self) -> tuple[list[int], ...]:
         """The block ids per group."""
@@ -170,7 +172,12 @@ class KVCacheManager:
         if len(managers) == 1:
             manager = managers[0]
             hit = type(manager).find_longest_cache_hit(
-                block_hashes, max_length, [0], self.block_pool, manager.kv_cache_spec, self.use_eagle
+                block_hashes,
+                max_length,
+                [0],
+                self.block_pool,
+                manager.kv_cache_spec,
+                self.use_eagle,
             )
             return hit, len(hit[0]) * manager.block_size
 
@@ -370,4 +377,3 @@ class KVCacheManager:
             ),
             stats=self.prefix_cache_stats,
         )
-

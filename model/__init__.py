@@ -1,7 +1,10 @@
 """kvpool.model: the executable specification of vLLM's v1 block pool.
 
 Read ``pool.py`` top to bottom: one pure function per operation over the
-immutable data of ``state.py``. Nothing here imports anything else of kvpool.
+immutable data of ``state.py``. The request layer builds on it: ``hashing.py``
+(block hashes), ``request.py``, ``managers.py`` (one KV cache group per
+attention type) and ``manager.py`` (the KV cache manager). Nothing here
+imports anything else of kvpool.
 """
 
 from kvpool.model.errors import (
@@ -29,6 +32,7 @@ from kvpool.model.events import (
     BlockStored,
     KVCacheEvent,
 )
+from kvpool.model.hashing import NONE_HASH, hash_block_tokens
 from kvpool.model.pool import (
     cache_full_blocks,
     cache_partial_block,
@@ -53,6 +57,7 @@ from kvpool.model.profiles import (
     FreeOrder,
     Profile,
 )
+from kvpool.model.request import Request, new_request
 from kvpool.model.state import (
     NULL_BLOCK_ID,
     BlockHash,
@@ -69,6 +74,7 @@ __all__ = [
     "HASHLESS_FIRST",
     "HASHLESS_FIRST_APPEND_UNCACHED",
     "MEDIUM_GPU",
+    "NONE_HASH",
     "NULL_BLOCK_ID",
     "PROFILES",
     "AllBlocksCleared",
@@ -98,6 +104,7 @@ __all__ = [
     "PoolError",
     "PoolState",
     "Profile",
+    "Request",
     "UnknownBlock",
     "cache_full_blocks",
     "cache_partial_block",
@@ -107,8 +114,10 @@ __all__ = [
     "get_new_blocks",
     "get_num_free_blocks",
     "get_usage",
+    "hash_block_tokens",
     "hashes_at_block_size",
     "new_pool",
+    "new_request",
     "reset_prefix_cache",
     "take_events",
     "touch",

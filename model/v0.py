@@ -45,7 +45,6 @@ metrics are not modelled either: they observe, and decide nothing.
 from bisect import bisect_left
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from os.path import commonprefix
 from typing import Any
 
 from kvpool.model.errors import InvalidConfig, UnknownBlock
@@ -253,9 +252,7 @@ def allocate_immutable_blocks(
     return state, tuple(handles)
 
 
-def append_token_ids(
-    state: V0State, handle: int, token_ids: Sequence[int]
-) -> tuple[V0State, int]:
+def append_token_ids(state: V0State, handle: int, token_ids: Sequence[int]) -> tuple[V0State, int]:
     """Write tokens into a mutable block; return the block id the handle ends up on.
 
     If other handles share the block, the appender first moves to a fresh
@@ -404,7 +401,7 @@ def cow_block_if_not_appendable(state: V0State, handle: int) -> tuple[V0State, i
 
 
 def clear_copy_on_writes(state: V0State) -> tuple[V0State, tuple[tuple[int, int], ...]]:
-    """Every (source, destination) copy recorded since the last call, oldest first; then forget them.
+    """Every (source, destination) copy recorded since the last call, oldest first; then none.
 
     Complexity: O(number of copies).
 
@@ -509,7 +506,7 @@ def mark_blocks_as_accessed(
 
 
 def mark_blocks_as_computed(state: V0State, block_ids: Iterable[int] = ()) -> tuple[V0State, None]:
-    """Every block touched (promoted) since the last call becomes computed; ``block_ids`` is ignored.
+    """Every block promoted since the last call becomes computed; ``block_ids`` is ignored.
 
     A touched block is recorded by id: if it was freed and taken again
     since, the id's new content is what becomes computed (vLLM's rule).
@@ -625,7 +622,14 @@ def get_common_computed_block_ids(seq_block_ids: Sequence[Sequence[int]]) -> tup
     """
     if len(seq_block_ids) == 1:
         return tuple(seq_block_ids[0])
-    return tuple(commonprefix([list(ids) for ids in seq_block_ids if ids]))
+    lists = [tuple(ids) for ids in seq_block_ids if ids]
+    if not lists:
+        return ()
+    shortest = min(lists, key=len)
+    for end, block_id in enumerate(shortest):
+        if any(ids[end] != block_id for ids in lists):
+            return shortest[:end]
+    return shortest
 
 
 def chain(state: V0State, handle: int) -> tuple[int, ...]:

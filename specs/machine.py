@@ -50,9 +50,17 @@ from kvpool.specs.target import PoolTarget, Snapshottable, TargetFactory
 T = TypeVar("T")
 
 MAX_BLOCKS = 9
-TOKENS = st.lists(st.integers(1, 2), min_size=16, max_size=16)
+
+
+def tokens_from_bits(bits: int) -> list[int]:
+    """Sixteen tokens from the bits of one integer (token i is 1 or 2)."""
+    return [1 + (bits >> i & 1) for i in range(16)]
+
+
+TOKENS = st.integers(0, 2**16 - 1).map(tokens_from_bits)
 """A request's tokens: from a two-letter alphabet, so requests share prefixes
-often, and 16 of them, enough for every block a rule may cache."""
+often, and 16 of them, enough for every block a rule may cache. They are drawn
+as one integer, so the shrinker makes one choice per request, not sixteen."""
 
 
 class Divergence(AssertionError):

@@ -49,6 +49,7 @@ from kvpool.specs.request_invariants import (
     cached_blocks_hold_their_prefix,
     check,
     hit_matches_request,
+    ref_counts_match_tables,
     request_content,
     requests_read_their_own_kv,
     write_is_exclusive,
@@ -309,9 +310,7 @@ class ManagerMachine(RuleBasedStateMachine):
         allocated = self._step(
             f"allocate_slots({rid}, num_new_tokens={num_new}, num_new_computed_tokens={num_hit}, "
             f"new_computed_blocks={hit}, delay_cache_blocks={delay})",
-            lambda s: model_manager.allocate_slots(
-                s, request, num_new, num_hit, hit, 0, delay
-            ),
+            lambda s: model_manager.allocate_slots(s, request, num_new, num_hit, hit, 0, delay),
             lambda t: _blocks_or_none(t.allocate_slots(request, num_new, num_hit, hit, 0, delay)),
         )
         if allocated is None:
@@ -453,6 +452,7 @@ class ManagerMachine(RuleBasedStateMachine):
         if pool is None:
             return
         check_all(pool, None, self.taken)
+        check(("ref_counts_match_tables", ref_counts_match_tables(pool, tables)))
         check(
             (
                 "cached_blocks_hold_their_prefix",
@@ -556,7 +556,10 @@ class ManagerMachine(RuleBasedStateMachine):
         on_target: Callable[[ManagerTarget], Any],
         returns_none: bool = False,
     ) -> T:
-        """Run one call on both sides; return the model's result (the target's, without lock-step)."""
+        """Run one call on both sides and return the model's result.
+
+        Without lock-step only the target runs, and its result is returned.
+        """
         assert self.model is not None and self.target is not None
         if not self.lockstep:
             result: T = on_target(self.target)

@@ -207,6 +207,32 @@ def hit_matches_request(
     return None
 
 
+def ref_counts_match_tables(
+    pool: PoolState, tables: Mapping[str, Sequence[Sequence[int]]]
+) -> Reason:
+    """Every real block is held exactly as many times as request block tables list it.
+
+    More references than listings is a leak: the block never returns to the
+    free queue. Fewer is worse: the block is free (or about to be) while a
+    request still reads it, and the next allocation overwrites its KV.
+    """
+    listed: dict[int, int] = {}
+    for groups in tables.values():
+        for blocks in groups:
+            for block in blocks:
+                if block != NULL_BLOCK_ID:
+                    listed[block] = listed.get(block, 0) + 1
+    for block, state in enumerate(pool.blocks):
+        if block == NULL_BLOCK_ID:
+            continue
+        if state.ref_cnt != listed.get(block, 0):
+            return (
+                f"block {block} has ref count {state.ref_cnt} but request tables list it "
+                f"{listed.get(block, 0)} time(s)"
+            )
+    return None
+
+
 def write_is_exclusive(
     block: int, writer: str, tables: Mapping[str, Sequence[Sequence[int]]]
 ) -> Reason:
@@ -236,4 +262,7 @@ def _describe(slot: Slot | None) -> str:
     if slot is None:
         return "nothing ever written"
     group, content = slot
-    return f"KV of group {group} for tokens {content.tokens} (lora={content.lora}, salt={content.salt}, mm={content.mm})"
+    return (
+        f"KV of group {group} for tokens {content.tokens} "
+        f"(lora={content.lora}, salt={content.salt}, mm={content.mm})"
+    )

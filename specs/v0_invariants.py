@@ -260,10 +260,10 @@ def dump_v0_state(state: V0State) -> str:
     lines.append("cache:")
     lines.extend(f"  {h} -> {b}" for h, b in sorted(state.cached.items()))
     lines.append("block objects:")
-    for handle, block in sorted(state.handles.items()):
+    for handle, obj in sorted(state.handles.items()):
         lines.append(
-            f"  #{handle}: block {block.block_id} prev={block.prev} "
-            f"tokens={list(block.token_ids)} hash={block.content_hash}"
+            f"  #{handle}: block {obj.block_id} prev={obj.prev} "
+            f"tokens={list(obj.token_ids)} hash={obj.content_hash}"
         )
     lines.append(f"touched: {sorted(state.touched)}  copy-on-writes: {list(state.copy_on_writes)}")
     return "\n".join(lines)

@@ -20,9 +20,11 @@ Two **disciplines** decide which programs are generated:
   that never goes back; only held blocks are marked as accessed (whole
   sequences at once); a sequence is freed whole, first block first, right
   after its blocks are marked with a fresh time; a new block is only
-  appended to the end of a sequence. vLLM's allocator conforms under this
-  discipline; under ``any`` the machine finds its evictor bugs
-  (docs/semantics.md, "The v0 allocator").
+  appended to the end of a sequence. Under this discipline the
+  binary-search property (``v0_invariants.cached_prefix_closed``) is checked
+  as an invariant too: it holds for every program the engine can make.
+  vLLM's allocator conforms under this discipline; under ``any`` the
+  machine finds its evictor bugs (docs/semantics.md, "The v0 allocator").
 """
 
 import time
@@ -30,7 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, TypeVar
 
-from hypothesis import HealthCheck, event
+from hypothesis import HealthCheck, Phase, event
 from hypothesis import settings as Settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -45,7 +47,12 @@ from hypothesis.stateful import (
 from kvpool.model import PoolError
 from kvpool.model import v0 as model
 from kvpool.model.v0 import ContentHash, V0Config, V0State
-from kvpool.specs.v0_invariants import V0InvariantViolation, check_all, dump_v0_state
+from kvpool.specs.v0_invariants import (
+    V0InvariantViolation,
+    cached_prefix_closed,
+    check_all,
+    dump_v0_state,
+)
 
 T = TypeVar("T")
 
@@ -315,12 +322,7 @@ class V0Machine(RuleBasedStateMachine):
     @precondition(lambda self: self.has_live() and not self.engine)
     @rule(pick=PICK)
     def free(self, pick: int) -> None:
-        handle = self.pick(pick)
-        self._step(
-            f"free({handle})",
-            lambda s: model.free(s, handle),
-            lambda t: t.free(handle),
-        )
+        self._free(self.pick(pick))
 
     @precondition(lambda self: self.has_live())
     @rule(pick=PICK, mark=st.booleans(), now=st.integers(0, 4))
@@ -341,8 +343,15 @@ class V0Machine(RuleBasedStateMachine):
             mark, now = True, self.clock
         if mark:
             self._mark_accessed(handles, now)
-        for h in handles:
-            self._step(f"free({h})", lambda s, h=h: model.free(s, h), lambda t, h=h: t.free(h))
+        for handle in handles:
+            self._free(handle)
+
+    def _free(self, handle: int) -> None:
+        self._step(
+            f"free({handle})",
+            lambda s: model.free(s, handle),
+            lambda t: t.free(handle),
+        )
 
     # ------------------------------------------------------------------
     # Access times and computed blocks
@@ -374,7 +383,10 @@ class V0Machine(RuleBasedStateMachine):
         )
 
     @precondition(lambda self: self.model is not None and not self.engine)
-    @rule(block_ids=st.lists(st.integers(0, MAX_BLOCKS - 1), min_size=1, max_size=3), now=st.integers(0, 4))
+    @rule(
+        block_ids=st.lists(st.integers(0, MAX_BLOCKS - 1), min_size=1, max_size=3),
+        now=st.integers(0, 4),
+    )
     def mark_blocks_as_accessed(self, block_ids: list[int], now: int) -> None:
         """Any blocks, held or evictable (vLLM's block manager only marks held ones)."""
         self._step(
@@ -427,7 +439,9 @@ class V0Machine(RuleBasedStateMachine):
     @precondition(lambda self: self.model is not None)
     @rule()
     def reset_prefix_cache(self) -> None:
-        self._step("reset_prefix_cache()", model.reset_prefix_cache, lambda t: t.reset_prefix_cache())
+        self._step(
+            "reset_prefix_cache()", model.reset_prefix_cache, lambda t: t.reset_prefix_cache()
+        )
 
     # ------------------------------------------------------------------
     # After every step
@@ -452,9 +466,13 @@ class V0Machine(RuleBasedStateMachine):
                 )
             )
         check_all(snapshot)
-        reason = cached_prefix_reason(self.model)
-        if reason is not None:
-            event("the binary-search property does not hold (cached prefix not closed)")
+        reason = cached_prefix_closed(self.model)
+        if reason is None:
+            return
+        if self.engine:
+            doc = (cached_prefix_closed.__doc__ or "").strip()
+            raise V0InvariantViolation("cached_prefix_closed", reason, doc, self.model)
+        event("the binary-search property does not hold (cached prefix not closed)")
 
     # ------------------------------------------------------------------
     # Lock-step machinery
@@ -509,13 +527,6 @@ class V0Machine(RuleBasedStateMachine):
     def _history(self, what: str) -> str:
         calls = "\n".join(f"  {line}" for line in self.trace)
         return f"{what}\n\ncalls (model results):\n{calls}"
-
-
-def cached_prefix_reason(state: V0State) -> str | None:
-    """``v0_invariants.cached_prefix_closed``, imported late to keep this module's imports short."""
-    from kvpool.specs.v0_invariants import cached_prefix_closed
-
-    return cached_prefix_closed(state)
 
 
 def state_diff(expected: V0State, actual: V0State) -> str:
@@ -573,8 +584,12 @@ def check_v0(
     steps: int | None = None,
     seed: int | None = None,
     target_name: str = "target",
+    shrink: bool = True,
 ) -> V0Report:
     """Run the v0 machine against ``make_target`` and report whether it conforms.
+
+    ``shrink=False`` stops at the first failing program instead of shrinking
+    it to a minimal one (faster, longer programs).
 
     >>> check_v0(ModelV0Target, max_examples=5, steps=10).conforms
     True
@@ -597,6 +612,8 @@ def check_v0(
         overrides["max_examples"] = max_examples
     if steps is not None:
         overrides["stateful_step_count"] = steps
+    if not shrink:
+        overrides["phases"] = [Phase.explicit, Phase.reuse, Phase.generate]
     chosen = Settings(Settings.get_profile(hypothesis_profile), **overrides)  # type: ignore[arg-type]
     test = get_state_machine_test(Counted, settings=chosen)
     if seed is not None:

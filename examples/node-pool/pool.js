@@ -178,7 +178,6 @@ class BlockPool {
     // Verify that prefix caching is enabled
     if (!this.caching) throw new PoolError("CachingDisabled", "caching is disabled");
     BlockPool.verifyGroup(group);
-    this.verifyKnown(block_ids);
     this.verifyBlockSize(block_size, this.hashBlockSize);
     // Verify that the range to cache is a slice of the request's blocks
     if (num_cached_blocks < 0 || num_full_blocks > block_ids.length) {
@@ -190,6 +189,8 @@ class BlockPool {
       throw new PoolError("InvalidBlockMask", `mask has ${mask.length} entries for ${numNew}`);
     }
     if (numNew === 0) return null;
+    // Verify that every block to cache is a block of the pool (the others are not read)
+    this.verifyKnown(block_ids.slice(num_cached_blocks, num_full_blocks));
 
     // The request's hashes for blocks of block_size tokens: every factor-th hash.
     const factor = block_size / this.hashBlockSize;

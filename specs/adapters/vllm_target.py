@@ -36,6 +36,7 @@ import inspect
 import logging
 import os
 import re
+import sys
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
@@ -358,8 +359,10 @@ class VllmTarget(BlockPoolApiTarget):
     def vllm_request(self, request: CacheRequest, block_size: int | None = None) -> DuckRequest:
         """The request vLLM sees; before 0.12 its hashes are per ``block_size`` tokens."""
         hashes: Sequence[bytes] = request.block_hashes
-        if not self.api.hash_block_size_arg and block_size is not None:
-            hashes = model.hashes_at_block_size(hashes, self.config.hash_block_size, block_size)
+        hbs = self.config.hash_block_size
+        size = block_size or 0
+        if not self.api.hash_block_size_arg and size >= hbs and size % hbs == 0:
+            hashes = model.hashes_at_block_size(hashes, hbs, size)
         return DuckRequest([self.vllm_hash(h) for h in hashes], request.all_token_ids)
 
     # Events -------------------------------------------------------------------
@@ -490,9 +493,29 @@ class VllmTarget(BlockPoolApiTarget):
             if not self.api.block_mask:
                 raise TargetError(f"vLLM {self.api.version} has no block_mask (0.22.0+)")
             args.append(list(block_mask))
+        if "promotion" in self.workarounds:
+            self._evict_before_promotion(blocks, num_cached_blocks, num_full_blocks, block_mask)
         self._vllm(lambda: self.pool.cache_full_blocks(*args))
         if not self.api.hash_num_tokens:
             self._record_token_counts(blocks, num_cached_blocks, num_full_blocks, block_size)
+
+    def _evict_before_promotion(
+        self,
+        blocks: Sequence[Any],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_mask: Sequence[bool] | None,
+    ) -> None:
+        """The ``promotion`` workaround: drop the keys of blocks about to be cached again.
+
+        It calls the pool's own ``_maybe_evict_cached_block``, which is what
+        0.24 and later do inside ``cache_full_blocks`` for a block whose key
+        covers fewer tokens (the model only sends such calls at level 1).
+        """
+        for i in range(max(0, num_cached_blocks), min(num_full_blocks, len(blocks))):
+            masked = block_mask is not None and not block_mask[i - num_cached_blocks]
+            if blocks[i].block_hash is not None and not blocks[i].is_null and not masked:
+                self._vllm(lambda b=blocks[i]: self.pool._maybe_evict_cached_block(b))  # type: ignore[misc]
 
     def _record_token_counts(
         self, blocks: Sequence[Any], num_cached_blocks: int, num_full_blocks: int, block_size: int
@@ -665,6 +688,12 @@ def _batches_of_distinct(block_ids: Sequence[int]) -> list[list[int]]:
 
 
 WORKAROUNDS: dict[str, str] = {
+    "promotion": (
+        "vLLM 0.23 and earlier assert that a block they cache has no key yet; 0.24 "
+        "and later (and the model) let a key covering more tokens replace the old "
+        "one. The workaround evicts the old key first with the pool's own "
+        "_maybe_evict_cached_block, as 0.24 does inside cache_full_blocks"
+    ),
     "free-listed-twice": (
         "vLLM 0.23 and earlier queue a block once per time it is listed in one "
         "free_blocks call once its count reaches 0 (vllm-project/vllm#42571); the "
@@ -712,7 +741,7 @@ class VllmTargetFactory:
         if isinstance(self._pool_class, str):
             module_name, _, attribute = self._pool_class.partition(":")
             try:
-                module = importlib.import_module(module_name)
+                module = _import_from_here(module_name)
             except ImportError as error:
                 raise TargetError(f"cannot import {module_name!r}: {error}") from error
             found = getattr(module, attribute, None)
@@ -748,6 +777,18 @@ class VllmTargetFactory:
             return load_vllm(self.pool_class()).unsupported_operations()
         except TargetError:
             return frozenset()
+
+
+def _import_from_here(module_name: str) -> Any:
+    """Import ``module_name``, also from the working directory, as ``python -m`` would."""
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError:
+        here = os.getcwd()
+        if here in sys.path:
+            raise
+        sys.path.append(here)
+        return importlib.import_module(module_name)
 
 
 def vllm_factory(spec: str, suppress: Collection[str] = ()) -> VllmTargetFactory:

@@ -172,9 +172,9 @@ def _load_from_sources(source: Path) -> tuple[types.ModuleType, types.ModuleType
         GPU = enum.auto()
         CPU = enum.auto()
 
-    module(f"{PACKAGE}.utils").Device = Device
-    module(f"{PACKAGE}.logger").init_logger = _quiet_logger
-    module(f"{PACKAGE}.sequence").Sequence = type("Sequence", (), {})
+    setattr(module(f"{PACKAGE}.utils"), "Device", Device)  # noqa: B010
+    setattr(module(f"{PACKAGE}.logger"), "init_logger", _quiet_logger)  # noqa: B010
+    setattr(module(f"{PACKAGE}.sequence"), "Sequence", type("Sequence", (), {}))  # noqa: B010
 
     for relative in MODULES:
         path = source / "vllm" / relative

@@ -27,7 +27,7 @@ class _OrderingBugs(KVCacheManager):
 
     touch_before_check = False
     allocate_before_touch = False
-    cache_all_known_tokens = False
+    cache_allocated_slots = False
 
     def allocate_slots(
         self,
@@ -80,11 +80,10 @@ class _OrderingBugs(KVCacheManager):
             new_blocks = [manager.allocate_new_blocks(rid, num_slots) for manager in managers]
         if self.enable_caching and not delay_cache_blocks:
             num_to_cache = min(num_computed + num_new_tokens, request.num_tokens)
-            if self.cache_all_known_tokens:
-                # BUG: every token the request holds is taken as computed, so blocks
-                # whose KV this step does not write (the rest of a chunked prefill)
-                # enter the cache
-                num_to_cache = request.num_tokens
+            if self.cache_allocated_slots:
+                # BUG: caches every block that has a slot (look-ahead included), so a
+                # block whose KV this step does not write enters the cache
+                num_to_cache = min(num_slots, request.num_tokens)
             for manager in managers:
                 manager.cache_blocks(request, num_to_cache)
         return self.create_kv_cache_blocks(tuple(new_blocks))
@@ -103,9 +102,9 @@ class PopsNewBlocksBeforeTouchingHits(_OrderingBugs):
 
 
 class CachesBlocksNotYetComputed(_OrderingBugs):
-    """Caches up to the request's tokens, not the tokens computed by this step."""
+    """Caches up to the slots it allocates, not up to the tokens this step computes."""
 
-    cache_all_known_tokens = True
+    cache_allocated_slots = True
 
 
 def _counting_null(cls: type[SingleTypeKVCacheManager]) -> type[SingleTypeKVCacheManager]:
@@ -140,7 +139,9 @@ class DropsEagleBlockTwice(KVCacheManager):
 
     class _Manager(FullAttentionManager):
         @classmethod
-        def find_longest_cache_hit(cls, *args: Any, **kwargs: Any) -> tuple[list[KVCacheBlock], ...]:
+        def find_longest_cache_hit(
+            cls, *args: Any, **kwargs: Any
+        ) -> tuple[list[KVCacheBlock], ...]:
             computed = super().find_longest_cache_hit(*args, **kwargs)
             use_eagle = args[5] if len(args) > 5 else kwargs["use_eagle"]
             if use_eagle and computed[0]:

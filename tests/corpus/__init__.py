@@ -1,0 +1,1 @@
+"""The bug corpus: planted bugs the conformance checks must find."""

@@ -1,0 +1,74 @@
+"""The request-level machine: the model is safe, the impl conforms, and planted bugs are found.
+
+Planted bugs are searched for without Hypothesis' shrinking phase: finding
+them takes seconds, shrinking the request-level programs takes minutes.
+"""
+
+import pytest
+from hypothesis import Phase, settings
+from hypothesis.stateful import run_state_machine_as_test
+
+from kvpool.model import PROFILES
+from kvpool.specs.adapters.manager_impl import ImplManagerTarget
+from kvpool.specs.adapters.manager_model import ModelManagerTarget
+from kvpool.specs.invariants import InvariantViolation
+from kvpool.specs.manager_machine import LAYOUTS, ManagerDivergence, manager_machine
+from kvpool.specs.request_invariants import RequestInvariantViolation
+from tests.request.planted_bugs import BUGS, target_of
+
+
+def run(machine: type, max_examples: int, shrink: bool = True) -> None:
+    phases = [Phase.explicit, Phase.reuse, Phase.generate] + ([Phase.shrink] if shrink else [])
+    chosen = settings(
+        settings.get_profile("ci"),
+        max_examples=max_examples,
+        stateful_step_count=40,
+        report_multiple_bugs=False,
+        phases=phases,
+    )
+    run_state_machine_as_test(machine, settings=chosen)
+
+
+def test_the_model_never_serves_wrong_kv() -> None:
+    """The model alone, checked only against the ground truth and the pool's invariants."""
+    run(manager_machine(ModelManagerTarget, lockstep=False), max_examples=200)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_impl_conforms_in_lock_step_with_the_model(layout: str) -> None:
+    machine = manager_machine(ImplManagerTarget, layouts=[layout], profiles=list(PROFILES.values()))
+    run(machine, max_examples=100)
+
+
+FOUND_BY = {
+    "touch-before-capacity-check": ("ref_counts_match_tables", None),
+    "pop-new-before-touching-hits": ("requests_read_their_own_kv", None),
+    "null-block-counted-evictable": (None, "allocate_slots"),
+    "eagle-drop-twice": (None, "get_computed_blocks"),
+    "caches-blocks-not-yet-computed": ("cached_blocks_hold_their_prefix", None),
+}
+"""Per bug: the safety property that catches it with no model (None: the bug is not
+unsafe, it only wastes or refuses capacity), or the call where lock-step shows it."""
+
+LAYOUTS_OF = {
+    "null-block-counted-evictable": ["sliding_window", "chunked_local"],
+    "eagle-drop-twice": ["full"],
+}
+"""Bugs that only exist in some layouts are searched for there."""
+
+
+@pytest.mark.parametrize("bug", sorted(BUGS))
+def test_lock_step_finds_each_planted_bug(bug: str) -> None:
+    layouts = LAYOUTS_OF.get(bug, LAYOUTS)
+    machine = manager_machine(target_of(BUGS[bug]), layouts=layouts, name=f"Bug_{bug}")
+    with pytest.raises((ManagerDivergence, RequestInvariantViolation, InvariantViolation)):
+        run(machine, max_examples=2000, shrink=False)
+
+
+@pytest.mark.parametrize("bug", sorted(b for b, (prop, _) in FOUND_BY.items() if prop))
+def test_the_ground_truth_alone_finds_each_unsafe_bug(bug: str) -> None:
+    """No model at all: the bug breaks the safety property named in FOUND_BY."""
+    machine = manager_machine(target_of(BUGS[bug]), lockstep=False, name=f"Unsafe_{bug}")
+    with pytest.raises(RequestInvariantViolation) as info:
+        run(machine, max_examples=2000, shrink=False)
+    assert info.value.name == FOUND_BY[bug][0]
