@@ -32,7 +32,7 @@ from kvpool.model.events import (
     BlockStored,
     KVCacheEvent,
 )
-from kvpool.model.hashing import NONE_HASH, hash_block_tokens
+from kvpool.model.hashing import NONE_HASH
 from kvpool.model.pool import (
     cache_full_blocks,
     cache_partial_block,
@@ -57,7 +57,7 @@ from kvpool.model.profiles import (
     FreeOrder,
     Profile,
 )
-from kvpool.model.request import Request, new_request
+from kvpool.model.request import Request
 from kvpool.model.state import (
     NULL_BLOCK_ID,
     BlockHash,
@@ -114,10 +114,8 @@ __all__ = [
     "get_new_blocks",
     "get_num_free_blocks",
     "get_usage",
-    "hash_block_tokens",
     "hashes_at_block_size",
     "new_pool",
-    "new_request",
     "reset_prefix_cache",
     "take_events",
     "touch",

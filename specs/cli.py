@@ -81,6 +81,12 @@ def check(
     regression_dir: Annotated[
         Path, typer.Option(help="Where a divergence's regression test and vector are written.")
     ] = Path("kvpool-regression"),
+    layer: Annotated[
+        str,
+        typer.Option(
+            help="pool: the block pool; manager: the KV cache manager (targets impl, model, vllm)."
+        ),
+    ] = "pool",
 ) -> None:
     """Run the lock-step state machine against a target and report conformance."""
     console = Console(stderr=report_format is not ReportFormat.terminal)
@@ -91,6 +97,14 @@ def check(
     unknown = [p for p in profile or [] if p not in PROFILES]
     if unknown:
         console.print(f"[red]unknown semantics profile(s) {unknown}; known: {list(PROFILES)}[/red]")
+        raise typer.Exit(EXIT_ERROR)
+    if layer == "manager":
+        code = _check_manager(
+            console, target, chosen_profile, examples, steps, seed, report_format, output
+        )
+        raise typer.Exit(code)
+    if layer != "pool":
+        console.print(f"[red]unknown layer {layer!r}: use pool or manager[/red]")
         raise typer.Exit(EXIT_ERROR)
     delegated = delegate_check(target, ctx)  # vllm==X.Y.Z runs in a child interpreter
     if delegated is not None:
@@ -154,6 +168,45 @@ def profiles() -> None:
 
 
 app.command(name="explain")(explain)
+
+
+def _check_manager(
+    console: Console,
+    target: str,
+    hypothesis_profile: str,
+    examples: int | None,
+    steps: int | None,
+    seed: int | None,
+    report_format: ReportFormat,
+    output: Path | None,
+) -> int:
+    """``kvpool check --layer manager``: the request-level machine against a manager target."""
+    from kvpool.specs.manager_machine import resolve_manager_target, run_manager_conformance
+
+    try:
+        chosen = resolve_manager_target(target)
+    except ValueError as error:
+        console.print(f"[red]{error}[/red]")
+        return EXIT_ERROR
+    report: ConformanceReport = run_manager_conformance(
+        chosen,
+        hypothesis_profile=hypothesis_profile,
+        max_examples=examples,
+        steps=steps,
+        seed=seed,
+        target_name=target,
+    )
+    if report_format is ReportFormat.terminal:
+        _print_terminal(console, report)
+    else:
+        text = _to_json(report) if report_format is ReportFormat.json else _to_junit(report)
+        if output is not None:
+            output.write_text(text)
+        else:
+            typer.echo(text)
+    if report.failure_kind == "target-error":
+        return EXIT_ERROR
+    return EXIT_CONFORMS if report.conforms else EXIT_DIVERGES
 
 
 def _print_terminal(console: Console, report: ConformanceReport) -> None:

@@ -100,7 +100,8 @@ class ManagerTarget(Protocol):
 
     def reset_prefix_cache(self) -> bool: ...
 
-    def get_num_common_prefix_blocks(self, request_id: str) -> Sequence[int]: ...
+    def get_num_common_prefix_blocks(self, request_id: str) -> Sequence[int] | None:
+        """Per group; None if the target does not support it (then it is not compared)."""
 
     def get_block_ids(self, request_id: str) -> Blocks: ...
 
@@ -179,12 +180,39 @@ def layout_specs(
 # --------------------------------------------------------------------------
 
 
+def _start_rule(
+    layouts: Sequence[str],
+    profiles: Sequence[Profile],
+    events: Sequence[bool],
+    block_factors: Sequence[int],
+    min_window: int,
+) -> Callable[..., None]:
+    """The machine's first step, drawing only from the configurations given."""
+
+    @initialize(
+        layout=st.sampled_from(list(layouts)),
+        hbs=st.integers(1, 2),
+        factor=st.sampled_from(list(block_factors)),
+        num_blocks=st.integers(2, 16),
+        caching=st.sampled_from([True, True, True, False]),
+        eagle=st.sampled_from([False, False, True]),
+        events=st.sampled_from(list(events)),
+        log_stats=st.booleans(),
+        window=st.integers(min_window, max(min_window, 6)),
+        chunk_blocks=st.integers(1, 3),
+        profile=st.sampled_from([p.name for p in profiles]),
+        prompts=st.lists(PROMPT, min_size=1, max_size=3),
+    )
+    def start(self: "ManagerMachine", **drawn: Any) -> None:
+        self.start(**drawn)
+
+    return start
+
+
 class ManagerMachine(RuleBasedStateMachine):
     """Drives ``make_target`` against the model. Subclass via ``manager_machine(...)``."""
 
     make_target: ClassVar[ManagerFactory]
-    layouts: ClassVar[tuple[str, ...]] = LAYOUTS
-    profiles: ClassVar[tuple[Profile, ...]] = (DEFAULT_PROFILE,)
     lockstep: ClassVar[bool] = True
     """False: drive the target alone and check only the safety properties (no model)."""
 
@@ -203,20 +231,6 @@ class ManagerMachine(RuleBasedStateMachine):
     # Construction
     # ------------------------------------------------------------------
 
-    @initialize(
-        layout=st.sampled_from(LAYOUTS),
-        hbs=st.integers(1, 2),
-        factor=st.integers(1, 2),
-        num_blocks=st.integers(2, 16),
-        caching=st.sampled_from([True, True, True, False]),
-        eagle=st.sampled_from([False, False, True]),
-        events=st.booleans(),
-        log_stats=st.booleans(),
-        window=st.integers(1, 6),
-        chunk_blocks=st.integers(1, 3),
-        profile=st.sampled_from(sorted(PROFILES)),
-        prompts=st.lists(PROMPT, min_size=1, max_size=3),
-    )
     def start(
         self,
         layout: str,
@@ -233,11 +247,7 @@ class ManagerMachine(RuleBasedStateMachine):
         prompts: list[tuple[int, ...]],
     ) -> None:
         """Build the model and the target; the first requests arrive."""
-        if layout not in self.layouts:
-            layout = self.layouts[0]
         chosen = PROFILES[profile]
-        if chosen not in self.profiles:
-            chosen = self.profiles[0]
         specs = layout_specs(layout, hbs * factor, window, chunk_blocks, MAX_MODEL_LEN, hbs)
         eagle = eagle and layout in ("full", "sliding_window")
         self.setup = ManagerSetup(
@@ -399,8 +409,9 @@ class ManagerMachine(RuleBasedStateMachine):
             rid = self.running[which % len(self.running)]
             assert self.model is not None and self.target is not None
             expected = model_manager.get_num_common_prefix_blocks(self.model, rid)
-            actual = tuple(self.target.get_num_common_prefix_blocks(rid))
-            self._compare(f"get_num_common_prefix_blocks({rid})", expected, actual)
+            answer = self.target.get_num_common_prefix_blocks(rid)
+            if answer is not None:
+                self._compare(f"get_num_common_prefix_blocks({rid})", expected, tuple(answer))
         elif action == "evict":
             ids = {b for b in block_ids if b < self.setup.num_blocks}
             self._step(
@@ -598,6 +609,9 @@ def manager_machine(
     profiles: Sequence[Profile] | None = None,
     name: str = "ManagerMachine",
     lockstep: bool = True,
+    events: Sequence[bool] = (False, True),
+    block_factors: Sequence[int] = (1, 2),
+    min_window: int = 1,
 ) -> type[ManagerMachine]:
     """A state machine class that checks ``make_target`` on the given layouts and profiles.
 
@@ -605,10 +619,120 @@ def manager_machine(
     the run alone and only the safety properties (and, with a snapshot, the
     pool's invariants) are checked.
     """
+    chosen = tuple(profiles) if profiles else tuple(PROFILES.values())
     attrs = {
+        "initial": _start_rule(layouts, chosen, events, block_factors, min_window),
         "make_target": staticmethod(make_target),
         "lockstep": lockstep,
-        "layouts": tuple(layouts),
-        "profiles": tuple(profiles) if profiles else tuple(PROFILES.values()),
     }
     return type(name, (ManagerMachine,), attrs)
+
+
+# --------------------------------------------------------------------------
+# Running it
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ManagerTargetSpec:
+    """A manager target and the part of the machine's space it can be checked on."""
+
+    factory: ManagerFactory
+    layouts: tuple[str, ...] = LAYOUTS
+    profiles: tuple[Profile, ...] = tuple(PROFILES.values())
+    events: tuple[bool, ...] = (False, True)
+    block_factors: tuple[int, ...] = (1, 2)
+    min_window: int = 1
+
+
+def resolve_manager_target(spec: str) -> ManagerTargetSpec:
+    """``impl``, ``model`` or ``vllm`` (the installed vLLM's KVCacheManager, 0.33 API)."""
+    if spec == "impl":
+        from kvpool.specs.adapters.manager_impl import ImplManagerTarget
+
+        return ManagerTargetSpec(ImplManagerTarget)
+    if spec == "model":
+        from kvpool.specs.adapters.manager_model import ModelManagerTarget
+
+        return ManagerTargetSpec(ModelManagerTarget)
+    if spec == "vllm":
+        from kvpool.specs.adapters.manager_vllm import VLLM_SCOPE
+
+        return VLLM_SCOPE
+    raise ValueError(f"unknown manager target {spec!r}: use impl, model or vllm")
+
+
+def run_manager_conformance(
+    target: ManagerTargetSpec,
+    *,
+    hypothesis_profile: str = "ci",
+    max_examples: int | None = None,
+    steps: int | None = None,
+    seed: int | None = None,
+    target_name: str = "target",
+) -> Any:
+    """Check a KV cache manager against the model: a ``ConformanceReport``, never a raise."""
+    import time
+
+    from hypothesis import settings as Settings
+    from hypothesis.reporting import with_reporter
+    from hypothesis.stateful import get_state_machine_test
+
+    from kvpool.specs import settings as _profiles  # noqa: F401  (registers the profiles)
+    from kvpool.specs.conformance import ConformanceReport
+    from kvpool.specs.invariants import InvariantViolation
+    from kvpool.specs.request_invariants import RequestInvariantViolation
+    from kvpool.specs.target import TargetError
+
+    report = ConformanceReport(
+        target=target_name,
+        level=1,
+        profiles=tuple(p.name for p in target.profiles),
+        hypothesis_profile=hypothesis_profile,
+    )
+    base = manager_machine(
+        target.factory,
+        layouts=target.layouts,
+        profiles=target.profiles,
+        name="KVPoolManagerConformance",
+        events=target.events,
+        block_factors=target.block_factors,
+        min_window=target.min_window,
+    )
+
+    class Counted(base):  # type: ignore[valid-type,misc]
+        def __init__(self) -> None:
+            super().__init__()
+            report.examples_run += 1
+
+    Counted.__name__ = Counted.__qualname__ = base.__name__
+    overrides: dict[str, object] = {"report_multiple_bugs": False}
+    if max_examples is not None:
+        overrides["max_examples"] = max_examples
+    if steps is not None:
+        overrides["stateful_step_count"] = steps
+    chosen = Settings(Settings.get_profile(hypothesis_profile), **overrides)  # type: ignore[arg-type]
+    test = get_state_machine_test(Counted, settings=chosen)
+    if seed is not None:
+        test._hypothesis_internal_use_seed = seed  # type: ignore[attr-defined]
+    printed: list[str] = []
+    started = time.perf_counter()
+    kinds: tuple[tuple[type[BaseException], str], ...] = (
+        (ManagerDivergence, "divergence"),
+        (RequestInvariantViolation, "invariant"),
+        (InvariantViolation, "invariant"),
+        (TargetError, "target-error"),
+    )
+    try:
+        with with_reporter(lambda value: printed.append(str(value))):
+            test()
+    except tuple(k for k, _ in kinds) as failure:
+        report.conforms = False
+        report.failure_kind = next(name for k, name in kinds if isinstance(failure, k))
+        report.failure = str(failure)
+        lines = [line for line in printed if line.strip()]
+        notes = [str(n) for n in getattr(failure, "__notes__", ())]
+        report.program = "\n".join(lines or notes) or None
+    finally:
+        report.seconds = time.perf_counter() - started
+    return report

@@ -4,6 +4,7 @@
 * ``dev``: the local default: random, a few hundred programs, saved failures replayed.
 * ``deep``: hours of exploration with long programs.
 * ``fuzz``: unbounded, for long-running workers sharing an example database.
+* ``mutation``: ``ci`` without shrinking or database, for mutation testing.
 
 Loading one is the caller's choice (``settings.load_profile``); importing this
 module only registers them.
@@ -28,6 +29,25 @@ settings.register_profile(
 settings.register_profile("dev", _BASE, max_examples=200, stateful_step_count=40)
 settings.register_profile("deep", _BASE, max_examples=20_000, stateful_step_count=120)
 settings.register_profile("fuzz", _BASE, max_examples=10**9, stateful_step_count=200)
+# ci without shrinking and without the database: a failure is reported as soon
+# as it is found. For mutation testing (KVPOOL_HYPOTHESIS=mutation, where only
+# kill or survive matters) and for measuring time to the first failure
+# (bench/bug_corpus.py, with a seed).
+settings.register_profile(
+    "mutation",
+    _BASE,
+    derandomize=True,
+    database=None,
+    max_examples=150,
+    stateful_step_count=40,
+    phases=[Phase.explicit, Phase.generate],
+)
+
+if os.environ.get("KVPOOL_REDIS_URL"):
+    # Workers sharing failures through one Redis server (docs/fuzzing.md).
+    from kvpool.specs.fuzzing import use_shared_database_from_env
+
+    use_shared_database_from_env()
 
 PROFILE_NAMES = ("ci", "dev", "deep", "fuzz")
 

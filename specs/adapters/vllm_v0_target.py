@@ -132,10 +132,15 @@ def load_v0() -> V0Modules:
     global _LOADED
     if _LOADED is not None:
         return _LOADED
+    from kvpool.specs.vllm_releases import installed_version, version_tuple
+
+    installed = installed_version()  # read without importing vllm (and torch)
     try:
+        if installed is None or version_tuple(installed) >= (0, 11, 0):
+            raise ImportError(f"the installed vllm ({installed}) has no v0 engine")
         pcb = importlib.import_module("vllm.core.block.prefix_caching_block")
         evictor = importlib.import_module("vllm.core.evictor")
-        origin = "the installed vllm"
+        origin = f"the installed vllm {installed}"
     except Exception:  # not installed, or a release without the v0 engine
         source = source_dir()
         if source is None:

@@ -145,8 +145,8 @@ class FreeReleasesEveryReference(BlockPool):
     """A block held twice and freed once is released completely (ref_cnt set to 0).
 
     Written as ``block.ref_cnt = 0`` where ``-= 1`` was meant: the block
-    joins the free queue while another request still reads it. No upstream
-    issue located.
+    joins the free queue while another request still reads it.
+    No upstream issue located.
     """
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:

@@ -1,0 +1,166 @@
+"""How fast the conformance checks find each bug of the corpus (tests/corpus/bugs.py).
+
+Run from the repository root::
+
+    python bench/bug_corpus.py              # every bug, 5 seeds
+    python bench/bug_corpus.py --seeds 3 --only stale-hash-on-reuse
+
+For each bug it prints:
+
+* ``ci``: whether the derandomized ``ci`` profile finds it (what CI runs), and
+  its wall time including shrinking;
+* ``time`` and ``steps``: the median, over ``--seeds`` seeds, of the wall
+  time and of the number of pool operations executed (summed over every
+  program run) until the first failing program is complete. These runs use
+  the ``mutation`` profile (no shrinking, no example database) with
+  ``max_examples`` raised to ``--budget`` and a seed each, so they stop at the
+  first failure; ``found`` counts the seeds that found it within the budget;
+* ``black-box``: whether ``ci`` still finds it when the target hides its
+  ``snapshot()``, so only results, counts, usage and events can show the bug.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kvpool.model import PoolConfig
+from kvpool.specs.conformance import run_conformance
+from tests.corpus.bugs import BUGS, Bug, target_of
+
+OPERATIONS = frozenset(
+    {
+        "get_new_blocks",
+        "touch",
+        "free_blocks",
+        "cache_full_blocks",
+        "cache_partial_block",
+        "get_cached_block",
+        "evict_blocks",
+        "reset_prefix_cache",
+        "take_events",
+    }
+)
+
+
+class Counting:
+    """A target that counts the operations sent to it; optionally without snapshot()."""
+
+    def __init__(self, inner: Any, counts: list[int], snapshot: bool) -> None:
+        self._inner = inner
+        self._counts = counts
+        self._snapshot = snapshot
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "snapshot" and not self._snapshot:
+            raise AttributeError(name)
+        attribute = getattr(self._inner, name)
+        if name in OPERATIONS:
+            counts = self._counts
+
+            def counted(*args: Any, **kwargs: Any) -> Any:
+                counts[-1] += 1
+                return attribute(*args, **kwargs)
+
+            return counted
+        return attribute
+
+
+class Probe:
+    """A factory that records, per program, the operations run and when it started."""
+
+    def __init__(self, bug: Bug, snapshot: bool = True) -> None:
+        self.make = target_of(bug.pool)
+        self.snapshot = snapshot
+        self.counts: list[int] = []
+        self.starts: list[float] = []
+
+    def __call__(self, config: PoolConfig) -> Counting:
+        self.counts.append(0)
+        self.starts.append(time.perf_counter())
+        return Counting(self.make(config), self.counts, self.snapshot)
+
+
+def first_failure(bug: Bug, seed: int, budget: int) -> tuple[bool, float, int, int]:
+    """(found, seconds, operations, programs) until the first failing program ends."""
+    probe = Probe(bug)
+    started = time.perf_counter()
+    report = run_conformance(
+        probe, level=bug.level, hypothesis_profile="mutation", seed=seed, max_examples=budget
+    )
+    if report.conforms:
+        return False, time.perf_counter() - started, sum(probe.counts), len(probe.counts)
+    # Hypothesis replays the failing program once more to report it: the last
+    # program run is that replay, the one before it the first failure.
+    done = probe.starts[-1]
+    return True, done - started, sum(probe.counts[:-1]), len(probe.counts) - 1
+
+
+def measure(bug: Bug, seeds: int, budget: int) -> dict[str, Any]:
+    started = time.perf_counter()
+    ci = run_conformance(target_of(bug.pool), level=bug.level, hypothesis_profile="ci")
+    ci_seconds = time.perf_counter() - started
+    runs = [first_failure(bug, seed, budget) for seed in range(seeds)]
+    found = [r for r in runs if r[0]]
+    blind = run_conformance(Probe(bug, snapshot=False), level=bug.level, hypothesis_profile="ci")
+    return {
+        "bug": bug.name,
+        "level": bug.level,
+        "upstream": bug.upstream,
+        "ci": not ci.conforms,
+        "ci_seconds": ci_seconds,
+        "found": len(found),
+        "seconds": statistics.median(r[1] for r in found) if found else None,
+        "steps": statistics.median(r[2] for r in found) if found else None,
+        "programs": statistics.median(r[3] for r in found) if found else None,
+        "black_box": not blind.conforms,
+    }
+
+
+def table(rows: list[dict[str, Any]], seeds: int) -> str:
+    lines = [
+        f"| bug | level | upstream | ci finds | ci s | found/{seeds} | median s | "
+        "median steps | median programs | black-box ci |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+
+        def num(v: float | None, fmt: str) -> str:
+            return "-" if v is None else format(v, fmt)
+
+        lines.append(
+            f"| {r['bug']} | {r['level']} | {r['upstream']} | {'yes' if r['ci'] else 'NO'} | "
+            f"{r['ci_seconds']:.1f} | {r['found']} | {num(r['seconds'], '.2f')} | "
+            f"{num(r['steps'], '.0f')} | {num(r['programs'], '.0f')} | "
+            f"{'yes' if r['black_box'] else 'no'} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--budget", type=int, default=2000, help="max programs per seeded run")
+    parser.add_argument("--only", nargs="*", help="bug names")
+    args = parser.parse_args()
+    bugs = [b for b in BUGS if not args.only or b.name in args.only]
+    rows = []
+    for bug in bugs:
+        rows.append(measure(bug, args.seeds, args.budget))
+        print(f"measured {bug.name}", file=sys.stderr, flush=True)
+    print(
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.node()}, "
+        f"{platform.processor() or platform.machine()}, Python {platform.python_version()}"
+    )
+    print(table(rows, args.seeds))
+
+
+if __name__ == "__main__":
+    main()

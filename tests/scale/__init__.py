@@ -1,0 +1,1 @@
+"""Scale-out: workers sharing an example database."""
