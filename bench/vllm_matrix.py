@@ -6,6 +6,7 @@ Run it with an interpreter that has vLLM's dependencies and kvpool installed
     /path/to/vllm-venv/bin/python bench/vllm_matrix.py                 # every release
     /path/to/vllm-venv/bin/python bench/vllm_matrix.py 0.23.0 0.24.0   # some
     ... --examples 100 --jobs 2 --output results.json
+    ... --render results.json                                          # the table again
 
 For each release the wheel's sources are fetched once into the kvpool cache
 (``kvpool.specs.vllm_releases``) and a child interpreter imports that
@@ -217,6 +218,8 @@ def _verdict(entry: dict[str, Any], workarounds: list[str]) -> str:
 
 def markdown(results: list[dict[str, Any]]) -> str:
     """The matrix as a Markdown table, one row per release."""
+    from kvpool.specs.adapters.vllm_target import known_finding
+
     rows = [
         "| release | left out | expected profile | level 1 | level 2 findings |",
         "| --- | --- | --- | --- | --- |",
@@ -237,7 +240,12 @@ def markdown(results: list[dict[str, Any]]) -> str:
         ]
         verdicts = f"**{', '.join(conforming) or 'none'}** ({verdicts})"
         findings = r["level2"]["findings"]
-        known = [f["known"] or f"NEW {f['operation']}/{f['model_error']}" for f in findings]
+        known = []
+        for f in findings:  # classified again: the catalogue may have grown since the run
+            finding = known_finding(f["operation"], f["model_error"], f["vllm"])
+            known.append(
+                finding.key if finding else f"NEW {f['operation']}/{f['model_error']}/{f['vllm']}"
+            )
         tail = "" if r["level2"]["last"]["conforms"] else " (stopped: see JSON)"
         rows.append(
             f"| {r['version']} | {', '.join(r['left_out']) or '-'} | {r['expected_profile']} "
@@ -253,8 +261,12 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=1, help="releases checked at once")
     parser.add_argument("--output", type=Path, default=None, help="write the JSON here")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--render", type=Path, default=None, help="print the table of a JSON")
     args = parser.parse_args()
 
+    if args.render:
+        print(markdown(json.loads(args.render.read_text())))
+        return
     if args.child:
         print(json.dumps(run_child(args.child, args.examples)))
         return

@@ -7,11 +7,17 @@ The pools are built through the operations themselves, so every state a
 contract starts from is reachable, and every postcondition is a property of
 the *operation*, not of how the state was written down.
 
+The last contracts are on the impl's internal free queue, the intrusive
+linked list every pool operation rests on: they state its order in terms of
+plain lists, the model's representation.
+
 The same contracts run against deliberately broken operations in
 ``tests/crosshair/`` to show that none of them is vacuous.
 """
 
 from kvpool import model
+from kvpool.impl import BlockPool, KVCacheBlock
+from kvpool.impl.free_queue import FreeKVCacheBlockQueue
 from kvpool.model import CacheRequest, PoolState
 
 
@@ -179,3 +185,121 @@ def hashes_at_block_size_picks_every_kth(
     post: all(__return__[i] == hashes[(i + 1) * factor - 1] for i in range(len(__return__)))
     """
     return model.hashes_at_block_size(hashes, hash_block_size, hash_block_size * factor)
+
+
+def _ids(queue: FreeKVCacheBlockQueue) -> list[int]:
+    return [b.block_id for b in queue.get_all_free_blocks()]
+
+
+def _linked_both_ways(queue: FreeKVCacheBlockQueue) -> bool:
+    """Walking back from the tail meets the blocks walking forward met, reversed."""
+    backward = []
+    node = queue.fake_free_list_tail.prev_free_block
+    while node is not None and node is not queue.fake_free_list_head:
+        backward.append(node.block_id)
+        node = node.prev_free_block
+    return backward[::-1] == _ids(queue) and len(backward) == queue.num_free_blocks
+
+
+def free_queue_prepend_n_keeps_order(
+    initial: int, prepended: int
+) -> tuple[FreeKVCacheBlockQueue, list[int]]:
+    """impl: prepend_n puts the blocks at the front in the order given.
+
+    pre: 0 <= initial <= 4
+    pre: 0 <= prepended <= 3
+    post: _ids(__return__[0]) == __return__[1]
+    post: _linked_both_ways(__return__[0])
+    """
+    blocks = [KVCacheBlock(i) for i in range(initial + prepended)]
+    queue = FreeKVCacheBlockQueue(blocks[:initial])
+    queue.prepend_n(blocks[initial:])
+    return queue, list(range(initial, initial + prepended)) + list(range(initial))
+
+
+def free_queue_append_n_keeps_order(
+    initial: int, appended: int
+) -> tuple[FreeKVCacheBlockQueue, list[int]]:
+    """impl: append_n puts the blocks at the back in the order given.
+
+    pre: 0 <= initial <= 4
+    pre: 0 <= appended <= 3
+    post: _ids(__return__[0]) == __return__[1]
+    post: _linked_both_ways(__return__[0])
+    """
+    blocks = [KVCacheBlock(i) for i in range(initial + appended)]
+    queue = FreeKVCacheBlockQueue(blocks[:initial])
+    queue.append_n(blocks[initial:])
+    return queue, list(range(initial + appended))
+
+
+def free_queue_remove_unlinks_one(
+    size: int, position: int
+) -> tuple[FreeKVCacheBlockQueue, list[int]]:
+    """impl: remove takes exactly one block out, from anywhere, in O(1).
+
+    pre: 1 <= size <= 5
+    pre: 0 <= position < size
+    post: _ids(__return__[0]) == __return__[1]
+    post: _linked_both_ways(__return__[0])
+    """
+    blocks = [KVCacheBlock(i) for i in range(size)]
+    queue = FreeKVCacheBlockQueue(blocks)
+    queue.remove(blocks[position])
+    return queue, [i for i in range(size) if i != position]
+
+
+def free_queue_popleft_n_takes_the_front(
+    size: int, n: int
+) -> tuple[FreeKVCacheBlockQueue, list[int], list[int]]:
+    """impl: popleft_n hands out the n front blocks, front first.
+
+    pre: 0 <= size <= 5
+    pre: 0 <= n <= size
+    post: __return__[1] == list(range(n))
+    post: _ids(__return__[0]) == __return__[2]
+    post: _linked_both_ways(__return__[0])
+    """
+    queue = FreeKVCacheBlockQueue([KVCacheBlock(i) for i in range(size)])
+    taken = [b.block_id for b in queue.popleft_n(n)]
+    return queue, taken, list(range(n, size))
+
+
+# --------------------------------------------------------------------------
+# Pairs for ``crosshair diffbehavior``: one scenario, run on the model and on
+# the impl, with plain results. CrossHair searches the integers for a run
+# where the two answers differ.
+# --------------------------------------------------------------------------
+
+
+def scenario_on_model(num_blocks: int, held: int, cached: int, reuse: int) -> tuple[object, ...]:
+    """Take ``held`` blocks, cache the first ``cached``, free them in reverse, take ``reuse``."""
+    if not (1 <= num_blocks <= 6 and 0 <= held < num_blocks and 0 <= cached <= held):
+        return ("invalid",)
+    state = pool_with_held(num_blocks, held, cached)
+    state, _ = model.free_blocks(state, list(range(held, 0, -1)))
+    if not 0 <= reuse <= len(state.free_queue):
+        return ("invalid",)
+    state, taken = model.get_new_blocks(state, reuse)
+    hits = tuple(model.get_cached_block(state, bytes([i + 1]), [0]) for i in range(cached))
+    return taken, state.free_queue, hits
+
+
+def scenario_on_impl(num_blocks: int, held: int, cached: int, reuse: int) -> tuple[object, ...]:
+    """The same scenario as ``scenario_on_model``, on ``kvpool.impl.BlockPool``."""
+    if not (1 <= num_blocks <= 6 and 0 <= held < num_blocks and 0 <= cached <= held):
+        return ("invalid",)
+    pool = BlockPool(num_blocks, True, 1)
+    blocks = pool.get_new_blocks(held)
+    hashes = tuple(bytes([i + 1]) for i in range(cached))
+    pool.cache_full_blocks(CacheRequest(hashes), blocks, 0, cached, 1, 0)
+    pool.free_blocks(list(reversed(blocks)))
+    if not 0 <= reuse <= pool.get_num_free_blocks():
+        return ("invalid",)
+    taken = tuple(b.block_id for b in pool.get_new_blocks(reuse))
+    queue = tuple(b.block_id for b in pool.free_block_queue.get_all_free_blocks())
+    hits = []
+    for i in range(cached):
+        found = pool.get_cached_block(bytes([i + 1]), [0])
+        hits.append(None if found is None else tuple(b.block_id for b in found))
+    return taken, queue, tuple(hits)

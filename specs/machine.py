@@ -464,21 +464,35 @@ class PoolMachine(RuleBasedStateMachine):
     @rule(
         op=st.sampled_from(["touch", "free_blocks", "evict_blocks"]),
         block_id=st.sampled_from([-1, MAX_BLOCKS, 1000]),
+        before=st.lists(block_ids, max_size=2),
+        after=st.lists(block_ids, max_size=1),
+        just_past_end=st.booleans(),
     )
-    def unknown_block(self, op: str, block_id: int) -> None:
+    def unknown_block(
+        self, op: str, block_id: int, before: list[int], after: list[int], just_past_end: bool
+    ) -> None:
+        """An unknown id among known ones (whose effects a rejection must undo).
+
+        ``just_past_end`` uses the pool's own size as the id: mutation testing
+        showed ``>=`` against the pool size could become ``>`` unnoticed.
+        """
+        assert self.model is not None
+        if just_past_end:
+            block_id = self.model.config.num_blocks
+        ids = [*before, block_id, *after]
         calls: dict[str, tuple[Callable[[PoolState], Any], Callable[[PoolTarget], Any]]] = {
-            "touch": (lambda s: model.touch(s, [block_id]), lambda t: t.touch([block_id])),
+            "touch": (lambda s: model.touch(s, ids), lambda t: t.touch(ids)),
             "free_blocks": (
-                lambda s: model.free_blocks(s, [block_id]),
-                lambda t: t.free_blocks([block_id]),
+                lambda s: model.free_blocks(s, ids),
+                lambda t: t.free_blocks(ids),
             ),
             "evict_blocks": (
-                lambda s: model.evict_blocks(s, {block_id}),
-                lambda t: t.evict_blocks({block_id}),
+                lambda s: model.evict_blocks(s, set(ids)),
+                lambda t: t.evict_blocks(set(ids)),
             ),
         }
         on_model, on_target = calls[op]
-        self._step(f"{op}([{block_id}])", on_model, on_target, returns_none=True)
+        self._step(f"{op}({ids})", on_model, on_target, returns_none=True)
 
     @precondition(lambda self: self.level >= 2 and self.model is not None)
     @rule(

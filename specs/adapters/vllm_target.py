@@ -891,7 +891,10 @@ class KnownFinding:
 
     A level-2 divergence is this finding when its operation and the model's
     exception match and vLLM's reaction is one of ``vllm_reactions``:
-    ``"accepts"`` or the name of the exception vLLM raised.
+    ``"accepts"`` or the name of the exception vLLM raised. A call can break
+    several preconditions at once and vLLM checks them in another order than
+    the model (or not at all), so the reactions include what vLLM does about
+    the other arguments of such a call.
     """
 
     key: str
@@ -962,7 +965,7 @@ KNOWN_FINDINGS: dict[str, KnownFinding] = {
             "partial-cache-disabled",
             "cache_partial_block",
             "CachingDisabled",
-            "accepts AssertionError",
+            "accepts AssertionError OverflowError",
             "the pool does not check enable_caching: it caches anyway",
         ),
         _finding(
@@ -983,7 +986,7 @@ KNOWN_FINDINGS: dict[str, KnownFinding] = {
             "too-few-hashes",
             "cache_full_blocks",
             "NotEnoughHashes",
-            "AssertionError IndexError",
+            "accepts AssertionError IndexError",
             "IndexError after caching the blocks that have hashes (an assert before 0.12)",
         ),
         _finding(
@@ -1011,7 +1014,7 @@ KNOWN_FINDINGS: dict[str, KnownFinding] = {
             "full-negative-group",
             "cache_full_blocks",
             "InvalidGroup",
-            "accepts OverflowError",
+            "accepts AssertionError IndexError OverflowError",
             "nothing checked when there is nothing to cache; OverflowError packing the group",
         ),
         _finding(
@@ -1102,14 +1105,20 @@ def classify_divergence(failure: str | None) -> Level2Divergence | None:
     if found is None:
         return None
     reaction = "accepts" if found["accepts"] else vllm_reaction(found["raised"])
+    known = known_finding(found["op"], found["error"], reaction)
+    return Level2Divergence(found["op"], found["error"], reaction, known)
+
+
+def known_finding(operation: str, model_error: str, reaction: str) -> KnownFinding | None:
+    """The known finding for this operation, model exception and vLLM reaction, if any."""
     for known in KNOWN_FINDINGS.values():
         if (
-            known.operation == found["op"]
-            and known.model_error == found["error"]
+            known.operation == operation
+            and known.model_error == model_error
             and reaction in known.vllm_reactions
         ):
-            return Level2Divergence(found["op"], found["error"], reaction, known)
-    return Level2Divergence(found["op"], found["error"], reaction, None)
+            return known
+    return None
 
 
 def survey_level2(

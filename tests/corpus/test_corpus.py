@@ -32,3 +32,12 @@ def test_corpus_is_big_enough_and_documented() -> None:
 def test_unmodified_pool_through_the_same_factory_conforms() -> None:
     report = run_conformance(target_of(BlockPool), level=2, hypothesis_profile="ci")
     assert report.conforms, report.failure
+
+
+def test_mutation_profile_neither_shrinks_nor_saves() -> None:
+    from hypothesis import Phase, settings
+
+    chosen = settings.get_profile("mutation")
+    assert chosen.database is None
+    assert Phase.shrink not in chosen.phases and Phase.generate in chosen.phases
+    assert chosen.derandomize

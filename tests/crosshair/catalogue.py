@@ -14,6 +14,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kvpool import model
+from kvpool.impl import BlockPool
+from kvpool.impl.free_queue import FreeKVCacheBlockQueue
 from kvpool.specs import contracts
 
 
@@ -25,6 +27,8 @@ class BrokenVariant:
     broken: Callable[..., Any]
     catching_post: str
     """The text of the postcondition that must fail, exactly as in the docstring."""
+    replaces: str = "model"
+    """The global of the contracts module the broken version stands in for."""
 
 
 def _takes_from_the_back(state: model.PoolState, n: int) -> Any:
@@ -76,6 +80,33 @@ def _reset_while_busy(state: model.PoolState) -> Any:
     idle = replace(state, free_queue=tuple(range(1, state.config.num_blocks)))
     after, _ = model.reset_prefix_cache(idle)
     return replace(after, free_queue=state.free_queue), True
+
+
+class _PrependsReversed(FreeKVCacheBlockQueue):
+    def prepend_n(self, blocks: Any) -> None:
+        super().prepend_n(list(reversed(blocks)))
+
+
+class _AppendForgetsBackLink(FreeKVCacheBlockQueue):
+    def append_n(self, blocks: Any) -> None:
+        tail_prev = self.fake_free_list_tail.prev_free_block
+        super().append_n(blocks)
+        if blocks:
+            self.fake_free_list_tail.prev_free_block = tail_prev
+
+
+class _RemoveKeepsCount(FreeKVCacheBlockQueue):
+    def remove(self, block: Any) -> None:
+        super().remove(block)
+        self.num_free_blocks += 1
+
+
+class _PopsFromTheBack(FreeKVCacheBlockQueue):
+    def popleft_n(self, n: int) -> Any:
+        blocks = self.get_all_free_blocks()[len(self.get_all_free_blocks()) - n :] if n else []
+        for block in blocks:
+            self.remove(block)
+        return blocks
 
 
 def _joins_hashes(hashes: Any, hash_block_size: int, block_size: int) -> Any:
@@ -150,15 +181,50 @@ CATALOGUE = [
         _joins_hashes,
         "all(__return__[i] == hashes[(i + 1) * factor - 1] for i in range(len(__return__)))",
     ),
+    BrokenVariant(
+        "free_queue_prepend_n_keeps_order",
+        "prepend_n reverses the blocks: a request freed in reverse order is reused head first.",
+        "prepend_n",
+        _PrependsReversed,
+        "_ids(__return__[0]) == __return__[1]",
+        replaces="FreeKVCacheBlockQueue",
+    ),
+    BrokenVariant(
+        "free_queue_append_n_keeps_order",
+        "append_n forgets to move the tail's back link: walking backwards skips the new blocks.",
+        "append_n",
+        _AppendForgetsBackLink,
+        "_linked_both_ways(__return__[0])",
+        replaces="FreeKVCacheBlockQueue",
+    ),
+    BrokenVariant(
+        "free_queue_remove_unlinks_one",
+        "remove unlinks the block but does not count it: the free count drifts from the list.",
+        "remove",
+        _RemoveKeepsCount,
+        "_linked_both_ways(__return__[0])",
+        replaces="FreeKVCacheBlockQueue",
+    ),
+    BrokenVariant(
+        "free_queue_popleft_n_takes_the_front",
+        "popleft_n takes from the back: most recently freed first.",
+        "popleft_n",
+        _PopsFromTheBack,
+        "__return__[1] == list(range(n))",
+        replaces="FreeKVCacheBlockQueue",
+    ),
 ]
 
 
 def rebind(variant: BrokenVariant) -> types.FunctionType:
     """The contract function, running against a model with the variant's broken operation."""
     original = getattr(contracts, variant.contract)
-    broken_model = types.SimpleNamespace(**{n: getattr(model, n) for n in model.__all__})
-    setattr(broken_model, variant.operation, variant.broken)
-    namespace = dict(vars(contracts), model=broken_model)
+    if variant.replaces == "model":
+        broken_model = types.SimpleNamespace(**{n: getattr(model, n) for n in model.__all__})
+        setattr(broken_model, variant.operation, variant.broken)
+        namespace = dict(vars(contracts), model=broken_model)
+    else:
+        namespace = dict(vars(contracts), **{variant.replaces: variant.broken})
     clone = types.FunctionType(original.__code__, namespace, f"broken_{original.__name__}")
     clone.__doc__ = original.__doc__
     clone.__annotations__ = original.__annotations__
@@ -173,3 +239,27 @@ def rebind(variant: BrokenVariant) -> types.FunctionType:
 
 for _variant in CATALOGUE:
     globals()[f"broken_{_variant.contract}"] = rebind(_variant)
+
+
+class _AppendsHashless(BlockPool):
+    """Frees hash-less blocks to the back: the pre-0.24 order under the new profile."""
+
+    def free_blocks(self, ordered_blocks: Any) -> None:
+        blocks = list(ordered_blocks)
+        super().free_blocks(blocks)
+        freed = [b for b in dict.fromkeys(blocks) if b.ref_cnt == 0 and not b.is_null]
+        for block in freed:
+            self.free_block_queue.remove(block)
+        self.free_block_queue.append_n(freed)
+
+
+def _with_pool(function: Any, pool_class: type[BlockPool]) -> Any:
+    namespace = dict(vars(contracts), BlockPool=pool_class)
+    clone = types.FunctionType(function.__code__, namespace, f"{function.__name__}_broken")
+    clone.__module__ = __name__
+    clone.__qualname__ = clone.__name__
+    clone.__annotations__ = function.__annotations__
+    return clone
+
+
+scenario_on_broken_impl = _with_pool(contracts.scenario_on_impl, _AppendsHashless)

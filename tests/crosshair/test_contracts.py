@@ -95,3 +95,45 @@ def test_counterexamples_replay_in_plain_python(variant: catalogue.BrokenVariant
     bound = inspect.signature(function).bind(*arguments).arguments
     namespace = dict(function.__globals__, __return__=returned, **bound)
     assert eval(variant.catching_post, namespace) is False
+
+
+def diffbehavior(first: str, second: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "crosshair",
+            "diffbehavior",
+            "--max_uninteresting_iterations",
+            "20",
+            first,
+            second,
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+
+
+def test_diffbehavior_finds_no_difference_between_model_and_impl() -> None:
+    result = diffbehavior(
+        "kvpool.specs.contracts.scenario_on_model", "kvpool.specs.contracts.scenario_on_impl"
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "No differences found" in result.stdout
+
+
+def test_diffbehavior_finds_a_planted_difference_and_it_replays() -> None:
+    result = diffbehavior(
+        "kvpool.specs.contracts.scenario_on_model",
+        "tests.crosshair.catalogue.scenario_on_broken_impl",
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    call = re.search(r"Given: \((.*)\),", result.stdout)
+    assert call is not None, result.stdout
+    # CrossHair's own printout of plain ints, evaluated without builtins, then replayed.
+    arguments = eval(f"(lambda **k: k)({call[1]})", {"__builtins__": {}})
+    assert contracts.scenario_on_model(**arguments) != catalogue.scenario_on_broken_impl(
+        **arguments
+    )
