@@ -16,7 +16,9 @@ Verdicts: ``killed`` (the check reported a divergence or an invariant),
 ``survived`` (the check passed; with ``--unit-tests`` the survivors are
 also run against those pytest paths: ``unit-killed`` if they fail), ``timeout`` (no verdict within
 ``--timeout`` seconds: *not* counted as killed), ``invalid`` (the mutant
-does not import). The score is killed / (killed + survived + timeout).
+does not import). A mutant that makes the check crash (an exception other
+than a divergence escapes ``run_conformance``) counts as killed. The score
+is killed / (killed + survived + timeout).
 
 Why not mutmut: mutmut 3 rewrites the source tree into ``mutants/`` and
 imports it by path, but kvpool's packages are mapped (``kvpool.impl`` is
@@ -228,9 +230,10 @@ def run(
         )
     except subprocess.TimeoutExpired:
         return "timeout", time.perf_counter() - started
-    verdict = (done.stdout.split() or ["invalid"])[0]
-    if done.returncode not in (0, 1, 3):
-        verdict = "killed" if "Divergence" in done.stderr else "invalid"
+    # No verdict printed: the mutant crashed the check (an exception other
+    # than a divergence escaped), which is a failed check, i.e. a kill.
+    crashed = "killed" if "Traceback" in done.stderr else "invalid"
+    verdict = (done.stdout.split() or [crashed])[0]
     if verdict == "survived" and unit_tests:
         # A survivor of the machine: do kvpool's unit tests of the module kill it?
         try:

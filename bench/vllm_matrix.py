@@ -79,6 +79,7 @@ def run_child(version: str, examples: int) -> dict[str, Any]:
         WORKAROUNDS,
         TargetError,
         VllmTargetFactory,
+        classify_divergence,
         install_operation_filter,
         load_vllm,
         survey_level2,
@@ -125,7 +126,9 @@ def run_child(version: str, examples: int) -> dict[str, Any]:
             expected, caching, (), shrink=True
         )
     if not all(e["conforms"] for e in level1.values()):
-        candidates = [c for n in (1, 2) for c in combinations(WORKAROUNDS, n)]
+        candidates = [
+            c for n in range(1, len(WORKAROUNDS) + 1) for c in combinations(WORKAROUNDS, n)
+        ]
         for combination in candidates:
             runs = {
                 f"{expected} caching={'on' if c else 'off'}": check(
@@ -150,26 +153,57 @@ def run_child(version: str, examples: int) -> dict[str, Any]:
             )
     result["level1"] = level1
 
+    # Level 2, stepping over each rejection mismatch; a wrong state or result
+    # stops a survey, and is looked past with one more workaround if one helps.
     started = time.perf_counter()
-    found, last = survey_level2(
-        VllmTargetFactory(workarounds=chosen),
-        step_over_new=True,
-        profile=expected,
-        target_name=version,
-        hypothesis_profile="matrix-explore",
-        max_examples=examples,
-    )
-    result["level2"] = {
-        "findings": [
+    surveys = []
+    for extra in [(), *((w,) for w in WORKAROUNDS if w not in chosen)]:
+        found, last = survey_level2(
+            VllmTargetFactory(workarounds=(*chosen, *extra)),
+            step_over_new=True,
+            profile=expected,
+            target_name=version,
+            hypothesis_profile="matrix-explore",
+            max_examples=examples,
+        )
+        surveys.append(
             {
-                "operation": d.operation,
-                "model_error": d.model_error,
-                "vllm": d.vllm_reaction,
-                "known": d.finding.key if d.finding else None,
+                "workarounds": [*chosen, *extra],
+                "findings": [
+                    {
+                        "operation": d.operation,
+                        "model_error": d.model_error,
+                        "vllm": d.vllm_reaction,
+                        "known": d.finding.key if d.finding else None,
+                    }
+                    for d in found
+                ],
+                "last": _summary(last),
             }
-            for d in found
-        ],
-        "last": _summary(last),
+        )
+        if last.conforms or classify_divergence(last.failure) is not None:
+            break
+    if not surveys[-1]["last"]["conforms"] and len(surveys) > 1:
+        # no workaround helped: report the first survey's stop, shrunk
+        surveys = surveys[:1]
+    stop = surveys[0]["last"]
+    if not stop["conforms"] and classify_divergence(stop["failure"]) is None:
+        shrunk = run_conformance(
+            VllmTargetFactory(
+                workarounds=chosen,
+                suppress=[f"{f['operation']}:{f['model_error']}" for f in surveys[0]["findings"]],
+            ),
+            level=2,
+            profile=expected,
+            target_name=version,
+            hypothesis_profile="ci",
+            max_examples=examples,
+        )
+        surveys[0]["stop_shrunk"] = _summary(shrunk)
+    result["level2"] = {
+        "surveys": surveys,
+        "findings": surveys[-1]["findings"],
+        "last": surveys[-1]["last"],
         "seconds": round(time.perf_counter() - started, 1),
     }
     return result
@@ -246,7 +280,11 @@ def markdown(results: list[dict[str, Any]]) -> str:
             known.append(
                 finding.key if finding else f"NEW {f['operation']}/{f['model_error']}/{f['vllm']}"
             )
-        tail = "" if r["level2"]["last"]["conforms"] else " (stopped: see JSON)"
+        surveys = r["level2"].get("surveys", [])
+        extra = surveys[-1]["workarounds"] if surveys else []
+        tail = "" if r["level2"]["last"]["conforms"] else " (stopped: see below)"
+        if len(surveys) > 1:
+            tail += f" (then with {'+'.join(extra)})"
         rows.append(
             f"| {r['version']} | {', '.join(r['left_out']) or '-'} | {r['expected_profile']} "
             f"| {verdicts} | {len(findings)}: {', '.join(known)}{tail} |"

@@ -494,42 +494,79 @@ class VllmTarget(BlockPoolApiTarget):
                 raise TargetError(f"vLLM {self.api.version} has no block_mask (0.22.0+)")
             args.append(list(block_mask))
         if "promotion" in self.workarounds:
-            self._evict_before_promotion(blocks, num_cached_blocks, num_full_blocks, block_mask)
-        self._vllm(lambda: self.pool.cache_full_blocks(*args))
+            self._evict_before_promotion(
+                blocks, num_cached_blocks, num_full_blocks, block_size, block_mask
+            )
+        unhashed = {b.block_id for b in blocks if b.block_hash is None}
+        if "null-in-cache" in self.workarounds and any(b.is_null for b in blocks):
+            self._cache_around_null_blocks(args, blocks, num_cached_blocks, num_full_blocks)
+        else:
+            self._vllm(lambda: self.pool.cache_full_blocks(*args))
         if not self.api.hash_num_tokens:
-            self._record_token_counts(blocks, num_cached_blocks, num_full_blocks, block_size)
+            self._record_token_counts(
+                blocks, unhashed, num_cached_blocks, num_full_blocks, block_size
+            )
+
+    def _cache_around_null_blocks(
+        self, args: list[Any], blocks: Sequence[Any], num_cached_blocks: int, num_full_blocks: int
+    ) -> None:
+        """The ``null-in-cache`` workaround: one call per run of positions without a null block.
+
+        With events off (the only way those releases are checked) the runs
+        together cache exactly what one call that skips null blocks caches.
+        """
+        if self.config.enable_events:
+            raise TargetError("the null-in-cache workaround needs events off")
+        start = max(0, num_cached_blocks)
+        end = min(num_full_blocks, len(blocks))
+        run_start = start
+        for i in range(start, end + 1):
+            if i == end or blocks[i].is_null:
+                if run_start < i:
+                    call = [*args[:2], run_start, i, *args[4:]]
+                    self._vllm(lambda c=call: self.pool.cache_full_blocks(*c))  # type: ignore[misc]
+                run_start = i + 1
 
     def _evict_before_promotion(
         self,
         blocks: Sequence[Any],
         num_cached_blocks: int,
         num_full_blocks: int,
+        block_size: int,
         block_mask: Sequence[bool] | None,
     ) -> None:
         """The ``promotion`` workaround: drop the keys of blocks about to be cached again.
 
-        It calls the pool's own ``_maybe_evict_cached_block``, which is what
-        0.24 and later do inside ``cache_full_blocks`` for a block whose key
-        covers fewer tokens (the model only sends such calls at level 1).
+        Only a block whose key covers fewer tokens than its new position: the
+        pool's own ``_maybe_evict_cached_block`` drops it, which is what 0.24
+        and later do inside ``cache_full_blocks``.
         """
+        state = self.snapshot()
         for i in range(max(0, num_cached_blocks), min(num_full_blocks, len(blocks))):
             masked = block_mask is not None and not block_mask[i - num_cached_blocks]
-            if blocks[i].block_hash is not None and not blocks[i].is_null and not masked:
+            covered = state.blocks[blocks[i].block_id].hash_num_tokens
+            longer = covered is not None and covered < (i + 1) * block_size
+            if longer and not blocks[i].is_null and not masked:
                 self._vllm(lambda b=blocks[i]: self.pool._maybe_evict_cached_block(b))  # type: ignore[misc]
 
     def _record_token_counts(
-        self, blocks: Sequence[Any], num_cached_blocks: int, num_full_blocks: int, block_size: int
+        self,
+        blocks: Sequence[Any],
+        unhashed: set[int],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
     ) -> None:
         """Before 0.24 vLLM does not keep how many tokens a block's key covers: note it here.
 
-        Position i of the call caches ``(i + 1) * block_size`` tokens; those
-        releases assert that a block they cache has no key yet, so every key in
-        the range after the call is this call's. The note is read only while
-        the block still has that key.
+        Position i of the call caches ``(i + 1) * block_size`` tokens. A block
+        of the range that had no key before the call (``unhashed``) and has
+        one after it got it from this call (skipped and masked blocks keep
+        theirs). The note is read only while the block still has that key.
         """
         for i in range(max(0, num_cached_blocks), min(num_full_blocks, len(blocks))):
             key = blocks[i].block_hash
-            if key is not None:
+            if key is not None and blocks[i].block_id in unhashed:
                 self._token_counts.setdefault(key, {})[blocks[i].block_id] = (i + 1) * block_size
 
     def cache_partial_block(
@@ -693,6 +730,12 @@ WORKAROUNDS: dict[str, str] = {
         "and later (and the model) let a key covering more tokens replace the old "
         "one. The workaround evicts the old key first with the pool's own "
         "_maybe_evict_cached_block, as 0.24 does inside cache_full_blocks"
+    ),
+    "null-in-cache": (
+        "vLLM 0.13 and earlier hash the null block when cache_full_blocks is given "
+        "it; the workaround caches the runs of positions between null blocks in "
+        "separate calls, which with events off (as those releases are checked) "
+        "caches exactly what skipping the null block does"
     ),
     "free-listed-twice": (
         "vLLM 0.23 and earlier queue a block once per time it is listed in one "
@@ -987,7 +1030,7 @@ KNOWN_FINDINGS: dict[str, KnownFinding] = {
             "cache_full_blocks",
             "NotEnoughHashes",
             "accepts AssertionError IndexError",
-            "IndexError after caching the blocks that have hashes (an assert before 0.12)",
+            "IndexError after caching the blocks that have hashes (an assert before 0.24)",
         ),
         _finding(
             "range-beyond-blocks",
@@ -1036,7 +1079,7 @@ KNOWN_FINDINGS: dict[str, KnownFinding] = {
             "cache_partial_block",
             "InvalidPartialBlock",
             "accepts AssertionError",
-            "0.30+ accept a prefix ending on a block boundary; any release asserts on a "
+            "0.32+ accept a prefix ending on a block boundary; any release asserts on a "
             "prefix that is not a whole number of hash blocks",
         ),
         _finding(
@@ -1058,7 +1101,7 @@ KNOWN_FINDINGS: dict[str, KnownFinding] = {
             "cache_partial_block",
             "InvalidBlockSize",
             "accepts AssertionError",
-            "0.30+ accept block_size == hash_block_size; others assert",
+            "0.32+ accept block_size == hash_block_size; earlier releases assert",
         ),
         _finding(
             "negative-group",
