@@ -76,6 +76,7 @@ def run_child(version: str, examples: int) -> dict[str, Any]:
     from kvpool.model import PROFILES
     from kvpool.specs import settings as _registered  # noqa: F401  (the ci profile)
     from kvpool.specs.adapters.vllm_target import (
+        KNOWN_FINDINGS,
         WORKAROUNDS,
         TargetError,
         VllmTargetFactory,
@@ -191,7 +192,10 @@ def run_child(version: str, examples: int) -> dict[str, Any]:
         shrunk = run_conformance(
             VllmTargetFactory(
                 workarounds=chosen,
-                suppress=[f"{f['operation']}:{f['model_error']}" for f in surveys[0]["findings"]],
+                suppress=[
+                    *KNOWN_FINDINGS,
+                    *(f"{f['operation']}:{f['model_error']}" for f in surveys[0]["findings"]),
+                ],
             ),
             level=2,
             profile=expected,
@@ -284,7 +288,11 @@ def markdown(results: list[dict[str, Any]]) -> str:
         extra = surveys[-1]["workarounds"] if surveys else []
         tail = "" if r["level2"]["last"]["conforms"] else " (stopped: see below)"
         if len(surveys) > 1:
-            tail += f" (then with {'+'.join(extra)})"
+            stop = surveys[0].get("stop_shrunk") or surveys[0]["last"]
+            tail += (
+                f"; first stopped by a wrong state or result ({(stop['failure'] or '')[:60]}...), "
+                f"then surveyed with {'+'.join(extra)}"
+            )
         rows.append(
             f"| {r['version']} | {', '.join(r['left_out']) or '-'} | {r['expected_profile']} "
             f"| {verdicts} | {len(findings)}: {', '.join(known)}{tail} |"

@@ -156,7 +156,6 @@ def load_vllm(pool_class: Any = None) -> VllmApi:
         vllm = importlib.import_module("vllm")
         block_pool = importlib.import_module("vllm.v1.core.block_pool")
         utils = importlib.import_module("vllm.v1.core.kv_cache_utils")
-        kv_events = importlib.import_module("vllm.distributed.kv_events")
     except ImportError as error:
         raise TargetError(f"vLLM cannot be imported: {error}") from error
     version = str(getattr(vllm, "__version__", "unknown"))
@@ -167,6 +166,7 @@ def load_vllm(pool_class: Any = None) -> VllmApi:
             f"vLLM {version} predates byte-string block hashes (0.10.2); "
             "kvpool's vLLM adapter supports 0.10.2 and later"
         )
+    kv_events = importlib.import_module("vllm.distributed.kv_events")
     if not _none_hash_ready and hasattr(utils, "init_none_hash"):
         utils.init_none_hash(_vllm_sha256())
         _none_hash_ready = True
