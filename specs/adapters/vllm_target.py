@@ -1112,7 +1112,7 @@ KNOWN_FINDINGS: dict[str, KnownFinding] = {
         ),
     )
 }
-"""The level-2 divergences of vLLM's pool, by key; docs/semantics.md has the measurements."""
+"""The level-2 divergences of vLLM's pool, by key (docs/vllm-conformance.md, docs/semantics.md)."""
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,5 @@
 """kvpool against the real vLLM block pool: conformance, planted bugs, level-2 findings."""
 
-import time
 from pathlib import Path
 
 import pytest
@@ -34,7 +33,6 @@ def test_installed_vllm_conforms_at_level_1() -> None:
 def test_a_planted_bug_is_reported_with_its_program(
     pool_class: str, where: str, tmp_path: Path
 ) -> None:
-    started = time.perf_counter()
     result = CliRunner().invoke(
         app,
         [
@@ -56,7 +54,6 @@ def test_a_planted_bug_is_reported_with_its_program(
     assert "state = KVPoolConformance()" in program
     assert "state.new_pool(" in program
     assert where in output
-    assert time.perf_counter() - started < 60
 
 
 def test_a_level_2_divergence_is_a_known_finding() -> None:

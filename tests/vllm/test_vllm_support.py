@@ -63,7 +63,8 @@ def test_the_catalogue_is_consistent() -> None:
     ("failure", "known"),
     [
         (
-            "get_new_blocks(-1): the model rejects it with InvalidBlockCount, the target accepts it",
+            "get_new_blocks(-1): the model rejects it with InvalidBlockCount, "
+            "the target accepts it",
             "negative-get",
         ),
         (
