@@ -17,6 +17,7 @@ from kvpool import model
 from kvpool.impl import BlockPool
 from kvpool.impl.free_queue import FreeKVCacheBlockQueue
 from kvpool.specs import contracts
+from tests.specs.planted_bugs import AppendsHashlessBlocks
 
 
 @dataclass(frozen=True)
@@ -241,18 +242,6 @@ for _variant in CATALOGUE:
     globals()[f"broken_{_variant.contract}"] = rebind(_variant)
 
 
-class _AppendsHashless(BlockPool):
-    """Frees hash-less blocks to the back: the pre-0.24 order under the new profile."""
-
-    def free_blocks(self, ordered_blocks: Any) -> None:
-        blocks = list(ordered_blocks)
-        super().free_blocks(blocks)
-        freed = [b for b in dict.fromkeys(blocks) if b.ref_cnt == 0 and not b.is_null]
-        for block in freed:
-            self.free_block_queue.remove(block)
-        self.free_block_queue.append_n(freed)
-
-
 def _with_pool(function: Any, pool_class: type[BlockPool]) -> Any:
     namespace = dict(vars(contracts), BlockPool=pool_class)
     clone = types.FunctionType(function.__code__, namespace, f"{function.__name__}_broken")
@@ -262,4 +251,4 @@ def _with_pool(function: Any, pool_class: type[BlockPool]) -> Any:
     return clone
 
 
-scenario_on_broken_impl = _with_pool(contracts.scenario_on_impl, _AppendsHashless)
+scenario_on_broken_impl = _with_pool(contracts.scenario_on_impl, AppendsHashlessBlocks)
