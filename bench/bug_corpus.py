@@ -1,8 +1,12 @@
-"""How fast the conformance checks find each bug of the corpus (tests/corpus/bugs.py).
+"""How fast the conformance checks find each bug of the corpus.
 
-Run from the repository root::
+The corpus has two layers: block-pool bugs (tests/corpus/bugs.py, checked by
+``run_conformance``) and request-layer bugs in the KV cache manager
+(tests/corpus/request_bugs.py, checked by ``run_manager_conformance`` on the
+layouts each bug lists). Run from the repository root::
 
-    python bench/bug_corpus.py              # every bug, 5 seeds
+    python bench/bug_corpus.py                  # every bug, 5 seeds
+    python bench/bug_corpus.py --layer request  # the request layer only
     python bench/bug_corpus.py --seeds 3 --only stale-hash-on-reuse
 
 For each bug it prints:
@@ -10,8 +14,9 @@ For each bug it prints:
 * ``ci``: whether the derandomized ``ci`` profile finds it (what CI runs), and
   its wall time including shrinking;
 * ``time`` and ``steps``: the median, over ``--seeds`` seeds, of the wall
-  time and of the number of pool operations executed (summed over every
-  program run) until the first failing program is complete. These runs use
+  time and of the number of operations executed (pool operations, or manager
+  operations for the request layer, summed over every program run) until
+  the first failing program is complete. These runs use
   the ``mutation`` profile (no shrinking, no example database) with
   ``max_examples`` raised to ``--budget`` and a seed each, so they stop at the
   first failure; ``found`` counts the seeds that found it within the budget;
@@ -33,7 +38,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvpool.model import PoolConfig
 from kvpool.specs.conformance import run_conformance
+from kvpool.specs.manager_machine import LAYOUTS, ManagerSetup, run_manager_conformance
 from tests.corpus.bugs import BUGS, Bug, target_of
+from tests.corpus.request_bugs import CACHING, REQUEST_BUGS, RequestBug, spec_of
+from tests.corpus.request_bugs import target_of as manager_target_of
 
 OPERATIONS = frozenset(
     {
@@ -49,20 +57,41 @@ OPERATIONS = frozenset(
     }
 )
 
+MANAGER_OPERATIONS = frozenset(
+    {
+        "get_computed_blocks",
+        "allocate_slots",
+        "free",
+        "cache_blocks",
+        "evict_blocks",
+        "reset_prefix_cache",
+        "get_num_common_prefix_blocks",
+        "take_events",
+        "make_prefix_cache_stats",
+    }
+)
+
 
 class Counting:
     """A target that counts the operations sent to it; optionally without snapshot()."""
 
-    def __init__(self, inner: Any, counts: list[int], snapshot: bool) -> None:
+    def __init__(
+        self,
+        inner: Any,
+        counts: list[int],
+        snapshot: bool,
+        operations: frozenset[str] = OPERATIONS,
+    ) -> None:
         self._inner = inner
         self._counts = counts
         self._snapshot = snapshot
+        self._operations = operations
 
     def __getattr__(self, name: str) -> Any:
         if name == "snapshot" and not self._snapshot:
             raise AttributeError(name)
         attribute = getattr(self._inner, name)
-        if name in OPERATIONS:
+        if name in self._operations:
             counts = self._counts
 
             def counted(*args: Any, **kwargs: Any) -> Any:
@@ -88,6 +117,21 @@ class Probe:
         return Counting(self.make(config), self.counts, self.snapshot)
 
 
+class ManagerProbe:
+    """Probe's counterpart for the request layer: a factory of counted manager targets."""
+
+    def __init__(self, bug: RequestBug, snapshot: bool = True) -> None:
+        self.make = manager_target_of(bug.manager)
+        self.snapshot = snapshot
+        self.counts: list[int] = []
+        self.starts: list[float] = []
+
+    def __call__(self, setup: ManagerSetup) -> Counting:
+        self.counts.append(0)
+        self.starts.append(time.perf_counter())
+        return Counting(self.make(setup), self.counts, self.snapshot, MANAGER_OPERATIONS)
+
+
 def first_failure(bug: Bug, seed: int, budget: int) -> tuple[bool, float, int, int]:
     """(found, seconds, operations, programs) until the first failing program ends."""
     probe = Probe(bug)
@@ -101,6 +145,57 @@ def first_failure(bug: Bug, seed: int, budget: int) -> tuple[bool, float, int, i
     # program run is that replay, the one before it the first failure.
     done = probe.starts[-1]
     return True, done - started, sum(probe.counts[:-1]), len(probe.counts) - 1
+
+
+def first_request_failure(bug: RequestBug, seed: int, budget: int) -> tuple[bool, float, int, int]:
+    """first_failure for a request-layer bug: manager operations until the first failure."""
+    probe = ManagerProbe(bug)
+    started = time.perf_counter()
+    report = run_manager_conformance(
+        spec_of(bug, probe), hypothesis_profile="mutation", seed=seed, max_examples=budget
+    )
+    if report.conforms:
+        return False, time.perf_counter() - started, sum(probe.counts), len(probe.counts)
+    done = probe.starts[-1]
+    return True, done - started, sum(probe.counts[:-1]), len(probe.counts) - 1
+
+
+def summary(runs: list[tuple[bool, float, int, int]]) -> dict[str, Any]:
+    """How many seeds found the bug, and the medians over those that did."""
+    found = [r for r in runs if r[0]]
+    return {
+        "found": len(found),
+        "seconds": statistics.median(r[1] for r in found) if found else None,
+        "steps": statistics.median(r[2] for r in found) if found else None,
+        "programs": statistics.median(r[3] for r in found) if found else None,
+    }
+
+
+def measure_request(bug: RequestBug, seeds: int, budget: int) -> dict[str, Any]:
+    started = time.perf_counter()
+    ci = run_manager_conformance(spec_of(bug), hypothesis_profile="ci")
+    ci_seconds = time.perf_counter() - started
+    runs = [first_request_failure(bug, seed, budget) for seed in range(seeds)]
+    blind = run_manager_conformance(
+        spec_of(bug, ManagerProbe(bug, snapshot=False)), hypothesis_profile="ci"
+    )
+    return {
+        "bug": bug.name,
+        "layouts": _layouts(bug.layouts),
+        "upstream": bug.upstream,
+        "ci": not ci.conforms,
+        "ci_seconds": ci_seconds,
+        **summary(runs),
+        "black_box": not blind.conforms,
+    }
+
+
+def _layouts(layouts: tuple[str, ...]) -> str:
+    if layouts == LAYOUTS:
+        return "all"
+    if layouts == CACHING:
+        return "caching"
+    return ", ".join(layouts)
 
 
 def measure(bug: Bug, seeds: int, budget: int) -> dict[str, Any]:
@@ -124,9 +219,10 @@ def measure(bug: Bug, seeds: int, budget: int) -> dict[str, Any]:
     }
 
 
-def table(rows: list[dict[str, Any]], seeds: int) -> str:
+def table(rows: list[dict[str, Any]], seeds: int, scope: str = "level") -> str:
+    """The markdown table; ``scope`` is the second column (``level`` or ``layouts``)."""
     lines = [
-        f"| bug | level | upstream | ci finds | ci s | found/{seeds} | median s | "
+        f"| bug | {scope} | upstream | ci finds | ci s | found/{seeds} | median s | "
         "median steps | median programs | black-box ci |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
@@ -136,7 +232,7 @@ def table(rows: list[dict[str, Any]], seeds: int) -> str:
             return "-" if v is None else format(v, fmt)
 
         lines.append(
-            f"| {r['bug']} | {r['level']} | {r['upstream']} | {'yes' if r['ci'] else 'NO'} | "
+            f"| {r['bug']} | {r[scope]} | {r['upstream']} | {'yes' if r['ci'] else 'NO'} | "
             f"{r['ci_seconds']:.1f} | {r['found']} | {num(r['seconds'], '.2f')} | "
             f"{num(r['steps'], '.0f')} | {num(r['programs'], '.0f')} | "
             f"{'yes' if r['black_box'] else 'no'} |"
@@ -148,18 +244,34 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--budget", type=int, default=2000, help="max programs per seeded run")
-    parser.add_argument("--only", nargs="*", help="bug names")
+    parser.add_argument("--only", nargs="*", help="bug names (of either layer)")
+    parser.add_argument(
+        "--layer", choices=("pool", "request", "all"), default="all", help="which corpus"
+    )
     args = parser.parse_args()
-    bugs = [b for b in BUGS if not args.only or b.name in args.only]
+    names = set(args.only or ())
+    pool_bugs = [b for b in BUGS if args.layer != "request" and (not names or b.name in names)]
+    request_bugs = [
+        b for b in REQUEST_BUGS if args.layer != "pool" and (not names or b.name in names)
+    ]
     rows = []
-    for bug in bugs:
+    for bug in pool_bugs:
         rows.append(measure(bug, args.seeds, args.budget))
         print(f"measured {bug.name}", file=sys.stderr, flush=True)
+    request_rows = []
+    for request_bug in request_bugs:
+        request_rows.append(measure_request(request_bug, args.seeds, args.budget))
+        print(f"measured {request_bug.name}", file=sys.stderr, flush=True)
     print(
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.node()}, "
         f"{platform.processor() or platform.machine()}, Python {platform.python_version()}"
     )
-    print(table(rows, args.seeds))
+    if rows:
+        print(table(rows, args.seeds))
+    if rows and request_rows:
+        print()
+    if request_rows:
+        print(table(request_rows, args.seeds, scope="layouts"))
 
 
 if __name__ == "__main__":

@@ -1,31 +1,48 @@
-"""Mutation testing of kvpool.impl against the conformance machine.
+"""Mutation testing of kvpool.impl against the conformance machines.
 
-    python bench/mutation.py impl/free_queue.py
+    python bench/mutation.py impl/                      # every module of impl/
     python bench/mutation.py impl/pool.py --functions free_blocks touch --jobs 2
+    python bench/mutation.py impl/ --jobs 2 --json mutation.json
 
-Each mutant is one small change to one function of the file (a comparison
+Each mutant is one small change to one function of a module (a comparison
 flipped, ``+`` for ``-``, a constant off by one, ``and`` for ``or``, ``is``
-for ``is not``, a statement deleted). It is imported *in a subprocess* in
+for ``is not``, a statement deleted). Expressions inside f-strings are left
+alone: they build error messages, and conformance compares exception types,
+never message text. It is imported *in a subprocess* in
 place of the real module (a meta-path finder serves the mutated source), so
 the working tree is never touched and concurrent test runs are unaffected.
-The subprocess runs the check kvpool relies on: ``run_conformance`` on the
-impl at level 2 with every semantics profile, under the ``mutation`` settings
-profile (``ci`` without shrinking and without a database).
 
-Verdicts: ``killed`` (the check reported a divergence or an invariant),
-``survived`` (the check passed; with ``--unit-tests`` the survivors are
-also run against those pytest paths: ``unit-killed`` if they fail), ``timeout`` (no verdict within
-``--timeout`` seconds: *not* counted as killed), ``invalid`` (the mutant
-does not import). A mutant that makes the check crash (an exception other
-than a divergence escapes ``run_conformance``) counts as killed. The score
-is killed / (killed + survived + timeout).
+The subprocess first runs the check whose power is measured, chosen by the
+module's layer: for the pool (``pool.py``, ``free_queue.py``, ``block.py``,
+``invariants.py``) ``run_conformance`` on the impl at level 2 with every
+semantics profile; for the request layer (``manager.py``,
+``single_type.py``) ``run_manager_conformance`` on the impl's manager at
+levels 1 and 2. Both
+run under the ``mutation`` settings profile: ``ci`` without shrinking and
+without the example database, so a kill is reported as soon as it is found
+and no run replays another's failures. A mutant the machine lets through is
+then run against the layer's unit tests (``pytest -x``, same profile).
 
-Why not mutmut: mutmut 3 rewrites the source tree into ``mutants/`` and
-imports it by path, but kvpool's packages are mapped (``kvpool.impl`` is
-``impl/``) and installed editable, so the tests would import the unmutated
-code; it also runs the test suite, where this driver runs the one check
-whose power is being measured. mutmut stays in the ``mutation`` extra for
-anyone who wants its operators on a standard layout.
+Verdicts: ``killed`` (the machine reported a divergence or an invariant, or
+crashed), ``unit-killed`` (the machine passed, a unit test failed),
+``survived`` (both passed), ``timeout`` (no verdict within ``--timeout``
+seconds: *not* a kill, it is scored as a survivor), ``invalid`` (the mutant
+does not import; not scored). The score is
+(killed + unit-killed) / (killed + unit-killed + survived + timeout).
+
+Every survivor and timeout must be triaged in ``bench/mutation_triage.toml``
+as ``equivalent`` (with the reason) or ``gap`` (with the plan); the run
+lists untriaged ones and exits 1 if there are any, so a change to the impl
+that adds an unkilled mutant cannot go unnoticed.
+
+Why not mutmut or cosmic-ray: mutmut 3 copies the tree into ``mutants/``
+and imports it by path, but ``kvpool.impl`` is mapped from ``impl/`` and
+installed editable, so the tests import the unmutated code. cosmic-ray
+mutates the file in place, which works through the editable install's
+symlinks, but it then owns the working tree (no other run, no editing,
+while it works) and runs one mutant at a time per working copy. This driver
+serves the mutant to one subprocess only, runs ``--jobs`` of them side by
+side in one tree, and keeps timeouts apart from kills.
 """
 
 from __future__ import annotations
@@ -34,10 +51,12 @@ import argparse
 import ast
 import copy
 import json
+import os
 import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -47,8 +66,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"impl": "kvpool.impl", "model": "kvpool.model", "specs": "kvpool.specs"}
 
 RUNNER = r"""
-import importlib.abc, importlib.util, sys
-name, path = sys.argv[1], sys.argv[2]
+import importlib, importlib.abc, importlib.util, sys
+name, path, layer = sys.argv[1], sys.argv[2], sys.argv[3]
 
 class Mutated(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, search_path, target=None):
@@ -58,14 +77,30 @@ class Mutated(importlib.abc.MetaPathFinder):
 
 sys.meta_path.insert(0, Mutated())
 try:
+    importlib.import_module(name)
     from kvpool.model import PROFILES
     from kvpool.specs.adapters.impl_target import ImplTarget
     from kvpool.specs.conformance import run_conformance
+    from kvpool.specs.manager_machine import resolve_manager_target, run_manager_conformance
 except Exception as error:
     print("invalid", repr(error)); sys.exit(3)
-assert sys.modules[name].__file__ == path, "the mutant was not imported"
-report = run_conformance(ImplTarget, level=2, profile=sorted(PROFILES),
-                         hypothesis_profile="mutation")
+if sys.modules[name].__file__ != path:
+    print("invalid", "the mutant was not the module imported"); sys.exit(3)
+try:
+    if layer == "manager":
+        # Level 1 and level 2 draw different fixed samples: run both, as CI does.
+        for level in (1, 2):
+            report = run_manager_conformance(resolve_manager_target("impl"), level=level,
+                                             hypothesis_profile="mutation")
+            if not report.conforms:
+                break
+    else:
+        report = run_conformance(ImplTarget, level=2, profile=sorted(PROFILES),
+                                 hypothesis_profile="mutation")
+except BaseException as error:
+    # The mutant broke the check itself (e.g. a NameError inside the impl):
+    # the check failed, which is a kill.
+    print("killed", "crash", repr(error)[:200]); sys.exit(1)
 print("survived" if report.conforms else "killed", report.failure_kind or "")
 sys.exit(0 if report.conforms else 1)
 """
@@ -74,9 +109,25 @@ PYTEST_RUNNER = (
     RUNNER.split("try:")[0]
     + r"""
 import pytest
-sys.exit(pytest.main(["-q", "-x", "-p", "no:cacheprovider", *sys.argv[3:]]))
+importlib.import_module(name)
+assert sys.modules[name].__file__ == path, "the mutant was not the module imported"
+sys.exit(pytest.main(["-q", "-x", "-p", "no:cacheprovider", *sys.argv[4:]]))
 """
 )
+
+# The check whose power is measured, and the unit tests a survivor meets next.
+LAYERS = {"manager.py": "manager", "single_type.py": "manager"}
+UNIT_TESTS = {
+    "pool": ["tests/impl", "tests/kit/test_vectors.py"],
+    "manager": [
+        "tests/request/test_impl_manager.py",
+        "tests/request/test_single_type_lockstep.py",
+        "tests/request/test_manager.py",
+        "tests/request/test_managers.py",
+        "tests/request/test_request_invariants.py",
+    ],
+}
+TRIAGE = ROOT / "bench" / "mutation_triage.toml"
 
 SWAP_CMP: dict[type[ast.cmpop], type[ast.cmpop]] = {
     ast.Lt: ast.LtE,
@@ -103,10 +154,19 @@ SWAP_BIN: dict[type[ast.operator], type[ast.operator]] = {
 @dataclass
 class Mutant:
     index: int
+    module: str
     function: str
     line: int
     description: str
     source: str
+    original: str = ""
+    occurrence: int = 0
+
+    @property
+    def key(self) -> str:
+        """Stable across edits elsewhere in the file: no line number."""
+        where = f"{self.module}:{self.function}: {self.description} @ {self.original}"
+        return where if not self.occurrence else f"{where} #{self.occurrence + 1}"
 
 
 def _mutations(node: ast.AST) -> Iterator[tuple[str, ast.AST]]:
@@ -143,8 +203,16 @@ def _statement_deletions(body: list[ast.stmt]) -> Iterator[tuple[int, str]]:
             yield i, f"delete `{ast.unparse(stmt)[:50]}`"
 
 
-def mutants(path: Path, functions: set[str] | None) -> list[Mutant]:
-    tree = ast.parse(path.read_text())
+def mutants(
+    path: Path, module: str, functions: set[str] | None, with_source: bool = True
+) -> list[Mutant]:
+    """Every mutant of the functions of ``path`` (all if ``functions`` is None).
+
+    ``with_source=False`` skips writing each mutant's source: only keys are needed.
+    """
+    text = path.read_text()
+    lines = text.splitlines()
+    tree = ast.parse(text)
     found: list[Mutant] = []
     targets: list[tuple[str, ast.FunctionDef]] = []
     for node in ast.walk(tree):
@@ -158,22 +226,25 @@ def mutants(path: Path, functions: set[str] | None) -> list[Mutant]:
         if functions and qualname.split(".")[-1] not in functions:
             continue
         # Expression-level mutations: rebuild the tree with one node replaced.
+        # Nothing inside an f-string: those are error messages, and results are
+        # compared on exception types, never on message text.
+        in_messages = {
+            id(inner)
+            for node in ast.walk(function)
+            if isinstance(node, ast.JoinedStr)
+            for inner in ast.walk(node)
+        }
         for node in ast.walk(function):
             if node is function or isinstance(node, ast.arguments | ast.arg):
+                continue
+            if id(node) in in_messages:
                 continue
             if isinstance(node, ast.Constant) and isinstance(node.value, str):
                 continue
             for description, replacement in _mutations(node):
-                mutated = _replace(tree, node, replacement)
-                found.append(
-                    Mutant(
-                        len(found),
-                        qualname,
-                        getattr(node, "lineno", function.lineno),
-                        description,
-                        mutated,
-                    )
-                )
+                mutated = _replace(tree, node, replacement) if with_source else ""
+                line = getattr(node, "lineno", function.lineno)
+                found.append(Mutant(len(found), module, qualname, line, description, mutated))
         # Statement deletions, in every block of the function.
         for node in ast.walk(function):
             for field in ("body", "orelse"):
@@ -181,8 +252,16 @@ def mutants(path: Path, functions: set[str] | None) -> list[Mutant]:
                 if not isinstance(body, list) or not body or not isinstance(body[0], ast.stmt):
                     continue
                 for i, description in _statement_deletions(body):
-                    mutated = _delete(tree, body[i])
-                    found.append(Mutant(len(found), qualname, body[i].lineno, description, mutated))
+                    mutated = _delete(tree, body[i]) if with_source else ""
+                    found.append(
+                        Mutant(len(found), module, qualname, body[i].lineno, description, mutated)
+                    )
+    seen: dict[str, int] = {}
+    for mutant in found:
+        mutant.original = lines[mutant.line - 1].strip()
+        base = mutant.key  # occurrence 0: no suffix yet
+        mutant.occurrence = seen.get(base, 0)
+        seen[base] = mutant.occurrence + 1
     return found
 
 
@@ -214,98 +293,141 @@ def _delete(tree: ast.Module, stmt: ast.stmt) -> str:
     return source
 
 
-def run(
-    mutant: Mutant, module: str, workdir: Path, timeout: float, unit_tests: list[str]
-) -> tuple[str, float]:
-    path = workdir / f"mutant_{mutant.index}.py"
+def run(mutant: Mutant, layer: str, workdir: Path, timeout: float) -> tuple[str, float]:
+    path = workdir / f"{mutant.module}.{mutant.index}.py"
     path.write_text(mutant.source)
+    # The unit tests load their settings profile from this variable.
+    env = {**os.environ, "KVPOOL_HYPOTHESIS": "mutation"}
     started = time.perf_counter()
     try:
         done = subprocess.run(
-            [sys.executable, "-c", RUNNER, module, str(path)],
+            [sys.executable, "-c", RUNNER, mutant.module, str(path), layer],
             capture_output=True,
             text=True,
             timeout=timeout,
             cwd=ROOT,
+            env=env,
         )
     except subprocess.TimeoutExpired:
         return "timeout", time.perf_counter() - started
-    # No verdict printed: the mutant crashed the check (an exception other
-    # than a divergence escaped), which is a failed check, i.e. a kill.
-    crashed = "killed" if "Traceback" in done.stderr else "invalid"
-    verdict = (done.stdout.split() or [crashed])[0]
-    if verdict == "survived" and unit_tests:
-        # A survivor of the machine: do kvpool's unit tests of the module kill it?
+    # The runner prints a verdict for every outcome it can tell apart; a
+    # process that died without one is not scored.
+    verdict = (done.stdout.split() or ["invalid"])[0]
+    if verdict == "survived":
+        # A survivor of the machine: do kvpool's unit tests of the layer kill it?
         try:
             tests = subprocess.run(
-                [sys.executable, "-c", PYTEST_RUNNER, module, str(path), *unit_tests],
+                [sys.executable, "-c", PYTEST_RUNNER, mutant.module, str(path), layer]
+                + UNIT_TESTS[layer],
                 capture_output=True,
                 text=True,
                 timeout=timeout,
                 cwd=ROOT,
+                env=env,
             )
             verdict = "survived" if tests.returncode == 0 else "unit-killed"
         except subprocess.TimeoutExpired:
-            verdict = "survived"
+            verdict = "timeout"
     return verdict, time.perf_counter() - started
+
+
+def module_of(path: Path) -> str:
+    relative = path.resolve().relative_to(ROOT)
+    return ".".join([PACKAGES[relative.parts[0]], *relative.with_suffix("").parts[1:]])
+
+
+def load_triage() -> dict[str, dict[str, str]]:
+    """``key -> {"verdict": "equivalent" | "gap", "why": ...}`` from the committed file."""
+    if not TRIAGE.exists():
+        return {}
+    entries = tomllib.loads(TRIAGE.read_text()).get("mutant", [])
+    return {entry["key"]: entry for entry in entries}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("file", type=Path, help="e.g. impl/free_queue.py")
+    parser.add_argument("paths", nargs="+", type=Path, help="files or directories, e.g. impl/")
     parser.add_argument("--functions", nargs="*", help="only these function names")
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=120)
     parser.add_argument("--limit", type=int, help="only the first N mutants")
     parser.add_argument("--json", type=Path, help="write every verdict here")
-    parser.add_argument(
-        "--unit-tests",
-        nargs="*",
-        default=[],
-        help="pytest paths run on the machine's survivors (verdict unit-killed)",
-    )
     args = parser.parse_args()
-    relative = args.file.resolve().relative_to(ROOT)
-    module = ".".join([PACKAGES[relative.parts[0]], *relative.with_suffix("").parts[1:]])
-    found = mutants(args.file, set(args.functions) if args.functions else None)
+    files = sorted(
+        f
+        for p in args.paths
+        for f in (p.glob("*.py") if p.is_dir() else [p])
+        if f.name != "__init__.py"
+    )
+    chosen = set(args.functions) if args.functions else None
+    found = [m for f in files for m in mutants(f, module_of(f), chosen)]
     if args.limit:
         found = found[: args.limit]
-    print(f"{len(found)} mutants of {module}", file=sys.stderr, flush=True)
+    layer_of = {module_of(f): LAYERS.get(f.name, "pool") for f in files}
+    print(f"{len(found)} mutants of {len(files)} modules", file=sys.stderr, flush=True)
+    triage = load_triage()
     results: list[dict[str, object]] = []
+    started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(args.jobs) as pool:
-        verdicts = pool.map(
-            lambda m: run(m, module, Path(tmp), args.timeout, args.unit_tests), found
-        )
+        verdicts = pool.map(lambda m: run(m, layer_of[m.module], Path(tmp), args.timeout), found)
         for mutant, (verdict, seconds) in zip(found, verdicts, strict=True):
+            triaged = triage.get(mutant.key, {}).get("verdict", "")
+            unkilled = verdict in ("survived", "timeout")
+            note = f"  [{triaged or 'UNTRIAGED'}]" if unkilled else ""
             print(
-                f"{verdict:9} {seconds:6.1f}s  {mutant.function}:{mutant.line}  "
-                f"{mutant.description}",
+                f"{verdict:11} {seconds:6.1f}s  {mutant.module}:{mutant.line}  "
+                f"{mutant.function}  {mutant.description}{note}",
                 flush=True,
             )
             results.append(
                 {
+                    "key": mutant.key,
+                    "module": mutant.module,
                     "function": mutant.function,
                     "line": mutant.line,
                     "mutation": mutant.description,
                     "verdict": verdict,
+                    "triage": triaged,
                     "seconds": round(seconds, 2),
                 }
             )
-    counts = {
-        v: sum(r["verdict"] == v for r in results)
-        for v in ("killed", "unit-killed", "survived", "timeout", "invalid")
-    }
-    scored = sum(counts[v] for v in ("killed", "unit-killed", "survived", "timeout"))
-    score = counts["killed"] / scored if scored else 0.0
-    with_units = (counts["killed"] + counts["unit-killed"]) / scored if scored else 0.0
-    print(
-        f"{counts}; mutation score of the machine {score:.1%}, "
-        f"with the unit tests {with_units:.1%}, of {scored}"
-    )
+    wall = time.perf_counter() - started
+    summarise(results, wall, args.jobs)
     if args.json:
-        args.json.write_text(
-            json.dumps({"module": module, "counts": counts, "results": results}, indent=1)
-        )
+        record = {"wall_seconds": round(wall), "jobs": args.jobs, "results": results}
+        args.json.write_text(json.dumps(record, indent=1))
+    untriaged = [r for r in results if r["verdict"] in ("survived", "timeout") and not r["triage"]]
+    for r in untriaged:
+        print(f"untriaged: {r['key']}")
+    sys.exit(1 if untriaged else 0)
+
+
+VERDICTS = ("killed", "unit-killed", "survived", "timeout", "invalid")
+
+
+def summarise(results: list[dict[str, object]], wall: float, jobs: int) -> None:
+    """One row per module, then the whole run, as a Markdown table."""
+    print(
+        "\n| module | mutants | killed by the machine | killed by unit tests | survived "
+        "| timeout | invalid | equivalent | gap | score | score without equivalents |"
+    )
+    print("| --- " * 11 + "|")
+    modules = sorted({str(r["module"]) for r in results})
+    for name in [*modules, "all"]:
+        rows = [r for r in results if name in ("all", r["module"])]
+        counts = {v: sum(r["verdict"] == v for r in rows) for v in VERDICTS}
+        unkilled = [r for r in rows if r["verdict"] in ("survived", "timeout")]
+        equivalent = sum(r["triage"] == "equivalent" for r in unkilled)
+        gaps = sum(r["triage"] == "gap" for r in unkilled)
+        killed = counts["killed"] + counts["unit-killed"]
+        scored = killed + counts["survived"] + counts["timeout"]
+        score = f"{killed / scored:.1%}" if scored else "-"
+        honest = scored - equivalent
+        without = f"{killed / honest:.1%}" if honest else "-"
+        label = "**all**" if name == "all" else f"`{name.removeprefix('kvpool.impl.')}`"
+        cells = [label, len(rows), *counts.values(), equivalent, gaps, score, without]
+        print("| " + " | ".join(str(c) for c in cells) + " |")
+    print(f"\nwall time {wall / 60:.1f} min with {jobs} jobs")
 
 
 if __name__ == "__main__":

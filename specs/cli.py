@@ -100,7 +100,7 @@ def check(
         raise typer.Exit(EXIT_ERROR)
     if layer == "manager":
         code = _check_manager(
-            console, target, chosen_profile, examples, steps, seed, report_format, output
+            console, target, chosen_profile, examples, steps, seed, report_format, output, level
         )
         raise typer.Exit(code)
     if layer != "pool":
@@ -179,6 +179,7 @@ def _check_manager(
     seed: int | None,
     report_format: ReportFormat,
     output: Path | None,
+    level: int = 1,
 ) -> int:
     """``kvpool check --layer manager``: the request-level machine against a manager target."""
     from kvpool.specs.manager_machine import resolve_manager_target, run_manager_conformance
@@ -195,6 +196,7 @@ def _check_manager(
         steps=steps,
         seed=seed,
         target_name=target,
+        level=level,
     )
     if report_format is ReportFormat.terminal:
         _print_terminal(console, report)

@@ -33,6 +33,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvpool.model import DEFAULT_PROFILE, PROFILES, KVCacheEvent, PoolState, Profile
 from kvpool.model import manager as model_manager
+from kvpool.model.errors import PoolError
 from kvpool.model.hashing import LoraAdapter, MultiModalInput
 from kvpool.model.manager import Blocks, KVCacheManagerState, PrefixCacheStats
 from kvpool.model.managers import (
@@ -136,6 +137,16 @@ class ManagerDivergence(AssertionError):
 LAYOUTS = ("full", "sliding_window", "chunked_local", "mamba", "full+sliding_window")
 """The KV cache layouts: one group of each attention type, and a hybrid of two."""
 
+HYBRID_LAYOUTS = (
+    "full+full+sliding_window",
+    "sliding_window+full",
+    "full+sliding_window+sliding_window",
+    "full+chunked_local",
+)
+"""Level 2's extra hybrids: two groups of one spec searched together, the
+sliding-window group listed first, two windows that shorten each other's hit
+in turns, and chunked local attention beside full attention."""
+
 MAX_MODEL_LEN = 16
 MAX_PROMPT = 12
 TOKEN = st.integers(1, 2)
@@ -172,7 +183,22 @@ def layout_specs(
         return (chunked_local(block_size, block_size * chunk_blocks),)
     if layout == "mamba":
         return (mamba(-(-max_model_len // hbs) * hbs),)
-    return (full_attention(block_size), sliding_window(block_size, window))
+    if layout == "full+sliding_window":
+        return (full_attention(block_size), sliding_window(block_size, window))
+    if layout == "full+full+sliding_window":
+        full = full_attention(block_size)
+        return (full, full, sliding_window(block_size, window))
+    if layout == "sliding_window+full":
+        return (sliding_window(block_size, window), full_attention(block_size))
+    if layout == "full+sliding_window+sliding_window":
+        return (
+            full_attention(block_size),
+            sliding_window(block_size, window),
+            sliding_window(block_size, window + block_size + 1),
+        )
+    if layout == "full+chunked_local":
+        return (full_attention(block_size), chunked_local(block_size, block_size * chunk_blocks))
+    raise ValueError(f"unknown layout {layout!r}")
 
 
 # --------------------------------------------------------------------------
@@ -603,6 +629,122 @@ def _blocks_or_none(blocks: Blocks | None) -> Blocks | None:
     return None if blocks is None else tuple(tuple(g) for g in blocks)
 
 
+# --------------------------------------------------------------------------
+# Level 2: calls no scheduler should make
+# --------------------------------------------------------------------------
+
+HITS = st.one_of(
+    st.none(),
+    st.lists(st.lists(st.integers(0, 17), max_size=2).map(tuple), max_size=3).map(tuple),
+)
+"""Raw hit lists: any number of groups, any block ids (unknown ones included)."""
+
+
+class RawManagerMachine(ManagerMachine):
+    """Level 2: also sends calls with raw arguments, and requests that skip the cache.
+
+    A raw call the model rejects must be rejected by the target with the
+    same exception type, leaving its state (and the model's) unchanged; a
+    raw call the model accepts is not sent (level 1 covers valid calls).
+    """
+
+    @precondition(lambda self: len(self.running) + len(self.waiting) < 5)
+    @rule(prompt=PROMPT)
+    def add_request_that_skips_the_cache(self, prompt: tuple[int, ...]) -> None:
+        """A request that must not read the prefix cache (it may still fill it)."""
+        rid = f"r{self.next_id}"
+        self.next_id += 1
+        request = new_request(
+            rid, prompt, self.setup.hash_block_size, skip_reading_prefix_cache=True
+        )
+        self.requests[rid] = request
+        self.waiting.append(rid)
+        self.truth.learn_hashes(request)
+
+    @precondition(lambda self: bool(self.running or self.waiting))
+    @rule(
+        which=st.integers(0, 9),
+        num_new=st.integers(-1, 2),
+        computed=st.integers(-1, 2),
+        lookahead=st.integers(-1, 1),
+        hits=HITS,
+    )
+    def allocate_slots_raw_arguments(
+        self, which: int, num_new: int, computed: int, lookahead: int, hits: Blocks | None
+    ) -> None:
+        everyone = self.running + self.waiting
+        request = self.requests[everyone[which % len(everyone)]]
+        self._rejected(
+            f"allocate_slots({request.request_id}, num_new_tokens={num_new}, "
+            f"num_new_computed_tokens={computed}, new_computed_blocks={hits}, "
+            f"num_lookahead_tokens={lookahead})",
+            lambda s: model_manager.allocate_slots(s, request, num_new, computed, hits, lookahead),
+            lambda t: t.allocate_slots(request, num_new, computed, hits, lookahead),
+        )
+
+    @rule(prompt=PROMPT, call=st.sampled_from(["get_computed_blocks", "allocate_slots"]))
+    def request_hashed_in_other_blocks(self, prompt: tuple[int, ...], call: str) -> None:
+        """A request whose hashes cover hash blocks of another size than the pool's."""
+        request = new_request("stranger", prompt, self.setup.hash_block_size + 1)
+        if call == "get_computed_blocks":
+            self._rejected(
+                "get_computed_blocks(stranger hashed in other blocks)",
+                lambda s: model_manager.get_computed_blocks(s, request),
+                lambda t: t.get_computed_blocks(request),
+            )
+        else:
+            self._rejected(
+                "allocate_slots(stranger hashed in other blocks, 1)",
+                lambda s: model_manager.allocate_slots(s, request, 1),
+                lambda t: t.allocate_slots(request, 1),
+            )
+
+    @precondition(lambda self: bool(self.running))
+    @rule(which=st.integers(0, 4), num_computed=st.integers(-1, MAX_MODEL_LEN + 1))
+    def cache_blocks_raw_count(self, which: int, num_computed: int) -> None:
+        request = self.requests[self.running[which % len(self.running)]]
+        self._rejected(
+            f"cache_blocks({request.request_id}, {num_computed})",
+            lambda s: model_manager.cache_blocks(s, request, num_computed),
+            lambda t: t.cache_blocks(request, num_computed),
+        )
+
+    @rule(block_ids=st.sets(st.integers(-1, 17), min_size=1, max_size=3))
+    def evict_blocks_raw_ids(self, block_ids: set[int]) -> None:
+        self._rejected(
+            f"evict_blocks({block_ids})",
+            lambda s: model_manager.evict_blocks(s, block_ids),
+            lambda t: t.evict_blocks(block_ids),
+        )
+
+    def _rejected(
+        self,
+        description: str,
+        on_model: Callable[[KVCacheManagerState], object],
+        on_target: Callable[[ManagerTarget], object],
+    ) -> None:
+        """Send the call only if the model rejects it; the target must reject it alike."""
+        assert self.model is not None and self.target is not None
+        try:
+            on_model(self.model)
+        except PoolError as error:
+            expected = type(error)
+        else:
+            return
+        before = self.target.snapshot() if isinstance(self.target, ManagerSnapshottable) else None
+        try:
+            on_target(self.target)
+        except Exception as error:
+            if type(error) is not expected:
+                self._diverge(
+                    description, f"the model raises {expected.__name__}, the target {error!r}"
+                )
+        else:
+            self._diverge(description, f"the model raises {expected.__name__}, the target accepts")
+        if before is not None and self.target.snapshot() != before:  # type: ignore[attr-defined]
+            self._diverge(description, "the target changed its state while rejecting the call")
+
+
 def manager_machine(
     make_target: ManagerFactory,
     layouts: Sequence[str] = LAYOUTS,
@@ -612,20 +754,29 @@ def manager_machine(
     events: Sequence[bool] = (False, True),
     block_factors: Sequence[int] = (1, 2),
     min_window: int = 1,
+    level: int = 1,
 ) -> type[ManagerMachine]:
     """A state machine class that checks ``make_target`` on the given layouts and profiles.
 
     With ``lockstep=False`` the model is not consulted: the target drives
     the run alone and only the safety properties (and, with a snapshot, the
-    pool's invariants) are checked.
+    pool's invariants) are checked. Level 2 adds ``RawManagerMachine``'s
+    rules and the hybrid layouts of ``HYBRID_LAYOUTS``.
     """
+    if level not in (1, 2):
+        raise ValueError(f"level must be 1 or 2, got {level}")
+    if level == 2 and not lockstep:
+        raise ValueError("level 2 compares rejections with the model: it needs lock-step")
     chosen = tuple(profiles) if profiles else tuple(PROFILES.values())
+    if level == 2:
+        layouts = (*layouts, *(h for h in HYBRID_LAYOUTS if h not in layouts))
     attrs = {
         "initial": _start_rule(layouts, chosen, events, block_factors, min_window),
         "make_target": staticmethod(make_target),
         "lockstep": lockstep,
     }
-    return type(name, (ManagerMachine,), attrs)
+    base = RawManagerMachine if level == 2 else ManagerMachine
+    return type(name, (base,), attrs)
 
 
 # --------------------------------------------------------------------------
@@ -670,6 +821,7 @@ def run_manager_conformance(
     steps: int | None = None,
     seed: int | None = None,
     target_name: str = "target",
+    level: int = 1,
 ) -> Any:
     """Check a KV cache manager against the model: a ``ConformanceReport``, never a raise."""
     import time
@@ -686,7 +838,7 @@ def run_manager_conformance(
 
     report = ConformanceReport(
         target=target_name,
-        level=1,
+        level=level,
         profiles=tuple(p.name for p in target.profiles),
         hypothesis_profile=hypothesis_profile,
     )
@@ -698,6 +850,7 @@ def run_manager_conformance(
         events=target.events,
         block_factors=target.block_factors,
         min_window=target.min_window,
+        level=level,
     )
 
     class Counted(base):  # type: ignore[valid-type,misc]

@@ -49,7 +49,7 @@ if os.environ.get("KVPOOL_REDIS_URL"):
 
     use_shared_database_from_env()
 
-PROFILE_NAMES = ("ci", "dev", "deep", "fuzz")
+PROFILE_NAMES = ("ci", "dev", "deep", "fuzz", "mutation")
 
 
 def default_profile_name() -> str:

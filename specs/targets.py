@@ -11,8 +11,7 @@
   (``kvpool.specs.vllm_releases``); resolvable here only if it is the installed one.
 """
 
-import importlib
-
+from kvpool.specs.importing import import_from_here
 from kvpool.specs.target import TargetFactory
 from kvpool.specs.vllm_releases import (
     VLLM,
@@ -49,7 +48,7 @@ def resolve_target(spec: str) -> TargetFactory:
     if ":" in spec:
         module_name, _, attribute = spec.partition(":")
         try:
-            module = importlib.import_module(module_name)
+            module = import_from_here(module_name)
         except ImportError as error:
             raise TargetSpecError(f"cannot import {module_name!r}: {error}") from error
         factory = getattr(module, attribute, None)

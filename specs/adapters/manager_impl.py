@@ -2,6 +2,7 @@
 
 from collections.abc import Iterable, Sequence
 
+from kvpool.impl.block import KVCacheBlock
 from kvpool.impl.manager import KVCacheBlocks, KVCacheConfig, KVCacheManager
 from kvpool.model.events import KVCacheEvent
 from kvpool.model.manager import Blocks, KVCacheManagerState, PrefixCacheStats
@@ -47,8 +48,7 @@ class ImplManagerTarget:
     ) -> Blocks | None:
         hits = None
         if new_computed_blocks is not None:
-            pool_blocks = self.manager.block_pool.blocks
-            hits = KVCacheBlocks(tuple([pool_blocks[b] for b in g] for g in new_computed_blocks))
+            hits = KVCacheBlocks(tuple([self._block(b) for b in g] for g in new_computed_blocks))
         blocks = self.manager.allocate_slots(
             request,
             num_new_tokens,
@@ -58,6 +58,17 @@ class ImplManagerTarget:
             delay_cache_blocks,
         )
         return None if blocks is None else _ids(blocks)
+
+    def _block(self, block_id: int) -> KVCacheBlock:
+        """The pool's block, or for an id it does not have, a block of no pool.
+
+        The stand-in lets the manager itself refuse the unknown block, in its
+        own checking order, as it would refuse another pool's block.
+        """
+        blocks = self.manager.block_pool.blocks
+        if 0 <= block_id < len(blocks):
+            return blocks[block_id]
+        return KVCacheBlock(block_id)
 
     def free(self, request: Request) -> None:
         self.manager.free(request)

@@ -36,7 +36,6 @@ import inspect
 import logging
 import os
 import re
-import sys
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
@@ -60,6 +59,7 @@ from kvpool.model import (
     PoolState,
 )
 from kvpool.specs.adapters.block_pool_api import BlockPoolApiTarget
+from kvpool.specs.importing import import_from_here
 from kvpool.specs.target import TargetError
 
 T = TypeVar("T")
@@ -784,7 +784,7 @@ class VllmTargetFactory:
         if isinstance(self._pool_class, str):
             module_name, _, attribute = self._pool_class.partition(":")
             try:
-                module = _import_from_here(module_name)
+                module = import_from_here(module_name)
             except ImportError as error:
                 raise TargetError(f"cannot import {module_name!r}: {error}") from error
             found = getattr(module, attribute, None)
@@ -820,18 +820,6 @@ class VllmTargetFactory:
             return load_vllm(self.pool_class()).unsupported_operations()
         except TargetError:
             return frozenset()
-
-
-def _import_from_here(module_name: str) -> Any:
-    """Import ``module_name``, also from the working directory, as ``python -m`` would."""
-    try:
-        return importlib.import_module(module_name)
-    except ModuleNotFoundError:
-        here = os.getcwd()
-        if here in sys.path:
-            raise
-        sys.path.append(here)
-        return importlib.import_module(module_name)
 
 
 def vllm_factory(spec: str, suppress: Collection[str] = ()) -> VllmTargetFactory:

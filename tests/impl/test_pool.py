@@ -61,8 +61,20 @@ def test_invalid_config_is_rejected(num_blocks: int, hash_block_size: int) -> No
 
 
 def test_positional_signature_is_vllms() -> None:
-    pool = BlockPool(4, True, 1, True, None, 0, "GPU")
+    pool = BlockPool(4, True, 1, True, None, 3, "CPU")
     assert pool.enable_kv_cache_events and pool.hash_block_size == 1
+    assert pool.num_hash_lookahead_tokens == 3 and pool.medium == "CPU"
+
+
+def test_optional_arguments_default_as_in_vllm() -> None:
+    pool = BlockPool(4, True, 1)
+    assert not pool.enable_kv_cache_events and pool.metrics_collector is None
+    assert pool.num_hash_lookahead_tokens == 0 and pool.medium == "GPU"
+
+
+def test_negative_lookahead_is_rejected() -> None:
+    with pytest.raises(InvalidConfig, match="num_hash_lookahead_tokens"):
+        BlockPool(4, True, 1, num_hash_lookahead_tokens=-1)
 
 
 # --------------------------------------------------------------------------
@@ -459,6 +471,20 @@ def test_evict_blocks_keeps_positions_and_reports_in_ascending_order() -> None:
     pool.check_invariants()
 
 
+@pytest.mark.parametrize("kind", [list, tuple, set, frozenset, iter])
+def test_evict_blocks_takes_any_iterable_of_ids(kind: Any) -> None:
+    pool = BlockPool(4, True, 1, enable_kv_cache_events=True)
+    blocks = pool.get_new_blocks(2)
+    pool.cache_full_blocks(REQ, blocks, 0, 2, 1, 0)
+    pool.take_events()
+    pool.evict_blocks(kind([2, 1, 2]))
+    assert [b.block_hash for b in blocks] == [None, None]
+    assert pool.take_events() == [
+        BlockRemoved((b"h0",), "GPU", 0),
+        BlockRemoved((b"h1",), "GPU", 0),
+    ]
+
+
 def test_reset_prefix_cache_refuses_while_held_and_clears_otherwise() -> None:
     pool = BlockPool(4, True, 1, enable_kv_cache_events=True)
     blocks = pool.get_new_blocks(2)
@@ -475,6 +501,17 @@ def test_reset_prefix_cache_refuses_while_held_and_clears_otherwise() -> None:
     assert pool.get_cached_block(b"h0", [0]) is None
     assert queue_ids(pool) == order
     assert pool.take_events() == [AllBlocksCleared()]
+    pool.check_invariants()
+
+
+def test_reset_prefix_cache_clears_every_block_under_a_duplicate_key() -> None:
+    pool = BlockPool(4, True, 1)
+    a, b = pool.get_new_blocks(2)
+    for block in (a, b):
+        pool.cache_full_blocks(REQ, [block], 0, 1, 1, 0)
+    pool.free_blocks([a, b])
+    assert pool.reset_prefix_cache() is True
+    assert [blk.block_hash for blk in (a, b)] == [None, None]
     pool.check_invariants()
 
 

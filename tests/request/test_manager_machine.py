@@ -4,15 +4,23 @@ Planted bugs are searched for without Hypothesis' shrinking phase: finding
 them takes seconds, shrinking the request-level programs takes minutes.
 """
 
+from typing import Any
+
 import pytest
 from hypothesis import Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
+from kvpool.impl.manager import KVCacheManager
 from kvpool.model import PROFILES
 from kvpool.specs.adapters.manager_impl import ImplManagerTarget
 from kvpool.specs.adapters.manager_model import ModelManagerTarget
 from kvpool.specs.invariants import InvariantViolation
-from kvpool.specs.manager_machine import LAYOUTS, ManagerDivergence, manager_machine
+from kvpool.specs.manager_machine import (
+    HYBRID_LAYOUTS,
+    LAYOUTS,
+    ManagerDivergence,
+    manager_machine,
+)
 from kvpool.specs.request_invariants import RequestInvariantViolation
 from tests.request.planted_bugs import BUGS, target_of
 
@@ -72,3 +80,44 @@ def test_the_ground_truth_alone_finds_each_unsafe_bug(bug: str) -> None:
     with pytest.raises(RequestInvariantViolation) as info:
         run(machine, max_examples=2000, shrink=False)
     assert info.value.name == FOUND_BY[bug][0]
+
+
+@pytest.mark.parametrize("layout", HYBRID_LAYOUTS)
+def test_impl_conforms_on_the_level_2_hybrids(layout: str) -> None:
+    machine = manager_machine(ImplManagerTarget, layouts=[layout], level=2)
+    run(machine, max_examples=100)
+
+
+def test_impl_conforms_at_level_2() -> None:
+    run(manager_machine(ImplManagerTarget, level=2), max_examples=150)
+
+
+class AcceptsZeroNewTokens(KVCacheManager):
+    """Lets ``allocate_slots(request, 0)`` through; no scheduler sends it, so level 1 never does."""
+
+    def allocate_slots(self, request: Any, num_new_tokens: int, *args: Any) -> Any:
+        if num_new_tokens == 0:
+            return self.empty_kv_cache_blocks
+        return super().allocate_slots(request, num_new_tokens, *args)
+
+
+class SameSpecGroupsDisagree(KVCacheManager):
+    """The second of two same-spec groups returns one block fewer: only a layout with
+    two groups of one spec (level 2's hybrids) can show it."""
+
+    def find_longest_cache_hit(self, block_hashes: Any, max_length: int) -> Any:
+        blocks, length = super().find_longest_cache_hit(block_hashes, max_length)
+        if len(blocks) == 3 and blocks[0]:
+            blocks = (blocks[0], blocks[0][:-1], blocks[2])
+        return blocks, length
+
+
+@pytest.mark.parametrize(
+    ("bug", "layouts"),
+    [(AcceptsZeroNewTokens, LAYOUTS), (SameSpecGroupsDisagree, ["full+full+sliding_window"])],
+    ids=["accepts-zero-new-tokens", "same-spec-groups-disagree"],
+)
+def test_level_2_finds(bug: type[KVCacheManager], layouts: list[str]) -> None:
+    machine = manager_machine(target_of(bug), layouts=layouts, level=2, name=f"L2_{bug.__name__}")
+    with pytest.raises((ManagerDivergence, RequestInvariantViolation, InvariantViolation)):
+        run(machine, max_examples=1000, shrink=False)

@@ -1,0 +1,145 @@
+"""The impl's KVCacheManager against the model where the lock-step machine does not reach.
+
+The machine always builds managers from valid configurations and passes
+every argument explicitly; these tests pin down the rest: which
+configurations are refused (with the model's exception type), what the
+defaults are, and how block lists combine.
+"""
+
+import itertools
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvpool.impl.manager import KVCacheBlocks, KVCacheConfig, KVCacheManager
+from kvpool.model import manager as model_manager
+from kvpool.model.managers import (
+    KVCacheSpec,
+    chunked_local,
+    full_attention,
+    mamba,
+    sliding_window,
+)
+from kvpool.model.request import new_request
+from kvpool.specs.manager_machine import HYBRID_LAYOUTS, layout_specs
+
+GROUPS: dict[str, tuple[KVCacheSpec, ...]] = {
+    "none": (),
+    "full": (full_attention(2),),
+    "full-1": (full_attention(1),),
+    "two-sizes": (full_attention(2), sliding_window(4, 2)),
+    "full+window": (full_attention(2), sliding_window(2, 3)),
+    "window-0": (sliding_window(2, 0),),
+    "window-1": (sliding_window(2, 1),),
+    "chunk-0": (chunked_local(2, 0),),
+    "chunk-1": (chunked_local(2, 1),),
+    "mamba-7": (mamba(7),),
+    "mamba-8": (mamba(8),),
+    "chunked": (chunked_local(2, 4),),
+    "full+full": (full_attention(2), full_attention(2)),
+}
+
+
+def _outcome(build: object) -> object:
+    """The built manager's state, or the type of what building it raised."""
+    try:
+        built = build()  # type: ignore[operator]
+    except Exception as error:
+        return type(error)
+    return built.snapshot() if isinstance(built, KVCacheManager) else built
+
+
+@pytest.mark.parametrize(
+    ("groups", "max_model_len", "num_blocks", "hbs", "eagle"),
+    list(itertools.product(sorted(GROUPS), (0, 1, 8), (0, 1, 2), (None, 1, 2, 3), (False, True))),
+)
+def test_configurations_are_refused_exactly_as_the_model_refuses_them(
+    groups: str, max_model_len: int, num_blocks: int, hbs: int | None, eagle: bool
+) -> None:
+    specs = GROUPS[groups]
+    expected = _outcome(
+        lambda: model_manager.new_kv_cache_manager(
+            num_blocks, specs, max_model_len, hash_block_size=hbs, use_eagle=eagle
+        )
+    )
+    actual = _outcome(
+        lambda: KVCacheManager(
+            KVCacheConfig(num_blocks, specs), max_model_len, hash_block_size=hbs, use_eagle=eagle
+        )
+    )
+    assert actual == expected
+
+
+def test_defaults_are_the_models() -> None:
+    specs = (full_attention(2),)
+    impl = KVCacheManager(KVCacheConfig(6, specs), 16)
+    model = model_manager.new_kv_cache_manager(6, specs, 16)
+    assert impl.snapshot() == model
+    # Four tokens fill two blocks exactly: one more slot (a computed or
+    # look-ahead token by default) would take a third, and the two full
+    # blocks are cached at once unless caching is delayed by default.
+    request = new_request("a", (1, 2, 3, 4), 2)
+    blocks = impl.allocate_slots(request, 4)
+    model, expected = model_manager.allocate_slots(model, request, 4)
+    assert blocks is not None
+    assert tuple(tuple(g) for g in blocks.get_block_ids()) == expected == ((1, 2),)
+    assert impl.snapshot() == model
+
+
+def test_adding_block_lists_joins_them_group_by_group() -> None:
+    pool = KVCacheManager(KVCacheConfig(6, (full_attention(2),) * 2), 16).block_pool
+    a = KVCacheBlocks(([pool.blocks[1]], [pool.blocks[2]]))
+    b = KVCacheBlocks(([pool.blocks[3]], []))
+    assert (a + b).get_block_ids() == ([1, 3], [2])
+
+
+def test_adding_block_lists_of_different_group_counts_is_refused() -> None:
+    pool = KVCacheManager(KVCacheConfig(6, (full_attention(2),)), 16).block_pool
+    with pytest.raises(ValueError, match="zip"):
+        KVCacheBlocks(([pool.blocks[1]],)) + KVCacheBlocks(([], []))
+
+
+def test_the_manager_keeps_vllms_attributes() -> None:
+    config = KVCacheConfig(6, (full_attention(2), sliding_window(2, 3)))
+    m = KVCacheManager(config, 16)
+    assert m.kv_cache_config is config and m.num_kv_cache_groups == 2
+
+
+HYBRIDS = ["full+sliding_window", *HYBRID_LAYOUTS]
+
+
+@given(
+    layout=st.sampled_from(HYBRIDS),
+    hbs=st.integers(1, 2),
+    window=st.integers(1, 6),
+    chunk_blocks=st.integers(1, 3),
+    prompt=st.lists(st.integers(1, 2), min_size=1, max_size=16),
+    extra=st.lists(st.integers(1, 2), max_size=3),
+    evicted=st.sets(st.integers(1, 39), max_size=12),
+)
+def test_a_hybrid_hit_after_any_evictions_is_the_models(
+    layout: str,
+    hbs: int,
+    window: int,
+    chunk_blocks: int,
+    prompt: list[int],
+    extra: list[int],
+    evicted: set[int],
+) -> None:
+    """Evicting blocks of one group and not another makes the types disagree on the hit:
+    the search must then shorten the candidate in turns until every type accepts it."""
+    specs = layout_specs(layout, hbs * 2, window, chunk_blocks, 32, hbs)
+    impl = KVCacheManager(KVCacheConfig(40, specs), 32, hash_block_size=hbs)
+    model = model_manager.new_kv_cache_manager(40, specs, 32, hash_block_size=hbs)
+    first = new_request("a", prompt, hbs)
+    assert impl.allocate_slots(first, len(prompt)) is not None
+    model, _ = model_manager.allocate_slots(model, first, len(prompt))
+    impl.free(first)
+    model, _ = model_manager.free(model, "a")
+    impl.evict_blocks(evicted)
+    model, _ = model_manager.evict_blocks(model, evicted)
+    probe = new_request("b", prompt + extra, hbs)
+    blocks, num_tokens = impl.get_computed_blocks(probe)
+    _, expected = model_manager.get_computed_blocks(model, probe)
+    assert (tuple(tuple(g) for g in blocks.get_block_ids()), num_tokens) == expected
