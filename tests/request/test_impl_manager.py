@@ -7,13 +7,19 @@ defaults are, and how block lists combine.
 """
 
 import itertools
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvpool.impl import BlockPool
 from kvpool.impl.manager import KVCacheBlocks, KVCacheConfig, KVCacheManager
+from kvpool.impl.single_type import get_manager_for_kv_cache_spec
 from kvpool.model import manager as model_manager
+from kvpool.model import managers as single
+from kvpool.model import pool as pool_ops
 from kvpool.model.managers import (
     KVCacheSpec,
     chunked_local,
@@ -21,6 +27,7 @@ from kvpool.model.managers import (
     mamba,
     sliding_window,
 )
+from kvpool.model.pool import new_pool
 from kvpool.model.request import new_request
 from kvpool.specs.manager_machine import HYBRID_LAYOUTS, layout_specs
 
@@ -143,3 +150,61 @@ def test_a_hybrid_hit_after_any_evictions_is_the_models(
     blocks, num_tokens = impl.get_computed_blocks(probe)
     _, expected = model_manager.get_computed_blocks(model, probe)
     assert (tuple(tuple(g) for g in blocks.get_block_ids()), num_tokens) == expected
+
+
+def _single_type_pair(spec: KVCacheSpec, num_blocks: int = 12) -> tuple[Any, Any, BlockPool]:
+    """A one-group model state and the impl's single-type manager over an equal pool."""
+    state = single.new_managers(new_pool(num_blocks, True, 1), [spec])
+    pool = BlockPool(num_blocks, True, 1)
+    return state, get_manager_for_kv_cache_spec(spec, pool, 0), pool
+
+
+def test_chunked_local_without_a_cached_block_releases_every_earlier_chunk() -> None:
+    """Nothing cached (caching delayed or off): no last cached block is kept back."""
+    state, impl, pool = _single_type_pair(chunked_local(1, 2))
+    state, _ = single.save_new_computed_blocks(state, 0, "r", ())
+    state, _ = single.allocate_new_blocks(state, 0, "r", 5)
+    impl.save_new_computed_blocks("r", [])
+    impl.allocate_new_blocks("r", 5)
+    state, _ = single.remove_skipped_blocks(state, 0, "r", 5)
+    impl.remove_skipped_blocks("r", 5)
+    assert impl.table() == state.tables[0]
+    assert impl.table().req_to_blocks["r"] == (0, 0, 0, 0, 5)
+    assert pool.snapshot() == state.pool
+
+
+def test_a_sliding_window_hit_stops_at_a_hole_in_the_cache() -> None:
+    """A window needing three blocks over a prefix cached as [1, 2, hole, 4, 5]: the run at
+    the end is too short, so the search starts over before the hole and settles for the
+    run from the start (a window not yet full)."""
+    spec = sliding_window(1, 4)
+    state, impl, pool = _single_type_pair(spec)
+    request = new_request("r", (1, 2, 3, 4, 5), 1)
+    state, _ = single.save_new_computed_blocks(state, 0, "r", ())
+    state, _ = single.allocate_new_blocks(state, 0, "r", 5)
+    state, _ = single.cache_blocks(state, 0, request, 5)
+    impl.save_new_computed_blocks("r", [])
+    impl.allocate_new_blocks("r", 5)
+    impl.cache_blocks(request, 5)
+    hole = {impl.req_to_blocks["r"][2].block_id}
+    state = single.ManagersState(
+        pool_ops.evict_blocks(state.pool, hole)[0], state.specs, state.tables
+    )
+    pool.evict_blocks(hole)
+    expected = single.find_longest_cache_hit(state.pool, spec, request.block_hashes, 5, [0])
+    found = type(impl).find_longest_cache_hit(request.block_hashes, 5, [0], pool, spec, False)
+    assert tuple(tuple(b.block_id for b in g) for g in found) == expected
+    assert expected == ((1, 2),)
+
+
+def test_a_request_without_the_skip_flag_reads_the_cache() -> None:
+    """Requests are duck-typed: one with no ``skip_reading_prefix_cache`` is not skipping."""
+    impl = KVCacheManager(KVCacheConfig(8, (full_attention(2),)), 16)
+    first = new_request("a", (1, 2, 3, 4, 5), 2)
+    impl.allocate_slots(first, 5)
+    impl.free(first)
+    probe = new_request("b", (1, 2, 3, 4, 5), 2)
+    read = ("request_id", "hash_block_size", "num_tokens", "block_hashes", "num_preemptions")
+    duck = SimpleNamespace(**{name: getattr(probe, name) for name in read})
+    blocks, num_tokens = impl.get_computed_blocks(duck)
+    assert blocks.get_block_ids() == ([1, 2],) and num_tokens == 4

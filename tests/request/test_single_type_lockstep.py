@@ -13,6 +13,7 @@ must agree, and a rejected call must change nothing.
 from collections.abc import Callable
 from typing import Any
 
+from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -20,14 +21,14 @@ from kvpool.impl import BlockPool
 from kvpool.impl.single_type import SingleTypeKVCacheManager, get_manager_for_kv_cache_spec
 from kvpool.model import PoolError
 from kvpool.model import managers as model
-from kvpool.model.pool import new_pool, touch
+from kvpool.model.pool import evict_blocks, new_pool, touch
 from kvpool.model.request import Request, new_request
 
-STEM = (1, 2, 2, 1, 1, 2, 1, 2, 2, 2, 1, 1, 2, 1)
-PROMPTS = [STEM[:n] for n in (14, 12, 9, 6, 4)] + [(2, 2, 2, 2, 1, 1, 1, 1, 2, 2)]
+STEM = (1, 2, 2, 1, 1, 2, 1, 2)
+PROMPTS = [STEM[:n] for n in (8, 6, 5, 3, 2)] + [(2, 2, 1, 1, 2, 2)]
 RIDS = ("a", "b", "c")
 GROUP_IDS = st.sampled_from([(0,), (1,), (0, 1), (1, 0), (), (-1,), (0, -1)])
-TOKENS = st.integers(-1, 17)
+TOKENS = st.integers(-1, 10)
 
 
 def _outcome(call: Callable[[], Any]) -> tuple[str, Any]:
@@ -42,7 +43,7 @@ class SingleTypeLockstep(RuleBasedStateMachine):
         kind=st.sampled_from(["full", "sliding_window", "chunked_local", "mamba"]),
         hbs=st.integers(1, 2),
         factor=st.integers(1, 2),
-        num_blocks=st.integers(2, 10),
+        num_blocks=st.integers(2, 16),
         window=st.integers(1, 6),
         chunk_blocks=st.integers(1, 3),
     )
@@ -123,13 +124,17 @@ class SingleTypeLockstep(RuleBasedStateMachine):
         rid=st.sampled_from(RIDS),
         prompt=st.integers(0, len(PROMPTS) - 1),
         eagle=st.booleans(),
-        max_length=st.integers(0, 16),
+        cap=st.integers(0, 3),
     )
-    def admit_with_hits(self, rid: str, prompt: int, eagle: bool, max_length: int) -> None:
-        """What a coordinator does for a new request: search both groups, count, touch, save."""
+    def admit_with_hits(self, rid: str, prompt: int, eagle: bool, cap: int) -> None:
+        """What a coordinator does for a new request: search both groups, count, touch, save.
+
+        The search stops ``cap`` tokens short of the prompt (1 is the manager's rule).
+        """
         if any(rid in table.req_to_blocks for table in self.model.tables):
             return
         request = self._request(rid, prompt)
+        max_length = max(0, request.num_tokens - cap)
         hit = model.find_longest_cache_hit(
             self.model.pool, self.spec, request.block_hashes, max_length, (0, 1), eagle
         )
@@ -151,6 +156,31 @@ class SingleTypeLockstep(RuleBasedStateMachine):
             self.pool.touch([b for b in found[g] if not b.is_null])
             self.model, _ = model.save_new_computed_blocks(self.model, g, rid, hit[g])
             self.impl[g].save_new_computed_blocks(rid, found[g])
+
+    @rule(rid=st.sampled_from(RIDS), prompt=st.integers(0, len(PROMPTS) - 1))
+    def prefill(self, rid: str, prompt: int) -> None:
+        """A new request in both groups: no hits, blocks for its whole prompt, all cached."""
+        if any(rid in table.req_to_blocks for table in self.model.tables):
+            return
+        request = self._request(rid, prompt)
+        n = request.num_tokens
+        need = sum(model.get_num_blocks_to_allocate(self.model, g, rid, n, ()) for g in (0, 1))
+        if need > self.pool.get_num_free_blocks():
+            return
+        for g in (0, 1):
+            self._both(
+                lambda s, g=g: model.save_new_computed_blocks(s, g, rid, ()),
+                lambda g=g: self.impl[g].save_new_computed_blocks(rid, []),
+            )
+            self._both(
+                lambda s, g=g: model.allocate_new_blocks(s, g, rid, n),
+                lambda g=g: self.impl[g].allocate_new_blocks(rid, n),
+                lambda new: tuple(b.block_id for b in new),
+            )
+            self._both(
+                lambda s, g=g: model.cache_blocks(s, g, request, n),
+                lambda g=g: self.impl[g].cache_blocks(request, n),
+            )
 
     @rule(rid=st.sampled_from(RIDS), group=st.integers(0, 1), num_tokens=TOKENS)
     def allocate_new_blocks(self, rid: str, group: int, num_tokens: int) -> None:
@@ -182,12 +212,46 @@ class SingleTypeLockstep(RuleBasedStateMachine):
             lambda: self.impl[group].cache_blocks(request, num_tokens),
         )
 
-    @rule(rid=st.sampled_from(RIDS), group=st.integers(0, 1), num_computed=TOKENS)
-    def remove_skipped_blocks(self, rid: str, group: int, num_computed: int) -> None:
+    @rule(
+        rid=st.sampled_from(RIDS),
+        group=st.integers(0, 1),
+        num_computed=TOKENS,
+        near_the_end=st.booleans(),
+    )
+    def remove_skipped_blocks(
+        self, rid: str, group: int, num_computed: int, near_the_end: bool
+    ) -> None:
+        """Raw counts, or counts near the request's length, where a chunk ends past its cache."""
+        if near_the_end and rid in self.requests:
+            num_computed = self.requests[rid].num_tokens + num_computed % 4
         self._both(
             lambda s: model.remove_skipped_blocks(s, group, rid, num_computed),
             lambda: self.impl[group].remove_skipped_blocks(rid, num_computed),
         )
+
+    @rule(block_ids=st.sets(st.integers(1, 15), min_size=1, max_size=3))
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        """Holes in the cache: a hit must stop at them (a window needs a contiguous run)."""
+        ids = {b for b in block_ids if b < self.pool.num_gpu_blocks}
+        pool, _ = evict_blocks(self.model.pool, ids)
+        self.model = model.ManagersState(pool, self.model.specs, self.model.tables)
+        self.pool.evict_blocks(ids)
+
+    @precondition(lambda self: bool(self.requests))
+    @rule(which=st.integers(0, 2), group=st.integers(0, 1))
+    def cache_blocks_hashed_in_other_blocks(self, which: int, group: int) -> None:
+        request = list(self.requests.values())[which % len(self.requests)]
+        stranger = new_request(request.request_id, request.all_token_ids, self.hbs + 1)
+        self._both(
+            lambda s: model.cache_blocks(s, group, stranger, stranger.num_tokens),
+            lambda: self.impl[group].cache_blocks(stranger, stranger.num_tokens),
+        )
+
+    @rule(rid=st.sampled_from(RIDS))
+    def finish(self, rid: str) -> None:
+        """A request leaves: both groups free its blocks, which stay cached."""
+        for g in (0, 1):
+            self._both(lambda s, g=g: model.free(s, g, rid), lambda g=g: self.impl[g].free(rid))
 
     @rule(rid=st.sampled_from(RIDS), group=st.integers(0, 1))
     def free(self, rid: str, group: int) -> None:
@@ -211,3 +275,6 @@ class SingleTypeLockstep(RuleBasedStateMachine):
 
 
 TestSingleTypeLockstep = SingleTypeLockstep.TestCase
+# Each program is short and cheap; three times the profile's programs reach
+# the rarer shapes (a window over a hole, a chunk past a one-block cache).
+TestSingleTypeLockstep.settings = settings(max_examples=3 * settings.default.max_examples)
