@@ -26,7 +26,9 @@ then run against the layer's unit tests (``pytest -x``, same profile).
 Verdicts: ``killed`` (the machine reported a divergence or an invariant, or
 crashed), ``unit-killed`` (the machine passed, a unit test failed),
 ``survived`` (both passed), ``timeout`` (no verdict within ``--timeout``
-seconds: *not* a kill, it is scored as a survivor), ``invalid`` (the mutant
+seconds: *not* a kill, it is scored as a survivor; a mutant that makes one
+program loop is caught sooner by the checks' own 10-second program limit,
+a real failure: kvpool reports a hanging target as a target error), ``invalid`` (the mutant
 does not import; not scored). The score is
 (killed + unit-killed) / (killed + unit-killed + survived + timeout).
 
@@ -91,12 +93,12 @@ try:
         # Level 1 and level 2 draw different fixed samples: run both, as CI does.
         for level in (1, 2):
             report = run_manager_conformance(resolve_manager_target("impl"), level=level,
-                                             hypothesis_profile="mutation")
+                                             hypothesis_profile="mutation", program_timeout=10)
             if not report.conforms:
                 break
     else:
         report = run_conformance(ImplTarget, level=2, profile=sorted(PROFILES),
-                                 hypothesis_profile="mutation")
+                                 hypothesis_profile="mutation", program_timeout=10)
 except BaseException as error:
     # The mutant broke the check itself (e.g. a NameError inside the impl):
     # the check failed, which is a kill.

@@ -15,6 +15,7 @@ from kvpool.specs.invariants import InvariantViolation
 from kvpool.specs.machine import Divergence, PoolMachine, pool_machine
 from kvpool.specs.regression import Counterexample, Recorder, explain
 from kvpool.specs.target import TargetError, TargetFactory
+from kvpool.specs.watchdog import DEFAULT_PROGRAM_TIMEOUT, Deadlines, program_deadlines
 
 
 @dataclass
@@ -51,6 +52,7 @@ def run_conformance(
     caching: Sequence[bool] = (True, False),
     events: Sequence[bool] = (False, True),
     on_example: Callable[[int], None] | None = None,
+    program_timeout: float | None = DEFAULT_PROGRAM_TIMEOUT,
 ) -> ConformanceReport:
     """Check a block pool against the kvpool model and report whether it conforms.
 
@@ -74,7 +76,9 @@ def run_conformance(
     the seeds' ``hashless-first``). ``hypothesis_profile`` is ``ci``
     (derandomized), ``dev``, ``deep`` or ``fuzz``; ``max_examples``,
     ``steps`` and ``seed`` override it. Never raises for a divergence: the
-    report says what failed and prints the shrunk program.
+    report says what failed and prints the shrunk program. A program running
+    longer than ``program_timeout`` seconds ends the check with a target
+    error (the target hangs); None removes the limit.
     """
     profiles = _resolve_profiles(profile)
     report = ConformanceReport(
@@ -102,7 +106,8 @@ def run_conformance(
         events=events,
         name="KVPoolConformance",
     )
-    counted = _counting(machine, report, on_example)
+    deadlines = Deadlines(None)
+    counted = _counting(machine, report, on_example, lambda: deadlines.start_program())
 
     # One failure per run: with several distinct bugs Hypothesis would raise an
     # ExceptionGroup, which the report cannot explain as one counterexample.
@@ -122,7 +127,10 @@ def run_conformance(
     started = time.perf_counter()
     caught: BaseException | None = None
     try:
-        with with_reporter(lambda value: printed.append(str(value))):
+        with (
+            with_reporter(lambda value: printed.append(str(value))),
+            program_deadlines(program_timeout) as deadlines,
+        ):
             test()
     except Divergence as failure:
         _fail(report, "divergence", caught := failure)
@@ -182,11 +190,13 @@ def _counting(
     machine: type[PoolMachine],
     report: ConformanceReport,
     on_example: Callable[[int], None] | None,
+    on_start: Callable[[], None] = lambda: None,
 ) -> type[PoolMachine]:
     """A subclass that counts the programs run (one machine instance per program)."""
 
     class Counted(machine):  # type: ignore[valid-type,misc]
         def __init__(self) -> None:
+            on_start()
             super().__init__()
             report.examples_run += 1
             if on_example is not None:

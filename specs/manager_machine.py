@@ -822,6 +822,7 @@ def run_manager_conformance(
     seed: int | None = None,
     target_name: str = "target",
     level: int = 1,
+    program_timeout: float | None = 60.0,
 ) -> Any:
     """Check a KV cache manager against the model: a ``ConformanceReport``, never a raise."""
     import time
@@ -831,10 +832,12 @@ def run_manager_conformance(
     from hypothesis.stateful import get_state_machine_test
 
     from kvpool.specs import settings as _profiles  # noqa: F401  (registers the profiles)
+    from kvpool.specs.adapters.cmd_target import TargetAbort
     from kvpool.specs.conformance import ConformanceReport
     from kvpool.specs.invariants import InvariantViolation
     from kvpool.specs.request_invariants import RequestInvariantViolation
     from kvpool.specs.target import TargetError
+    from kvpool.specs.watchdog import Deadlines, program_deadlines
 
     report = ConformanceReport(
         target=target_name,
@@ -853,8 +856,11 @@ def run_manager_conformance(
         level=level,
     )
 
+    deadlines = Deadlines(None)
+
     class Counted(base):  # type: ignore[valid-type,misc]
         def __init__(self) -> None:
+            deadlines.start_program()
             super().__init__()
             report.examples_run += 1
 
@@ -877,8 +883,15 @@ def run_manager_conformance(
         (TargetError, "target-error"),
     )
     try:
-        with with_reporter(lambda value: printed.append(str(value))):
+        with (
+            with_reporter(lambda value: printed.append(str(value))),
+            program_deadlines(program_timeout) as deadlines,
+        ):
             test()
+    except TargetAbort as abort:
+        report.conforms = False
+        report.failure_kind = "target-error"
+        report.failure = str(abort.error)
     except tuple(k for k, _ in kinds) as failure:
         report.conforms = False
         report.failure_kind = next(name for k, name in kinds if isinstance(failure, k))
