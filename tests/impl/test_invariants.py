@@ -252,3 +252,33 @@ def test_an_intact_pool_passes_in_every_shape() -> None:
     busy_pool(caching=False).check_invariants()
     busy_pool(events=True).check_invariants()
     BlockPool(1, True, 1).check_invariants()
+
+
+def test_the_dump_shows_the_whole_pool() -> None:
+    from kvpool.impl.invariants import dump_pool
+
+    pool = BlockPool(5, True, 1, enable_kv_cache_events=True)
+    a, b, c = pool.get_new_blocks(3)
+    for block in (a, b):
+        pool.cache_full_blocks(REQ, [block], 0, 1, 1, 0)  # one key, two blocks
+    pool.cache_full_blocks(REQ, [a, c], 1, 2, 1, 0)
+    pool.free_blocks([c, b, a])
+    lines = dump_pool(pool).splitlines()
+    assert lines[1] == "  num_free_blocks=4"
+    assert lines[2] == "  fake head: next=4, prev=None"
+    assert lines[3] == "  fake tail: prev=1, next=None"
+    assert lines[4] == "  free list (front first, bounded walk): [4, 3, 2, 1]"
+    assert lines[5] == "  blocks:" and len([x for x in lines if "block_id=" in x]) == 5
+    assert lines[11] == "  hash map:"
+    assert lines[12].endswith("-> [1, 2]") and lines[13].endswith("-> 3")
+    assert lines[14] == "  pending events: 3"
+
+
+def test_the_dump_of_a_cycle_stops_and_says_so() -> None:
+    from kvpool.impl.invariants import dump_pool
+
+    pool = BlockPool(4, True, 1)
+    first, second = pool.blocks[1], pool.blocks[2]
+    second.next_free_block = first  # 1 -> 2 -> 1 -> ...
+    walk = next(x for x in dump_pool(pool).splitlines() if "free list" in x)
+    assert walk == "  free list (front first, bounded walk): [1, 2, 1, 2, 1, ...]"
