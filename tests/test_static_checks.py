@@ -17,7 +17,9 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_mypy_strict_is_clean_on_model_impl_and_specs() -> None:
-    result = run("mypy", "--strict", "-p", "kvpool.model", "-p", "kvpool.impl", "-p", "kvpool.specs")
+    result = run(
+        "mypy", "--strict", "-p", "kvpool.model", "-p", "kvpool.impl", "-p", "kvpool.specs"
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 

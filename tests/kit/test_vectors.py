@@ -14,7 +14,6 @@ from tests.kit.helpers import ROOT, assert_no_traceback, node_target, run_kvpool
 CORPUS = ROOT / "specs" / "vectors"
 
 
-
 @pytest.fixture(scope="module")
 def corpus() -> list[vectors.LoadedVector]:
     return load(CORPUS)
