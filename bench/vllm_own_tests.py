@@ -313,9 +313,11 @@ def kvpool_not_applicable(vllm: str, patch: Any) -> str:
         return "kvpool's vLLM manager adapter speaks 0.33's API"
     if patch.owner.endswith("kv_cache_utils"):
         return "the manager adapter hands vLLM kvpool's block hashes: vLLM's hasher never runs"
+    from kvpool.specs.adapters.manager_vllm import VLLM_SCOPE
+
     layouts = REQUEST_LAYOUTS.get(patch.bug, ())
-    if not set(layouts) & {"full", "sliding_window"}:
-        return "the manager adapter runs one full or sliding-window group, not " + "/".join(layouts)
+    if not set(layouts) & set(VLLM_SCOPE.layouts):
+        return "the manager adapter runs none of " + "/".join(layouts)
     return ""
 
 

@@ -74,31 +74,34 @@ class VllmManagerTarget:
             raise TargetError(f"vLLM's KVCacheManager cannot be imported: {error!r}") from error
         # reset_prefix_cache logs a warning each time it refuses; the machine asks often.
         logging.getLogger("vllm").setLevel(logging.ERROR)
-        (spec,) = setup.specs
-        if spec.attention is AttentionType.MAMBA or spec.block_size != setup.hash_block_size:
-            raise TargetError("the vLLM adapter runs one attention group of hash-block size")
+        specs = setup.specs
+        for spec in specs:
+            if spec.attention is AttentionType.MAMBA or spec.block_size != setup.hash_block_size:
+                raise TargetError("the vLLM adapter runs attention groups of hash-block size")
         utils.init_none_hash(hashing.sha256)
         self._blocks_class = manager_module.KVCacheBlocks
         self._status = request_module.RequestStatus.RUNNING
         shape: dict[str, Any] = {"num_kv_heads": 1, "head_size": 8, "dtype": torch.float32}
-        vllm_spec: Any
-        if spec.attention is AttentionType.SLIDING_WINDOW:
-            vllm_spec = interface.SlidingWindowSpec(
-                block_size=spec.block_size, sliding_window=spec.sliding_window, **shape
-            )
-        elif spec.attention is AttentionType.CHUNKED_LOCAL:
-            vllm_spec = interface.ChunkedLocalAttentionSpec(
-                block_size=spec.block_size,
-                attention_chunk_size=spec.attention_chunk_size,
-                **shape,
-            )
-        else:
-            vllm_spec = interface.FullAttentionSpec(block_size=spec.block_size, **shape)
+        groups = []
+        for g, spec in enumerate(specs):
+            vllm_spec: Any
+            if spec.attention is AttentionType.SLIDING_WINDOW:
+                vllm_spec = interface.SlidingWindowSpec(
+                    block_size=spec.block_size, sliding_window=spec.sliding_window, **shape
+                )
+            elif spec.attention is AttentionType.CHUNKED_LOCAL:
+                vllm_spec = interface.ChunkedLocalAttentionSpec(
+                    block_size=spec.block_size,
+                    attention_chunk_size=spec.attention_chunk_size,
+                    **shape,
+                )
+            else:
+                vllm_spec = interface.FullAttentionSpec(block_size=spec.block_size, **shape)
+            groups.append(interface.KVCacheGroupSpec([f"layer.{g}"], vllm_spec))
         config = interface.KVCacheConfig(
-            num_blocks=setup.num_blocks,
-            kv_cache_tensors=[],
-            kv_cache_groups=[interface.KVCacheGroupSpec(["layer.0"], vllm_spec)],
+            num_blocks=setup.num_blocks, kv_cache_tensors=[], kv_cache_groups=groups
         )
+        spec = specs[0]
         self.manager = manager_module.KVCacheManager(
             config,
             max_model_len=setup.max_model_len,
@@ -201,7 +204,14 @@ def _scope() -> ManagerTargetSpec:
 
     return ManagerTargetSpec(
         VllmManagerTarget,
-        layouts=("full", "sliding_window"),
+        layouts=(
+            "full",
+            "sliding_window",
+            "full+sliding_window",
+            "full+full+sliding_window",
+            "sliding_window+full",
+            "full+sliding_window+sliding_window",
+        ),
         profiles=(DEFAULT_PROFILE,),
         events=(False,),
         block_factors=(1,),
@@ -211,4 +221,7 @@ def _scope() -> ManagerTargetSpec:
 
 VLLM_SCOPE = _scope()
 """Where vLLM 0.33's manager is compared: one full-attention or sliding-window group
-(window of at least 2) of hash-block size, events off, the hashless-first profile."""
+(window of at least 2), or a hybrid of them (vLLM's HybridKVCacheCoordinator), with
+blocks of hash-block size, events off, the hashless-first profile. Chunked local
+attention is left out: 0.33 frees a chunked request's last cached block, which the
+seeds keep (docs/semantics.md)."""

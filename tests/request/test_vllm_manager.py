@@ -34,6 +34,20 @@ def test_vllm_manager_conforms_at_level_1() -> None:
     assert report.examples_run >= 100
 
 
+def test_vllm_hybrid_managers_conform_at_level_1() -> None:
+    """Two or three groups through vLLM's hybrid coordinator: two groups of one spec, the
+    window listed first, two windows that shorten each other's hit."""
+    from dataclasses import replace
+
+    from kvpool.specs.adapters.manager_vllm import VLLM_SCOPE
+
+    hybrids = tuple(layout for layout in VLLM_SCOPE.layouts if "+" in layout)
+    assert len(hybrids) == 4
+    scope = replace(VLLM_SCOPE, layouts=hybrids)
+    report = run_manager_conformance(scope, hypothesis_profile="ci", max_examples=100)
+    assert report.conforms, f"{report.failure}\n{report.program}"
+
+
 def both(setup: ManagerSetup) -> tuple[object, object]:
     from kvpool.specs.adapters.manager_vllm import VllmManagerTarget
 
