@@ -39,23 +39,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kvpool.model import PoolConfig
 from kvpool.specs.conformance import run_conformance
 from kvpool.specs.manager_machine import LAYOUTS, ManagerSetup, run_manager_conformance
+from kvpool.specs.protocol import OPERATIONS as PROTOCOL_OPERATIONS
 from tests.corpus.bugs import BUGS, Bug, target_of
 from tests.corpus.request_bugs import CACHING, REQUEST_BUGS, RequestBug, spec_of
 from tests.corpus.request_bugs import target_of as manager_target_of
 
-OPERATIONS = frozenset(
-    {
-        "get_new_blocks",
-        "touch",
-        "free_blocks",
-        "cache_full_blocks",
-        "cache_partial_block",
-        "get_cached_block",
-        "evict_blocks",
-        "reset_prefix_cache",
-        "take_events",
-    }
-)
+# Steps count the pool operations that change or read the pool's state, not its
+# two counters or the snapshot the checker takes itself.
+OPERATIONS = frozenset(PROTOCOL_OPERATIONS) - {"get_num_free_blocks", "get_usage", "snapshot"}
 
 MANAGER_OPERATIONS = frozenset(
     {

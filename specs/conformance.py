@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from hypothesis import settings as Settings
 from hypothesis.reporting import with_reporter
-from hypothesis.stateful import get_state_machine_test
+from hypothesis.stateful import RuleBasedStateMachine, get_state_machine_test
 
 from kvpool.model import DEFAULT_PROFILE, PROFILES, Profile
 from kvpool.specs import settings as _profiles  # noqa: F401  (registers the profiles)
@@ -109,18 +109,8 @@ def run_conformance(
     deadlines = Deadlines(None)
     counted = _counting(machine, report, on_example, lambda: deadlines.start_program())
 
-    # One failure per run: with several distinct bugs Hypothesis would raise an
-    # ExceptionGroup, which the report cannot explain as one counterexample.
-    overrides: dict[str, object] = {"report_multiple_bugs": False}
-    if max_examples is not None:
-        overrides["max_examples"] = max_examples
-    if steps is not None:
-        overrides["stateful_step_count"] = steps
-    chosen = Settings(Settings.get_profile(hypothesis_profile), **overrides)  # type: ignore[arg-type]
-    test = get_state_machine_test(counted, settings=chosen)
+    test = machine_test(counted, hypothesis_profile, max_examples, steps, seed)
     if seed is not None:
-        # hypothesis.seed() only decorates functions; this is the attribute it sets.
-        test._hypothesis_internal_use_seed = seed  # type: ignore[attr-defined]
         report.notes.append(f"seed {seed}")
 
     printed: list[str] = []
@@ -148,6 +138,29 @@ def run_conformance(
     if report.failure_kind in ("divergence", "invariant"):
         report.counterexample = explain(recorder, target_name, caught)
     return report
+
+
+def machine_test(
+    machine: type[RuleBasedStateMachine],
+    hypothesis_profile: str,
+    max_examples: int | None = None,
+    steps: int | None = None,
+    seed: int | None = None,
+) -> Callable[[], None]:
+    """The test that runs ``machine`` under a settings profile, with the runners' overrides."""
+    # One failure per run: with several distinct bugs Hypothesis would raise an
+    # ExceptionGroup, which the report cannot explain as one counterexample.
+    overrides: dict[str, object] = {"report_multiple_bugs": False}
+    if max_examples is not None:
+        overrides["max_examples"] = max_examples
+    if steps is not None:
+        overrides["stateful_step_count"] = steps
+    chosen = Settings(Settings.get_profile(hypothesis_profile), **overrides)  # type: ignore[arg-type]
+    test: Callable[[], None] = get_state_machine_test(machine, settings=chosen)
+    if seed is not None:
+        # hypothesis.seed() only decorates functions; this is the attribute it sets.
+        test._hypothesis_internal_use_seed = seed  # type: ignore[attr-defined]
+    return test
 
 
 def _program(printed: list[str], failure: BaseException | None) -> str | None:

@@ -827,13 +827,11 @@ def run_manager_conformance(
     """Check a KV cache manager against the model: a ``ConformanceReport``, never a raise."""
     import time
 
-    from hypothesis import settings as Settings
     from hypothesis.reporting import with_reporter
-    from hypothesis.stateful import get_state_machine_test
 
     from kvpool.specs import settings as _profiles  # noqa: F401  (registers the profiles)
     from kvpool.specs.adapters.cmd_target import TargetAbort
-    from kvpool.specs.conformance import ConformanceReport
+    from kvpool.specs.conformance import ConformanceReport, machine_test
     from kvpool.specs.invariants import InvariantViolation
     from kvpool.specs.request_invariants import RequestInvariantViolation
     from kvpool.specs.target import TargetError
@@ -865,15 +863,7 @@ def run_manager_conformance(
             report.examples_run += 1
 
     Counted.__name__ = Counted.__qualname__ = base.__name__
-    overrides: dict[str, object] = {"report_multiple_bugs": False}
-    if max_examples is not None:
-        overrides["max_examples"] = max_examples
-    if steps is not None:
-        overrides["stateful_step_count"] = steps
-    chosen = Settings(Settings.get_profile(hypothesis_profile), **overrides)  # type: ignore[arg-type]
-    test = get_state_machine_test(Counted, settings=chosen)
-    if seed is not None:
-        test._hypothesis_internal_use_seed = seed  # type: ignore[attr-defined]
+    test = machine_test(Counted, hypothesis_profile, max_examples, steps, seed)
     printed: list[str] = []
     started = time.perf_counter()
     kinds: tuple[tuple[type[BaseException], str], ...] = (
