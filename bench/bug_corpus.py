@@ -38,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvpool.model import PoolConfig
 from kvpool.specs.conformance import run_conformance
-from kvpool.specs.manager_machine import LAYOUTS, ManagerSetup, run_manager_conformance
 from kvpool.specs.protocol import OPERATIONS as PROTOCOL_OPERATIONS
+from kvpool.specs.request.machine import LAYOUTS, ManagerSetup, run_manager_conformance
 from tests.corpus.bugs import BUGS, Bug, target_of
 from tests.corpus.request_bugs import CACHING, REQUEST_BUGS, RequestBug, spec_of
 from tests.corpus.request_bugs import target_of as manager_target_of

@@ -81,9 +81,9 @@ sys.meta_path.insert(0, Mutated())
 try:
     importlib.import_module(name)
     from kvpool.model import PROFILES
-    from kvpool.specs.adapters.impl_target import ImplTarget
+    from kvpool.specs.targets.impl.pool import ImplTarget
     from kvpool.specs.conformance import run_conformance
-    from kvpool.specs.manager_machine import resolve_manager_target, run_manager_conformance
+    from kvpool.specs.request.machine import resolve_manager_target, run_manager_conformance
 except Exception as error:
     print("invalid", repr(error)); sys.exit(3)
 if sys.modules[name].__file__ != path:

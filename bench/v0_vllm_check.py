@@ -48,11 +48,13 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["PYTHONHASHSEED"] = "0"
         os.execv(sys.executable, [sys.executable, *sys.argv])
 
+    from kvpool.specs import ConformanceReport as V0Report
     from kvpool.specs.adapters import vllm_v0_target
-    from kvpool.specs.v0_machine import ModelV0Target, V0Report, check_v0
+    from kvpool.specs.v0.check import check_v0
+    from kvpool.specs.v0.model_target import ModelV0Target
 
     if args.fetch:
-        from kvpool.specs.vllm_releases import ensure_release
+        from kvpool.specs.targets.vllm.releases import ensure_release
 
         print(f"fetching vLLM {vllm_v0_target.V0_RELEASE} (wheel, kept: Python sources only)")
         ensure_release(vllm_v0_target.V0_RELEASE, quiet=False)

@@ -9,7 +9,7 @@ Run it with an interpreter that has vLLM's dependencies and kvpool installed
     ... --render results.json                                          # the table again
 
 For each release the wheel's sources are fetched once into the kvpool cache
-(``kvpool.specs.vllm_releases``) and a child interpreter imports that
+(``kvpool.specs.targets.vllm.releases``) and a child interpreter imports that
 release and runs, with the ``ci`` Hypothesis profile:
 
 * level 1 with the release's expected profile, caching on and off, with
@@ -74,19 +74,13 @@ def run_child(version: str, examples: int) -> dict[str, Any]:
     from hypothesis import Phase, settings
 
     from kvpool.model import PROFILES
-    from kvpool.specs import settings as _registered  # noqa: F401  (the ci profile)
-    from kvpool.specs.adapters.vllm_target import (
-        KNOWN_FINDINGS,
-        WORKAROUNDS,
-        TargetError,
-        VllmTargetFactory,
-        classify_divergence,
-        install_operation_filter,
-        load_vllm,
-        survey_level2,
-    )
     from kvpool.specs.conformance import run_conformance
-    from kvpool.specs.vllm_releases import activate_release, profile_for_release
+    from kvpool.specs.errors import TargetError
+    from kvpool.specs.runner import settings as _registered  # noqa: F401  (the ci profile)
+    from kvpool.specs.targets.vllm.findings import KNOWN_FINDINGS, classify_divergence
+    from kvpool.specs.targets.vllm.pool import WORKAROUNDS, VllmTargetFactory, load_vllm
+    from kvpool.specs.targets.vllm.releases import activate_release, profile_for_release
+    from kvpool.specs.targets.vllm.survey import survey_level2
 
     settings.register_profile(
         "matrix-explore",
@@ -94,7 +88,6 @@ def run_child(version: str, examples: int) -> dict[str, Any]:
         phases=[Phase.explicit, Phase.reuse, Phase.generate],
     )
     activate_release(version)
-    install_operation_filter()
     result: dict[str, Any] = {"version": version, "expected_profile": profile_for_release(version)}
     try:
         api = load_vllm()
@@ -220,7 +213,7 @@ def run_child(version: str, examples: int) -> dict[str, Any]:
 
 def run_release(version: str, examples: int) -> dict[str, Any]:
     """Fetch ``version`` and run the child for it; its result, or what went wrong."""
-    from kvpool.specs.vllm_releases import (
+    from kvpool.specs.targets.vllm.releases import (
         ReleaseError,
         ensure_dependencies,
         ensure_release,
@@ -256,7 +249,7 @@ def _verdict(entry: dict[str, Any], workarounds: list[str]) -> str:
 
 def markdown(results: list[dict[str, Any]]) -> str:
     """The matrix as a Markdown table, one row per release."""
-    from kvpool.specs.adapters.vllm_target import known_finding
+    from kvpool.specs.targets.vllm.pool import known_finding
 
     rows = [
         "| release | left out | expected profile | level 1 | level 2 findings |",

@@ -207,7 +207,7 @@ def release_path(vllm: str) -> list[str]:
     if vllm == "installed":
         return []
     sys.path.insert(0, str(ROOT))
-    from kvpool.specs.vllm_releases import ensure_release
+    from kvpool.specs.targets.vllm.releases import ensure_release
 
     return [str(ensure_release(vllm))]
 
@@ -246,7 +246,9 @@ def run_vllm_tests(
 
 KVPOOL_CHILD = """
 import dataclasses, json, os, sys, time
-from kvpool.specs.vllm_releases import activate_release, profile_for_release, installed_version
+from kvpool.specs.targets.vllm.releases import (
+    activate_release, installed_version, profile_for_release
+)
 release = os.environ.get("KVPOOL_VLLM_RELEASE") or None
 activate_release(release)
 sys.path.insert(0, "bench")
@@ -255,7 +257,8 @@ start = time.monotonic()
 found = []
 if bug in ("", "unpatched") or not bug.startswith("request:"):
     from kvpool.specs.conformance import run_conformance
-    from kvpool.specs.adapters.vllm_target import VllmTargetFactory, survey_level2
+    from kvpool.specs.targets.vllm.pool import VllmTargetFactory
+    from kvpool.specs.targets.vllm.survey import survey_level2
     profile = profile_for_release(release or installed_version())
     factory = VllmTargetFactory(cls and f"bench.vllm_corpus_patches:{cls}")
     if level == 1:
@@ -266,8 +269,8 @@ if bug in ("", "unpatched") or not bug.startswith("request:"):
                  for d in found]
 else:
     import vllm_corpus_patches
-    from kvpool.specs.adapters.manager_vllm import VLLM_SCOPE
-    from kvpool.specs.manager_machine import run_manager_conformance
+    from kvpool.specs.targets.vllm.request import VLLM_SCOPE
+    from kvpool.specs.request.machine import run_manager_conformance
     from tests.corpus.request_bugs import REQUEST_BUGS
     name = bug.split(":", 1)[1]
     layouts = next(b.layouts for b in REQUEST_BUGS if b.name == name)
@@ -285,7 +288,7 @@ def run_kvpool(vllm: str, bug: str, class_name: str | None, level: int) -> dict[
     """kvpool's ``ci`` profile on the patched vLLM (``bug`` "unpatched": vLLM as installed)."""
     env = dict(os.environ, VLLM_LOGGING_LEVEL="ERROR", PYTHONWARNINGS="ignore")
     if vllm != "installed":
-        from kvpool.specs.vllm_releases import release_environment
+        from kvpool.specs.targets.vllm.releases import release_environment
 
         release_path(vllm)
         env = release_environment(vllm, env)
@@ -313,7 +316,7 @@ def kvpool_not_applicable(vllm: str, patch: Any) -> str:
         return "kvpool's vLLM manager adapter speaks 0.33's API"
     if patch.owner.endswith("kv_cache_utils"):
         return "the manager adapter hands vLLM kvpool's block hashes: vLLM's hasher never runs"
-    from kvpool.specs.adapters.manager_vllm import VLLM_SCOPE
+    from kvpool.specs.targets.vllm.request import VLLM_SCOPE
 
     layouts = REQUEST_LAYOUTS.get(patch.bug, ())
     if not set(layouts) & set(VLLM_SCOPE.layouts):

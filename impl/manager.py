@@ -27,7 +27,6 @@ from kvpool.model.manager import (
     PrefixCacheStats,
     record,
 )
-from kvpool.model.managers import AttentionType, KVCacheSpec, ManagersState
 from kvpool.model.profiles import DEFAULT_PROFILE, Profile
 from kvpool.model.request import (
     HitOnRunningRequest,
@@ -37,6 +36,7 @@ from kvpool.model.request import (
     NoNewTokens,
     verify_hash_block_size,
 )
+from kvpool.model.single_type import AttentionType, KVCacheSpec, ManagersState
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ class KVCacheBlocks:
 class KVCacheManager:
     """A KV cache manager over ``kvpool.impl.BlockPool``, one single-type manager per group.
 
-    >>> from kvpool.model.managers import full_attention
+    >>> from kvpool.model.single_type import full_attention
     >>> from kvpool.model.request import new_request
     >>> m = KVCacheManager(KVCacheConfig(8, (full_attention(4),)), max_model_len=32)
     >>> m.allocate_slots(new_request("r", [1, 2, 3, 4, 5], 4), 5).get_block_ids()
@@ -362,7 +362,7 @@ class KVCacheManager:
     def snapshot(self) -> KVCacheManagerState:
         """The manager as the model's state (the abstraction function).
 
-        >>> from kvpool.model.managers import full_attention
+        >>> from kvpool.model.single_type import full_attention
         >>> from kvpool.model.manager import new_kv_cache_manager
         >>> cfg = KVCacheConfig(4, (full_attention(2),))
         >>> KVCacheManager(cfg, 8).snapshot() == new_kv_cache_manager(4, cfg.kv_cache_groups, 8)

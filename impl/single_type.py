@@ -1,4 +1,4 @@
-"""The fast single-type managers: kvpool.model.managers' semantics on mutable block tables.
+"""The fast single-type managers: kvpool.model.single_type' semantics on mutable block tables.
 
 One class per attention type, with vLLM 0.33's method names: each manager
 owns one KV cache group's block tables (``req_to_blocks``: request id to a
@@ -14,7 +14,6 @@ from typing import Any, ClassVar
 
 from kvpool.impl.block import KVCacheBlock
 from kvpool.impl.pool import BlockPool
-from kvpool.model.managers import AttentionType, GroupTable, KVCacheSpec
 from kvpool.model.request import (
     HitOnRunningRequest,
     InvalidTokenCount,
@@ -22,6 +21,7 @@ from kvpool.model.request import (
     UnknownRequest,
     verify_hash_block_size,
 )
+from kvpool.model.single_type import AttentionType, GroupTable, KVCacheSpec
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -39,7 +39,7 @@ def block_hashes_at(block_hashes: Sequence[bytes], hash_block_size: int, block_s
 class SingleTypeKVCacheManager:
     """The bookkeeping every attention type shares; subclasses decide hits and skips.
 
-    >>> from kvpool.model.managers import full_attention
+    >>> from kvpool.model.single_type import full_attention
     >>> m = FullAttentionManager(full_attention(2), BlockPool(4, True, 2), 0)
     >>> m.save_new_computed_blocks("r", []); [b.block_id for b in m.allocate_new_blocks("r", 3)]
     [1, 2]
@@ -346,7 +346,7 @@ def get_manager_for_kv_cache_spec(
 ) -> SingleTypeKVCacheManager:
     """The manager class for the spec's attention type, built for one group.
 
-    >>> from kvpool.model.managers import mamba
+    >>> from kvpool.model.single_type import mamba
     >>> type(get_manager_for_kv_cache_spec(mamba(8), BlockPool(2, True, 1), 0)).__name__
     'MambaManager'
     """

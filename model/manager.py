@@ -5,7 +5,7 @@ already cached (``get_computed_blocks``), whether there is room for the
 tokens it wants to compute this step (``allocate_slots``, which takes the
 hits, allocates, and caches the blocks that become full), and to release
 everything when the request finishes or is preempted (``free``). Every KV
-cache group has its own single-type manager (``kvpool.model.managers``);
+cache group has its own single-type manager (``kvpool.model.single_type``);
 all groups share one block pool.
 
 Block layout of one request in one group, as ``allocate_slots`` sees it::
@@ -24,11 +24,10 @@ what decided the rest.
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
-import kvpool.model.managers as single
 import kvpool.model.pool as pool_ops
+import kvpool.model.single_type as single
 from kvpool.model.errors import CachingDisabled, UnknownBlock
 from kvpool.model.events import KVCacheEvent
-from kvpool.model.managers import AttentionType, KVCacheSpec
 from kvpool.model.profiles import DEFAULT_PROFILE, Profile
 from kvpool.model.request import (
     HitOnRunningRequest,
@@ -39,6 +38,7 @@ from kvpool.model.request import (
     Request,
     verify_hash_block_size,
 )
+from kvpool.model.single_type import AttentionType, KVCacheSpec
 from kvpool.model.state import BlockHash
 
 Blocks = tuple[tuple[int, ...], ...]
@@ -189,7 +189,7 @@ def new_kv_cache_manager(
 
     Complexity: O(num_blocks + len(specs)).
 
-    >>> from kvpool.model.managers import full_attention
+    >>> from kvpool.model.single_type import full_attention
     >>> m = new_kv_cache_manager(8, [full_attention(4)], max_model_len=32)
     >>> usage(m)
     0.0
@@ -240,7 +240,7 @@ def find_hit(
 
     Complexity: O(groups * max_length / block_size) lookups per round.
 
-    >>> from kvpool.model.managers import full_attention
+    >>> from kvpool.model.single_type import full_attention
     >>> find_hit(new_kv_cache_manager(4, [full_attention(2)], 8), [b"x"], 3)
     (((),), 0)
     """
@@ -295,7 +295,7 @@ def get_computed_blocks(
 
     Complexity: that of ``find_hit``.
 
-    >>> from kvpool.model.managers import full_attention
+    >>> from kvpool.model.single_type import full_attention
     >>> from kvpool.model.request import new_request
     >>> m = new_kv_cache_manager(4, [full_attention(2)], 8)
     >>> get_computed_blocks(m, new_request("r", [1, 2, 3], 2))[1]
@@ -334,7 +334,7 @@ def allocate_slots(
 
     Complexity: O(blocks touched, allocated, released or cached).
 
-    >>> from kvpool.model.managers import full_attention
+    >>> from kvpool.model.single_type import full_attention
     >>> from kvpool.model.request import new_request
     >>> m = new_kv_cache_manager(4, [full_attention(2)], 8)
     >>> allocate_slots(m, new_request("r", [1, 2, 3], 2), 3)[1]
@@ -403,7 +403,7 @@ def free(state: KVCacheManagerState, request_id: str) -> tuple[KVCacheManagerSta
 
     Complexity: O(blocks the request holds).
 
-    >>> from kvpool.model.managers import full_attention
+    >>> from kvpool.model.single_type import full_attention
     >>> m = new_kv_cache_manager(4, [full_attention(2)], 8)
     >>> free(m, "nobody")[0] == m
     True
@@ -419,7 +419,7 @@ def cache_blocks(
 ) -> tuple[KVCacheManagerState, None]:
     """Cache the request's blocks that are full within ``num_computed_tokens``, if caching is on.
 
-    >>> from kvpool.model.managers import full_attention
+    >>> from kvpool.model.single_type import full_attention
     >>> from kvpool.model.request import new_request
     >>> m = new_kv_cache_manager(4, [full_attention(2)], 8, enable_caching=False)
     >>> cache_blocks(m, new_request("r", [1, 2], 2), 2)[0] == m
@@ -438,7 +438,7 @@ def evict_blocks(
 ) -> tuple[KVCacheManagerState, None]:
     """Remove the given blocks from the prefix cache (the pool's evict_blocks).
 
-    >>> from kvpool.model.managers import full_attention
+    >>> from kvpool.model.single_type import full_attention
     >>> m = new_kv_cache_manager(4, [full_attention(2)], 8)
     >>> evict_blocks(m, {1})[0] == m
     True
@@ -452,7 +452,7 @@ def reset_prefix_cache(state: KVCacheManagerState) -> tuple[KVCacheManagerState,
 
     A successful reset is flagged in the stats, so the metrics restart.
 
-    >>> from kvpool.model.managers import full_attention
+    >>> from kvpool.model.single_type import full_attention
     >>> m = new_kv_cache_manager(4, [full_attention(2)], 8, log_stats=True)
     >>> m, done = reset_prefix_cache(m)
     >>> done, m.stats.reset
@@ -470,7 +470,7 @@ def make_prefix_cache_stats(
 ) -> tuple[KVCacheManagerState, PrefixCacheStats | None]:
     """Take the stats gathered so far (None unless log_stats) and start new ones.
 
-    >>> from kvpool.model.managers import full_attention
+    >>> from kvpool.model.single_type import full_attention
     >>> m = new_kv_cache_manager(4, [full_attention(2)], 8)
     >>> make_prefix_cache_stats(m)[1] is None
     True
@@ -483,7 +483,7 @@ def make_prefix_cache_stats(
 def take_events(state: KVCacheManagerState) -> tuple[KVCacheManagerState, tuple[KVCacheEvent, ...]]:
     """Every pool event since the last call, oldest first.
 
-    >>> from kvpool.model.managers import full_attention
+    >>> from kvpool.model.single_type import full_attention
     >>> take_events(new_kv_cache_manager(4, [full_attention(2)], 8))[1]
     ()
     """
@@ -499,7 +499,7 @@ def take_events(state: KVCacheManagerState) -> tuple[KVCacheManagerState, tuple[
 def get_num_common_prefix_blocks(state: KVCacheManagerState, request_id: str) -> tuple[int, ...]:
     """Per group, the leading blocks of the request shared by every request holding blocks.
 
-    >>> from kvpool.model.managers import full_attention
+    >>> from kvpool.model.single_type import full_attention
     >>> get_num_common_prefix_blocks(new_kv_cache_manager(4, [full_attention(2)], 8), "r")
     (0,)
     """
@@ -513,7 +513,7 @@ def get_num_common_prefix_blocks(state: KVCacheManagerState, request_id: str) ->
 def get_block_ids(state: KVCacheManagerState, request_id: str) -> Blocks:
     """The request's block table in each group (empty for a request holding nothing).
 
-    >>> from kvpool.model.managers import full_attention
+    >>> from kvpool.model.single_type import full_attention
     >>> get_block_ids(new_kv_cache_manager(4, [full_attention(2)], 8), "r")
     ((),)
     """
@@ -523,7 +523,7 @@ def get_block_ids(state: KVCacheManagerState, request_id: str) -> Blocks:
 def usage(state: KVCacheManagerState) -> float:
     """The fraction of usable blocks held (the pool's usage).
 
-    >>> from kvpool.model.managers import full_attention
+    >>> from kvpool.model.single_type import full_attention
     >>> usage(new_kv_cache_manager(4, [full_attention(2)], 8))
     0.0
     """
@@ -533,7 +533,7 @@ def usage(state: KVCacheManagerState) -> float:
 def num_free_blocks(state: KVCacheManagerState) -> int:
     """How many blocks the pool's free queue holds.
 
-    >>> from kvpool.model.managers import full_attention
+    >>> from kvpool.model.single_type import full_attention
     >>> num_free_blocks(new_kv_cache_manager(4, [full_attention(2)], 8))
     3
     """
@@ -543,7 +543,7 @@ def num_free_blocks(state: KVCacheManagerState) -> int:
 def running_request_ids(state: KVCacheManagerState) -> frozenset[str]:
     """The ids of the requests holding blocks in some group.
 
-    >>> from kvpool.model.managers import full_attention
+    >>> from kvpool.model.single_type import full_attention
     >>> running_request_ids(new_kv_cache_manager(4, [full_attention(2)], 8))
     frozenset()
     """

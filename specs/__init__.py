@@ -1,1 +1,51 @@
-"""kvpool.specs: what conformance means."""
+"""kvpool.specs: what conformance means, for every layer, and the kit that checks it.
+
+The public face, for projects that check their own implementation::
+
+    from kvpool.specs import check, run_conformance, PoolTarget, ConformanceReport
+
+* ``check(layer, target)``: any layer, a target named by string (as ``kvpool check``);
+* ``run_conformance(make_target)``: a Python block pool, built by a factory;
+* ``run_request_conformance(ManagerTargetSpec(make_manager))``: a KV cache manager;
+* ``check_v0(make_allocator)``: a v0 allocator;
+* the target protocols ``PoolTarget``, ``ManagerTarget`` and ``V0Target``;
+* ``ConformanceReport``, and ``TargetError`` for a target that cannot be run.
+
+The layers are packages with the same file names (``pool/``, ``request/``,
+``v0/``: ``target``, ``machine``, ``invariants``, ``check``) over one runner
+(``runner/``) and one target registry (``targets/``); docs/architecture.md
+draws the floors.
+"""
+
+from kvpool.specs.checking import check
+from kvpool.specs.errors import Divergence, InvariantViolation, TargetError
+from kvpool.specs.pool.check import run_conformance
+from kvpool.specs.pool.target import PoolTarget, Snapshottable, TargetFactory
+from kvpool.specs.request.check import run_request_conformance
+from kvpool.specs.request.target import ManagerSetup, ManagerTarget, ManagerTargetSpec
+from kvpool.specs.runner.report import ConformanceReport, Counterexample
+from kvpool.specs.targets import TargetDescriptor, TargetSpecError, resolve
+from kvpool.specs.v0.check import check_v0
+from kvpool.specs.v0.target import V0Target
+
+__all__ = [
+    "ConformanceReport",
+    "Counterexample",
+    "Divergence",
+    "InvariantViolation",
+    "ManagerSetup",
+    "ManagerTarget",
+    "ManagerTargetSpec",
+    "PoolTarget",
+    "Snapshottable",
+    "TargetDescriptor",
+    "TargetError",
+    "TargetFactory",
+    "TargetSpecError",
+    "V0Target",
+    "check",
+    "check_v0",
+    "resolve",
+    "run_conformance",
+    "run_request_conformance",
+]

@@ -12,7 +12,6 @@ regression test. ``--kvpool-vectors`` (optionally a directory) adds a second
 item replaying the conformance vectors (the bundled corpus by default).
 """
 
-import io
 from pathlib import Path
 from typing import Any
 
@@ -90,27 +89,29 @@ class ConformanceItem(pytest.Item):
     """Runs ``run_conformance`` against ``--kvpool-target``."""
 
     def runtest(self) -> None:
-        from kvpool.specs.conformance import run_conformance
-        from kvpool.specs.regression import print_counterexample
-        from kvpool.specs.targets import TargetSpecError, resolve_target
+        from kvpool.specs.checking import check
+        from kvpool.specs.runner.render import print_counterexample, render_text
+        from kvpool.specs.targets import TargetSpecError, resolve
 
         options = self.config.option
         try:
-            factory = resolve_target(options.kvpool_target)
+            descriptor = resolve("pool", options.kvpool_target)
         except TargetSpecError as error:
             raise KvpoolFailure(str(error)) from None
         try:
-            report = run_conformance(
-                factory,
+            report = check(
+                "pool",
+                descriptor,
                 level=options.kvpool_level,
-                profile=options.kvpool_profile,
+                profiles=options.kvpool_profile,
                 hypothesis_profile=options.kvpool_hypothesis_profile,
                 max_examples=options.kvpool_examples,
                 steps=options.kvpool_steps,
-                target_name=options.kvpool_target,
             )
+        except TargetSpecError as error:
+            raise KvpoolFailure(str(error)) from None
         finally:
-            close = getattr(factory, "close", None)
+            close = getattr(descriptor.factory, "close", None)
             if close is not None:
                 close()
         self.user_properties.append(("kvpool_programs_run", report.examples_run))
@@ -120,7 +121,7 @@ class ConformanceItem(pytest.Item):
         if report.program:
             lines += ["Minimal failing program:", report.program]
         if report.counterexample is not None:
-            lines.append(_render(print_counterexample, report.counterexample))
+            lines.append(render_text(print_counterexample, report.counterexample))
         else:
             lines.append(report.failure or "")
         raise KvpoolFailure("\n".join(lines))
@@ -163,13 +164,3 @@ class VectorsItem(ConformanceItem):
                 f"{len(result.mismatches)} of {result.run} vectors from {source} do not match:\n"
                 + "\n\n".join(problems[:10])
             )
-
-
-def _render(printer: Any, value: Any) -> str:
-    from rich.console import Console
-
-    console = Console(width=120, file=io.StringIO(), color_system=None)
-    printer(console, value)
-    file = console.file
-    assert isinstance(file, io.StringIO)
-    return file.getvalue()

@@ -5,6 +5,6 @@ KVPOOL_HYPOTHESIS=deep pytest ... explores for longer.
 
 from hypothesis import settings
 
-from kvpool.specs.settings import default_profile_name
+from kvpool.specs.runner.settings import default_profile_name
 
 settings.load_profile(default_profile_name())

@@ -15,6 +15,7 @@ MODULES = sorted(
     info.name
     for package in (kvpool.model, kvpool.impl, kvpool.specs)
     for info in pkgutil.walk_packages(package.__path__, package.__name__ + ".")
+    if not info.name.endswith(".__main__")  # importing an entry point runs it
 )
 
 

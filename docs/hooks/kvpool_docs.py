@@ -1,7 +1,7 @@
 """MkDocs hooks: everything the site shows about the model is generated from it at build time.
 
 * ``on_files`` adds one SVG per step of every built-in scenario
-  (``pictures/<scenario>/step-NN.svg``, drawn by ``kvpool.specs.pictures``);
+  (``pictures/<scenario>/step-NN.svg``, drawn by ``kvpool.specs.teaching.pictures``);
   no picture is ever committed.
 * ``on_page_markdown`` expands directives written as HTML comments, so a page
   read on GitHub still makes sense:
@@ -31,10 +31,11 @@ import typer.main
 from kvpool import model
 from kvpool.model import errors as model_errors
 from kvpool.model import pool as model_pool
-from kvpool.specs import invariants, scenarios
-from kvpool.specs.explain import call_text, describe
-from kvpool.specs.pictures import render_svg
-from kvpool.specs.scenarios import Scenario
+from kvpool.specs.pool import invariants
+from kvpool.specs.teaching import scenarios
+from kvpool.specs.teaching.explain import call_text, describe
+from kvpool.specs.teaching.pictures import render_svg
+from kvpool.specs.teaching.scenarios import Scenario
 
 PICTURES = "pictures"
 DIRECTIVE = re.compile(r"<!--\s*kvpool:([a-z-]+)((?:\s+[^\s>]+)*)\s*-->")

@@ -2,7 +2,7 @@
 
 Directives (HTML comments, so a page read on GitHub still makes sense):
 
-``<!-- kvpool-v0:comparison -->``   the v0-versus-v1 story of ``kvpool.specs.v0_pictures``:
+``<!-- kvpool-v0:comparison -->``   the v0-versus-v1 story of ``kvpool.specs.teaching.v0_pictures``:
                                     each step's calls, narration and both pictures
 ``<!-- kvpool-v0:invariants -->``   every v0 invariant with its rationale
 
@@ -13,8 +13,8 @@ import inspect
 import re
 from typing import Any
 
-from kvpool.specs import v0_invariants
-from kvpool.specs.v0_pictures import comparison_markdown, comparison_pictures
+from kvpool.specs.teaching.v0_pictures import comparison_markdown, comparison_pictures
+from kvpool.specs.v0 import invariants as v0_invariants
 
 DIRECTIVE = re.compile(r"<!--\s*kvpool-v0:([a-z-]+)\s*-->")
 

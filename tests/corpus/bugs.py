@@ -25,7 +25,7 @@ from typing import Any
 
 from kvpool.impl import BlockPool, KVCacheBlock
 from kvpool.model import AllBlocksCleared, BlockRemoved, PoolConfig
-from kvpool.specs.adapters.impl_target import ImplTarget
+from kvpool.specs.targets.impl.pool import ImplTarget
 
 # ----------------------------------------------------------------------
 # Allocation and the free queue

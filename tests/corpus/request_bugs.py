@@ -15,7 +15,7 @@ Most leave every structural invariant intact: the pool stays consistent and
 every block is held exactly as often as the tables list it. What shows them
 is the lock-step comparison with the model (another hit, a free queue in
 another order, other stats) or the token ground truth of
-``kvpool.specs.request_invariants`` (a cached block holding KV of another
+``kvpool.specs.request.invariants`` (a cached block holding KV of another
 adapter or another prefix than its hash names).
 
 The impl's manager takes each request's block hashes from the request, as
@@ -25,7 +25,7 @@ request block hasher would carry the same mistake.
 
 ``REQUEST_BUGS`` lists them with the layouts each one can show in;
 ``spec_of`` builds the ``ManagerTargetSpec`` that
-``kvpool.specs.manager_machine.run_manager_conformance`` checks.
+``kvpool.specs.request.check.run_request_conformance`` checks.
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ from kvpool.model.hashing import block_extra_keys, extend_block_hashes, hash_blo
 from kvpool.model.manager import record
 from kvpool.model.request import Request, verify_hash_block_size
 from kvpool.model.state import BlockHash
-from kvpool.specs.adapters.manager_impl import ImplManagerTarget
-from kvpool.specs.manager_machine import LAYOUTS, ManagerFactory, ManagerSetup, ManagerTargetSpec
+from kvpool.specs.request.target import LAYOUTS, ManagerFactory, ManagerSetup, ManagerTargetSpec
+from kvpool.specs.targets.impl.request import ImplManagerTarget
 
 # ----------------------------------------------------------------------
 # Hashing: what a block's hash names

@@ -14,10 +14,11 @@ import pytest
 from hypothesis import Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
-import kvpool.specs.settings  # noqa: F401  (registers the ci profile)
+import kvpool.specs.runner.settings  # noqa: F401  (registers the ci profile)
 from kvpool.impl.manager import KVCacheManager
-from kvpool.specs.manager_machine import ManagerMachine, manager_machine, run_manager_conformance
-from kvpool.specs.request_invariants import RequestInvariantViolation
+from kvpool.specs.request.check import run_request_conformance as run_manager_conformance
+from kvpool.specs.request.invariants import RequestInvariantViolation
+from kvpool.specs.request.machine import ManagerMachine, manager_machine
 from tests.corpus.bugs import BUGS
 from tests.corpus.request_bugs import REQUEST_BUGS, RequestBug, spec_of, target_of
 
@@ -28,10 +29,10 @@ def hunt(bug: RequestBug) -> tuple[bool, int, str | None, str | None]:
     """Run ``ci`` on the bug in a fresh interpreter: (conforms, programs, kind, failure)."""
     script = (
         "import json\n"
-        "from kvpool.specs.manager_machine import run_manager_conformance\n"
+        "from kvpool.specs.request.check import run_request_conformance\n"
         "from tests.corpus.request_bugs import REQUEST_BUGS, spec_of\n"
         f"bug = next(b for b in REQUEST_BUGS if b.name == {bug.name!r})\n"
-        "r = run_manager_conformance(spec_of(bug), hypothesis_profile='ci', target_name=bug.name)\n"
+        "r = run_request_conformance(spec_of(bug), hypothesis_profile='ci', target_name=bug.name)\n"
         "print(json.dumps([r.conforms, r.examples_run, r.failure_kind, r.failure]))\n"
     )
     result = subprocess.run(

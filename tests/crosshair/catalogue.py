@@ -1,6 +1,6 @@
 """A catalogue of deliberately broken operations, one per CrossHair contract.
 
-Each entry re-binds one contract of ``kvpool.specs.contracts`` to a model in
+Each entry re-binds one contract of ``kvpool.specs.pool.contracts`` to a model in
 which one operation is broken, and names the postcondition that must catch
 it. CrossHair is run on the re-bound contract; the counterexample it reports
 is then replayed in plain Python before it is believed (CrossHair can report
@@ -16,7 +16,7 @@ from typing import Any
 from kvpool import model
 from kvpool.impl import BlockPool
 from kvpool.impl.free_queue import FreeKVCacheBlockQueue
-from kvpool.specs import contracts
+from kvpool.specs.pool import contracts
 from tests.specs.planted_bugs import AppendsHashlessBlocks
 
 

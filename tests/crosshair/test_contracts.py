@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.specs import contracts
+from kvpool.specs.pool import contracts
 from tests.crosshair import catalogue
 
 TIMEOUT = os.environ.get("KVPOOL_CROSSHAIR_TIMEOUT", "2")
@@ -65,7 +65,7 @@ def catalogue_findings() -> dict[str, list[tuple[str, str]]]:
 
 
 def test_crosshair_finds_no_counterexample_to_the_model_contracts() -> None:
-    result = crosshair("kvpool.specs.contracts", TIMEOUT)
+    result = crosshair("kvpool.specs.pool.contracts", TIMEOUT)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -118,7 +118,8 @@ def diffbehavior(first: str, second: str) -> subprocess.CompletedProcess[str]:
 
 def test_diffbehavior_finds_no_difference_between_model_and_impl() -> None:
     result = diffbehavior(
-        "kvpool.specs.contracts.scenario_on_model", "kvpool.specs.contracts.scenario_on_impl"
+        "kvpool.specs.pool.contracts.scenario_on_model",
+        "kvpool.specs.pool.contracts.scenario_on_impl",
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "No differences found" in result.stdout
@@ -126,7 +127,7 @@ def test_diffbehavior_finds_no_difference_between_model_and_impl() -> None:
 
 def test_diffbehavior_finds_a_planted_difference_and_it_replays() -> None:
     result = diffbehavior(
-        "kvpool.specs.contracts.scenario_on_model",
+        "kvpool.specs.pool.contracts.scenario_on_model",
         "tests.crosshair.catalogue.scenario_on_broken_impl",
     )
     assert result.returncode == 1, result.stdout + result.stderr

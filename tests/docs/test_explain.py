@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kvpool.specs import scenarios, vectors
+from kvpool.specs import vectors
 from kvpool.specs.cli import app
-from kvpool.specs.explain import call_text, render_html
+from kvpool.specs.teaching import scenarios
+from kvpool.specs.teaching.explain import call_text, render_html
 from tests.docs.helpers import assert_not_blank, screenshot
 
 RUNNER = CliRunner()
@@ -100,9 +101,9 @@ def test_errors_exit_2() -> None:
     assert explain()[0] == 2
     code, out = explain("no-such-scenario")
     assert code == 2
-    code, out = explain("specs/vectors/scenarios.jsonl")
+    code, out = explain("specs/vectors/data/scenarios.jsonl")
     assert code == 2  # several vectors: --vector picks one
-    code, out = explain("specs/vectors/scenarios.jsonl", "--vector", "basics/null-block")
+    code, out = explain("specs/vectors/data/scenarios.jsonl", "--vector", "basics/null-block")
     assert code == 0, out
 
 

@@ -9,8 +9,8 @@ import pytest
 
 from kvpool import model
 from kvpool.model import PoolState
-from kvpool.specs import scenarios
-from kvpool.specs.pictures import free_queue_order, hash_label, key_label, render_svg
+from kvpool.specs.teaching import scenarios
+from kvpool.specs.teaching.pictures import free_queue_order, hash_label, key_label, render_svg
 from tests.docs.helpers import hook
 
 SNAPSHOTS = Path(__file__).resolve().parent / "snapshots"

@@ -6,9 +6,10 @@ from pathlib import Path
 import pytest
 
 from kvpool.model import KVCacheEvent
-from kvpool.specs import scenarios, vectors
-from kvpool.specs.invariants import FreeHistory, check_all
-from kvpool.specs.scenarios import ScenarioError
+from kvpool.specs import vectors
+from kvpool.specs.pool.invariants import FreeHistory, check_all
+from kvpool.specs.teaching import scenarios
+from kvpool.specs.teaching.scenarios import ScenarioError
 
 BUILT_IN = list(scenarios.BUILT_IN.values())
 

@@ -15,9 +15,9 @@ import pytest
 from typer.testing import CliRunner
 
 from kvpool import model
-from kvpool.specs import scenarios
 from kvpool.specs.cli import app
-from kvpool.specs.scenarios import ScenarioError
+from kvpool.specs.teaching import scenarios
+from kvpool.specs.teaching.scenarios import ScenarioError
 from tests.docs.helpers import DOCS, ROOT, assert_not_blank, hook, markdown_pages, screenshot
 
 PAGES = markdown_pages()

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 
 from kvpool.impl import BlockPool, KVCacheBlock
 from kvpool.model import PoolConfig
-from kvpool.specs.adapters.impl_target import ImplTarget
+from kvpool.specs.targets.impl.pool import ImplTarget
 
 
 class AppendingBlockPool(BlockPool):

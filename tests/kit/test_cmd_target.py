@@ -6,10 +6,10 @@ from pathlib import Path
 import pytest
 
 from kvpool.model import PoolConfig
-from kvpool.specs.adapters.cmd_target import CmdTargetFactory
 from kvpool.specs.conformance import run_conformance
 from kvpool.specs.target import TargetError
-from kvpool.specs.targets import TargetSpecError, resolve_target
+from kvpool.specs.targets.cmd.pool import CmdTargetFactory
+from kvpool.specs.targets.registry import TargetSpecError, resolve_target
 from tests.kit.helpers import assert_no_traceback, node_target, python_target, run_kvpool
 
 

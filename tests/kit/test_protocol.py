@@ -8,12 +8,12 @@ import pytest
 from jsonschema import Draft202012Validator
 
 from kvpool.model import PoolConfig
+from kvpool.specs.pool.model_target import ModelTarget
 from kvpool.specs import protocol
-from kvpool.specs.adapters.model_target import ModelTarget
 from kvpool.specs.vectors import load, load_schema, validators
 from tests.kit.helpers import ROOT, node_target
 
-CORPUS = ROOT / "specs" / "vectors"
+CORPUS = ROOT / "specs" / "vectors" / "data"
 
 
 @pytest.fixture(scope="module")

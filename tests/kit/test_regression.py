@@ -11,9 +11,12 @@ from pathlib import Path
 import pytest
 
 from kvpool.model import PoolConfig
-from kvpool.specs.cli import _to_json
 from kvpool.specs.conformance import ConformanceReport
-from kvpool.specs.regression import Recorder, Replay, explain, save
+from kvpool.specs.pool.counterexample import explain
+from kvpool.specs.pool.record import Recorder
+from kvpool.specs.regression import Replay
+from kvpool.specs.runner.render import save
+from kvpool.specs.runner.render import to_json as _to_json
 from kvpool.specs.target import Snapshottable
 from tests.kit.buggy_pool import BuggyNoSnapshot, make_target
 from tests.kit.helpers import ROOT, assert_no_traceback, run_kvpool

@@ -5,7 +5,7 @@ from pathlib import Path
 from tests.kit.helpers import assert_no_traceback, run_kvpool
 
 OWN_POOL = """
-from kvpool.specs.adapters.impl_target import ImplTarget
+from kvpool.specs.targets.impl.pool import ImplTarget
 
 make = ImplTarget
 """

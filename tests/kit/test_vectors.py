@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.specs import vectors
-from kvpool.specs.targets import resolve_target
+from kvpool.specs import protocol, vectors
+from kvpool.specs.targets.registry import resolve_target
 from kvpool.specs.vectors import VectorFormatError, generate, load, run_corpus
 from tests.kit.helpers import ROOT, assert_no_traceback, node_target, run_kvpool
 
-CORPUS = ROOT / "specs" / "vectors"
+CORPUS = ROOT / "specs" / "vectors" / "data"
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +26,8 @@ def test_the_committed_corpus_is_what_the_model_generates_now(tmp_path: Path) ->
     assert fresh == committed
     stale = [n for n in fresh if (tmp_path / n).read_bytes() != (CORPUS / n).read_bytes()]
     assert not stale, (
-        f"specs/vectors is stale ({stale}): run `kvpool vectors export specs/vectors` "
-        "and bump GENERATOR_VERSION in specs/vectors.py"
+        f"specs/vectors/data is stale ({stale}): run `kvpool vectors export specs/vectors/data` "
+        "and bump GENERATOR_VERSION in specs/vectors/format.py"
     )
 
 
@@ -52,9 +52,9 @@ def test_the_corpus_covers_the_tricky_cases(corpus: list[vectors.LoadedVector]) 
     ]:
         assert tag in tags
     errors = {s["expect"].get("error") for v in corpus for s in v.data["steps"]} - {None}
-    assert errors == set(vectors.protocol.ERROR_NAMES) - {"InvalidConfig"}
+    assert errors == set(protocol.ERROR_NAMES) - {"InvalidConfig"}
     ops = {s["op"] for v in corpus for s in v.data["steps"]}
-    assert ops == set(vectors.protocol.OPERATIONS) - {"snapshot"}
+    assert ops == set(protocol.OPERATIONS) - {"snapshot"}
     refused = [
         s
         for v in corpus

@@ -4,10 +4,11 @@ import time
 from typing import Any
 
 from kvpool.impl import BlockPool
-from kvpool.specs.adapters.manager_impl import ImplManagerTarget
 from kvpool.specs.conformance import run_conformance
-from kvpool.specs.manager_machine import ManagerTargetSpec, run_manager_conformance
-from kvpool.specs.watchdog import DEFAULT_PROGRAM_TIMEOUT, program_deadlines
+from kvpool.specs.request.check import run_request_conformance as run_manager_conformance
+from kvpool.specs.request.target import ManagerTargetSpec
+from kvpool.specs.runner.watchdog import DEFAULT_PROGRAM_TIMEOUT, program_deadlines
+from kvpool.specs.targets.impl.request import ImplManagerTarget
 from tests.corpus.bugs import target_of
 
 

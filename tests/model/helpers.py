@@ -16,7 +16,7 @@ from kvpool.model import (
     new_pool,
     take_events,
 )
-from kvpool.specs.invariants import FreeHistory, check_all
+from kvpool.specs.pool.invariants import FreeHistory, check_all
 
 H0, H1, H2, H3 = b"h0", b"h1", b"h2", b"h3"
 REQ = CacheRequest(block_hashes=(H0, H1, H2, H3), all_token_ids=(10, 11, 12, 13))

@@ -18,7 +18,7 @@ from kvpool.model import (
     new_pool,
     touch,
 )
-from kvpool.specs.invariants import conservation
+from kvpool.specs.pool.invariants import conservation
 from tests.model.helpers import H0, H1, REQ, Run, assert_rejected, cached, held
 
 # --------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from kvpool.model import (
     PoolConfig,
     new_pool,
 )
-from kvpool.specs.invariants import FreeHistory, check_all
+from kvpool.specs.pool.invariants import FreeHistory, check_all
 
 # --------------------------------------------------------------------------
 # Preconditions

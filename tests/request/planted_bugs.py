@@ -18,8 +18,8 @@ from kvpool.impl.single_type import (
     SlidingWindowManager,
     _cdiv,
 )
-from kvpool.specs.adapters.manager_impl import ImplManagerTarget
-from kvpool.specs.manager_machine import ManagerFactory, ManagerSetup
+from kvpool.specs.request.machine import ManagerFactory, ManagerSetup
+from kvpool.specs.targets.impl.request import ImplManagerTarget
 
 
 class _OrderingBugs(KVCacheManager):

@@ -24,7 +24,7 @@ from kvpool.model.hashing import (
     none_hash,
 )
 from kvpool.model.request import InvalidTokenCount, Request, append_tokens, new_request
-from kvpool.specs.request_invariants import request_content
+from kvpool.specs.request.invariants import request_content
 
 # --------------------------------------------------------------------------
 # The canonical encoding

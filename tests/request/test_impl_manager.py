@@ -18,18 +18,18 @@ from kvpool.impl import BlockPool
 from kvpool.impl.manager import KVCacheBlocks, KVCacheConfig, KVCacheManager
 from kvpool.impl.single_type import get_manager_for_kv_cache_spec
 from kvpool.model import manager as model_manager
-from kvpool.model import managers as single
 from kvpool.model import pool as pool_ops
-from kvpool.model.managers import (
+from kvpool.model import single_type as single
+from kvpool.model.pool import new_pool
+from kvpool.model.request import new_request
+from kvpool.model.single_type import (
     KVCacheSpec,
     chunked_local,
     full_attention,
     mamba,
     sliding_window,
 )
-from kvpool.model.pool import new_pool
-from kvpool.model.request import new_request
-from kvpool.specs.manager_machine import HYBRID_LAYOUTS, layout_specs
+from kvpool.specs.request.machine import HYBRID_LAYOUTS, layout_specs
 
 GROUPS: dict[str, tuple[KVCacheSpec, ...]] = {
     "none": (),

@@ -27,13 +27,6 @@ from kvpool.model.manager import (
     reset_prefix_cache,
     running_request_ids,
 )
-from kvpool.model.managers import (
-    chunked_local,
-    full_attention,
-    mamba,
-    remove_skipped_blocks,
-    sliding_window,
-)
 from kvpool.model.pool import evict_blocks
 from kvpool.model.request import (
     HashBlockSizeMismatch,
@@ -46,6 +39,13 @@ from kvpool.model.request import (
     new_request,
     preempted,
     with_computed,
+)
+from kvpool.model.single_type import (
+    chunked_local,
+    full_attention,
+    mamba,
+    remove_skipped_blocks,
+    sliding_window,
 )
 from kvpool.model.state import NULL_BLOCK_ID as NULL
 

@@ -12,16 +12,16 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from kvpool.impl.manager import KVCacheManager
 from kvpool.model import PROFILES
-from kvpool.specs.adapters.manager_impl import ImplManagerTarget
-from kvpool.specs.adapters.manager_model import ModelManagerTarget
-from kvpool.specs.invariants import InvariantViolation
-from kvpool.specs.manager_machine import (
+from kvpool.specs.pool.invariants import InvariantViolation
+from kvpool.specs.request.invariants import RequestInvariantViolation
+from kvpool.specs.request.machine import (
     HYBRID_LAYOUTS,
     LAYOUTS,
     ManagerDivergence,
     manager_machine,
 )
-from kvpool.specs.request_invariants import RequestInvariantViolation
+from kvpool.specs.request.model_target import ModelManagerTarget
+from kvpool.specs.targets.impl.request import ImplManagerTarget
 from tests.request.planted_bugs import BUGS, target_of
 
 

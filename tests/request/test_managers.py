@@ -2,7 +2,17 @@
 
 import pytest
 
-from kvpool.model.managers import (
+from kvpool.model.pool import evict_blocks, new_pool
+from kvpool.model.request import (
+    HitOnRunningRequest,
+    InvalidManagerConfig,
+    InvalidTokenCount,
+    Request,
+    UnknownGroup,
+    UnknownRequest,
+    new_request,
+)
+from kvpool.model.single_type import (
     KVCacheSpec,
     ManagersState,
     allocate_new_blocks,
@@ -18,16 +28,6 @@ from kvpool.model.managers import (
     remove_skipped_blocks,
     save_new_computed_blocks,
     sliding_window,
-)
-from kvpool.model.pool import evict_blocks, new_pool
-from kvpool.model.request import (
-    HitOnRunningRequest,
-    InvalidManagerConfig,
-    InvalidTokenCount,
-    Request,
-    UnknownGroup,
-    UnknownRequest,
-    new_request,
 )
 from kvpool.model.state import NULL_BLOCK_ID as NULL
 

@@ -3,9 +3,9 @@
 from dataclasses import replace
 
 from kvpool.model.manager import KVCacheManagerState, allocate_slots, new_kv_cache_manager
-from kvpool.model.managers import full_attention
 from kvpool.model.request import new_request, with_computed
-from kvpool.specs.request_invariants import (
+from kvpool.model.single_type import full_attention
+from kvpool.specs.request.invariants import (
     KVTruth,
     cached_blocks_hold_their_prefix,
     hit_matches_request,

@@ -5,7 +5,7 @@ The request-level machine reaches the single-type managers only the way
 except in level 2's hybrids. This machine calls them directly, as vLLM's
 coordinator and its tests do: two groups of one spec searched together or
 alone, windows and chunks of every size, raw token counts, unknown requests
-and groups. Each call runs on the model (``kvpool.model.managers``) and on
+and groups. Each call runs on the model (``kvpool.model.single_type``) and on
 the impl; results, exception types and the whole state (pool and tables)
 must agree, and a rejected call must change nothing.
 """
@@ -20,7 +20,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kvpool.impl import BlockPool
 from kvpool.impl.single_type import SingleTypeKVCacheManager, get_manager_for_kv_cache_spec
 from kvpool.model import PoolError
-from kvpool.model import managers as model
+from kvpool.model import single_type as model
 from kvpool.model.pool import evict_blocks, new_pool, touch
 from kvpool.model.request import Request, new_request
 

@@ -9,10 +9,11 @@ import os
 
 import pytest
 
-from kvpool.model.managers import chunked_local, sliding_window
 from kvpool.model.request import new_request, with_computed
-from kvpool.specs.adapters.manager_model import ModelManagerTarget
-from kvpool.specs.manager_machine import ManagerSetup, run_manager_conformance
+from kvpool.model.single_type import chunked_local, sliding_window
+from kvpool.specs.request.check import run_request_conformance as run_manager_conformance
+from kvpool.specs.request.model_target import ModelManagerTarget
+from kvpool.specs.request.target import ManagerSetup
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -27,7 +28,7 @@ def require_vllm() -> None:
 
 
 def test_vllm_manager_conforms_at_level_1() -> None:
-    from kvpool.specs.adapters.manager_vllm import VLLM_SCOPE
+    from kvpool.specs.targets.vllm.request import VLLM_SCOPE
 
     report = run_manager_conformance(VLLM_SCOPE, hypothesis_profile="ci", max_examples=100)
     assert report.conforms, f"{report.failure}\n{report.program}"
@@ -39,7 +40,7 @@ def test_vllm_hybrid_managers_conform_at_level_1() -> None:
     window listed first, two windows that shorten each other's hit."""
     from dataclasses import replace
 
-    from kvpool.specs.adapters.manager_vllm import VLLM_SCOPE
+    from kvpool.specs.targets.vllm.request import VLLM_SCOPE
 
     hybrids = tuple(layout for layout in VLLM_SCOPE.layouts if "+" in layout)
     assert len(hybrids) == 4
@@ -49,7 +50,7 @@ def test_vllm_hybrid_managers_conform_at_level_1() -> None:
 
 
 def both(setup: ManagerSetup) -> tuple[object, object]:
-    from kvpool.specs.adapters.manager_vllm import VllmManagerTarget
+    from kvpool.specs.targets.vllm.request import VllmManagerTarget
 
     return ModelManagerTarget(setup), VllmManagerTarget(setup)
 

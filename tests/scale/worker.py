@@ -14,7 +14,7 @@ import unittest
 from hypothesis import Phase, settings
 
 from kvpool.specs.conformance import run_conformance
-from kvpool.specs.settings import default_profile_name
+from kvpool.specs.runner.settings import default_profile_name
 from tests.corpus.bugs import BUGS, target_of
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from kvpool.impl import BlockPool, KVCacheBlock
 from kvpool.model import PoolConfig
-from kvpool.specs.adapters.impl_target import ImplTarget
+from kvpool.specs.targets.impl.pool import ImplTarget
 
 
 class AppendsHashlessBlocks(BlockPool):

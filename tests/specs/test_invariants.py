@@ -28,7 +28,7 @@ from kvpool.model import (
     take_events,
     touch,
 )
-from kvpool.specs.invariants import (
+from kvpool.specs.pool.invariants import (
     STATE_INVARIANTS,
     InvariantViolation,
     check_all,

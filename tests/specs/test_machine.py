@@ -3,9 +3,9 @@
 import pytest
 
 from kvpool.model import PROFILES
-from kvpool.specs.adapters.impl_target import ImplTarget
-from kvpool.specs.adapters.model_target import ModelTarget
 from kvpool.specs.conformance import run_conformance
+from kvpool.specs.pool.model_target import ModelTarget
+from kvpool.specs.targets.impl.pool import ImplTarget
 from tests.specs.planted_bugs import AppendsHashlessBlocks, KeepsStaleHashOnReuse, target_of
 
 MAX_PROGRAM_LINES = 12

@@ -24,7 +24,7 @@ def shared_prefix_state() -> V0State:
 
 def vllm_or_skip() -> None:
     """Skip (with the reason, shown by ``pytest -rs``) when vLLM's v0 allocator cannot be loaded."""
-    from kvpool.specs.adapters.vllm_v0_target import unavailable_reason
+    from kvpool.specs.targets.vllm.v0 import unavailable_reason
 
     reason = unavailable_reason()
     if reason is not None:

@@ -6,8 +6,8 @@ from dataclasses import replace
 import pytest
 
 from kvpool.model.v0 import BlockHandle, EvictorEntry, V0State
-from kvpool.specs import v0_invariants as inv
-from kvpool.specs.v0_invariants import V0InvariantViolation, check_all, dump_v0_state
+from kvpool.specs.v0 import invariants as inv
+from kvpool.specs.v0.invariants import V0InvariantViolation, check_all, dump_v0_state
 from tests.v0.helpers import shared_prefix_state
 
 # The valid state: block 0 (AB) held by #0 and #2, block 1 held by #1 (C_),

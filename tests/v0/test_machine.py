@@ -7,13 +7,16 @@ point is that the machine finds the bug; shrinking it costs about a minute
 
 import pytest
 
-from kvpool.specs.v0_machine import DISCIPLINES, ModelV0Target, V0Report, check_v0, v0_machine
+from kvpool.specs import ConformanceReport as V0Report
+from kvpool.specs.v0.check import check_v0
+from kvpool.specs.v0.machine import DISCIPLINES, v0_machine
+from kvpool.specs.v0.model_target import ModelV0Target
 from tests.v0.helpers import vllm_or_skip
 from tests.v0.tiny_allocator import EvictsShortestPrefixFirst, NoDeduplication, TinyV0Allocator
 
 
 def _explain(report: V0Report) -> str:
-    return f"{report.failure}\n" + "\n".join(report.program)
+    return f"{report.failure}\n{report.program}"
 
 
 @pytest.mark.parametrize("discipline", DISCIPLINES)
@@ -38,8 +41,8 @@ def test_a_planted_bug_is_found(bug: type, evidence: str) -> None:
     report = check_v0(bug, "any", shrink=False)
     assert not report.conforms
     assert report.failure_kind in {"divergence", "invariant"}
-    assert report.program and report.program[0].startswith("new_allocator(")
-    assert evidence in "\n".join(report.program)
+    assert report.program and report.program.startswith("new_allocator(")
+    assert evidence in report.program
 
 
 def test_an_unknown_discipline_is_refused() -> None:
@@ -54,7 +57,7 @@ def test_an_unknown_discipline_is_refused() -> None:
 
 def test_vllm_v0_conforms_under_the_engine_discipline() -> None:
     vllm_or_skip()
-    from kvpool.specs.adapters.vllm_v0_target import make_vllm_v0_target
+    from kvpool.specs.targets.vllm.v0 import make_vllm_v0_target
 
     report = check_v0(make_vllm_v0_target, "engine", target_name="vllm-0.10.2")
     assert report.conforms, _explain(report)
@@ -74,8 +77,8 @@ def test_planted_bugs_in_vllms_allocator_are_found() -> None:
 def test_vllm_v0_diverges_under_the_any_discipline() -> None:
     """Its evictor bugs (docs/semantics.md, "The v0 allocator") are found without being told."""
     vllm_or_skip()
-    from kvpool.specs.adapters.vllm_v0_target import make_vllm_v0_target
+    from kvpool.specs.targets.vllm.v0 import make_vllm_v0_target
 
     report = check_v0(make_vllm_v0_target, "any", shrink=False)
     assert not report.conforms
-    assert report.failure is not None and "mark_blocks_as_accessed" in "\n".join(report.program)
+    assert report.failure is not None and "mark_blocks_as_accessed" in (report.program or "")

@@ -19,7 +19,7 @@ from kvpool.model.v0_errors import (
     UnknownHandle,
     WrongTokenCount,
 )
-from kvpool.specs.v0_invariants import cached_prefix_closed, check_all
+from kvpool.specs.v0.invariants import cached_prefix_closed, check_all
 from tests.v0.helpers import shared_prefix_state
 
 # --------------------------------------------------------------------------
@@ -287,7 +287,7 @@ def test_without_the_binary_search_property_an_evicted_block_is_counted() -> Non
 def test_with_the_property_the_search_finds_the_longest_cached_prefix(
     contents: list[list[int]], query: list[int]
 ) -> None:
-    state = v0.new_allocator(12, 1)
+    state = v0.new_allocator(16, 1)  # room for 4 prompts of 4 blocks
     for tokens in contents:
         state, _ = v0.allocate_immutable_blocks(state, None, [[t] for t in tokens])
     state, _ = v0.mark_blocks_as_computed(state)

@@ -10,8 +10,8 @@ from xml.etree import ElementTree
 import pytest
 
 from kvpool.model import v0
-from kvpool.specs import v0_pictures
-from kvpool.specs.v0_pictures import (
+from kvpool.specs.teaching import v0_pictures
+from kvpool.specs.teaching.v0_pictures import (
     COMPARISON,
     comparison,
     comparison_markdown,

@@ -15,13 +15,13 @@ import pytest
 from kvpool.model import v0
 from kvpool.model.v0 import V0Config, V0State
 from kvpool.model.v0_errors import NotPromotable, UnfilledPrefix
-from kvpool.specs.v0_machine import ModelV0Target
+from kvpool.specs.v0.model_target import ModelV0Target
 from tests.v0.helpers import vllm_or_skip
 
 
 def both(num_blocks: int, block_size: int) -> tuple[Any, ModelV0Target]:
     vllm_or_skip()
-    from kvpool.specs.adapters.vllm_v0_target import VllmV0Target
+    from kvpool.specs.targets.vllm.v0 import VllmV0Target
 
     config = V0Config(num_blocks, block_size)
     return VllmV0Target(config), ModelV0Target(config)

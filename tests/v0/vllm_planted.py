@@ -8,7 +8,7 @@ import heapq
 from typing import Any
 
 from kvpool.model.v0 import V0Config
-from kvpool.specs.adapters.vllm_v0_target import VllmV0Target, load_v0
+from kvpool.specs.targets.vllm.v0 import VllmV0Target, load_v0
 
 
 def deduplication_bug(config: V0Config) -> VllmV0Target:

@@ -5,14 +5,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kvpool.specs.adapters.vllm_target import (
-    KNOWN_FINDINGS,
-    VllmTargetFactory,
-    classify_divergence,
-)
 from kvpool.specs.cli import app
 from kvpool.specs.conformance import run_conformance
-from kvpool.specs.vllm_releases import release_dir
+from kvpool.specs.targets.vllm.findings import KNOWN_FINDINGS, classify_divergence
+from kvpool.specs.targets.vllm.pool import VllmTargetFactory
+from kvpool.specs.targets.vllm.releases import release_dir
 
 pytestmark = pytest.mark.usefixtures("require_vllm")
 

@@ -3,13 +3,10 @@
 import pytest
 
 from kvpool.model import PROFILES
-from kvpool.specs.adapters.vllm_target import (
-    KNOWN_FINDINGS,
-    OPERATIONS,
-    classify_divergence,
-    vllm_factory,
-)
-from kvpool.specs.vllm_releases import (
+from kvpool.specs.pool.target import OPERATIONS
+from kvpool.specs.targets.vllm.findings import KNOWN_FINDINGS, classify_divergence
+from kvpool.specs.targets.vllm.pool import vllm_factory
+from kvpool.specs.targets.vllm.releases import (
     ReleaseError,
     default_profile_for,
     is_vllm_target,

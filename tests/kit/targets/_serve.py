@@ -12,7 +12,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from kvpool.specs.adapters.model_target import ModelTarget
+from kvpool.specs.pool.model_target import ModelTarget
 from kvpool.specs.protocol import Server
 
 Misbehave = Callable[[dict[str, Any], dict[str, Any], int], dict[str, Any]]

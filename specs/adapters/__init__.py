@@ -1,1 +1,0 @@
-"""Adapters that put an implementation behind the target protocol."""

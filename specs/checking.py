@@ -1,0 +1,123 @@
+"""``check``: one front door to every layer's check, by layer and target string.
+
+::
+
+    from kvpool.specs import check
+
+    report = check("pool", "impl", level=2)
+    report = check("request", "mypackage.adapter:make_manager")
+    assert report.conforms, report.failure
+
+The target string is resolved by the registry (``kvpool.specs.targets``);
+the descriptor's factory, claimed profiles, unsupported operations, preflight
+and scope go to the layer's own check (``kvpool.specs.pool.check``,
+``kvpool.specs.request.check``, ``kvpool.specs.v0.check``). ``kvpool check``
+and the pytest plugin both come through here.
+"""
+
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+
+from kvpool.model import PROFILES
+from kvpool.specs.pool.check import run_conformance
+from kvpool.specs.request.check import run_request_conformance
+from kvpool.specs.request.target import ManagerTargetSpec
+from kvpool.specs.runner.report import ConformanceReport
+from kvpool.specs.runner.watchdog import DEFAULT_PROGRAM_TIMEOUT
+from kvpool.specs.targets import TargetDescriptor, TargetSpecError, resolve
+from kvpool.specs.v0.check import check_v0
+from kvpool.specs.v0.machine import DISCIPLINES
+
+LEVELS = {"pool": (1, 2), "request": (1, 2), "v0": (1,)}
+"""The levels each layer's machine has."""
+
+
+def check(
+    layer: str,
+    target: str | TargetDescriptor,
+    *,
+    level: int = 1,
+    profiles: Sequence[str] | None = None,
+    hypothesis_profile: str = "ci",
+    max_examples: int | None = None,
+    steps: int | None = None,
+    seed: int | None = None,
+    target_name: str | None = None,
+    on_example: Callable[[int], None] | None = None,
+    program_timeout: float | None = DEFAULT_PROGRAM_TIMEOUT,
+) -> ConformanceReport:
+    """Check ``target`` at ``layer`` and report whether it conforms; never raises for a target.
+
+    ``profiles`` are the semantics profiles the target claims (pool and request
+    layers; default: what the target declares, else the kit's default) or, at
+    the v0 layer, the disciplines (``any``, ``engine``). Raises
+    ``TargetSpecError`` if the string names no target, or the options do not
+    fit the layer: those are the caller's mistakes, not the target's.
+    """
+    descriptor = target if isinstance(target, TargetDescriptor) else resolve(layer, target)
+    if descriptor.layer != layer:
+        raise TargetSpecError(f"{descriptor.spec} was resolved for the {descriptor.layer} layer")
+    if level not in LEVELS[layer]:
+        known = " and ".join(str(n) for n in LEVELS[layer])
+        raise TargetSpecError(f"the {layer} layer has level(s) {known}, not {level}")
+    if descriptor.factory is None:
+        raise TargetSpecError(
+            f"{descriptor.spec} runs in its own interpreter: use "
+            f"`kvpool check --target {descriptor.spec}`"
+        )
+    name = target_name or descriptor.spec
+    chosen = list(profiles or descriptor.profiles or ())
+    if layer == "pool":
+        _known_profiles(chosen)
+        return run_conformance(
+            descriptor.factory,
+            level=level,
+            profile=chosen or None,
+            unsupported=descriptor.unsupported,
+            hypothesis_profile=hypothesis_profile,
+            max_examples=max_examples,
+            steps=steps,
+            seed=seed,
+            target_name=name,
+            on_example=on_example,
+            program_timeout=program_timeout,
+        )
+    if layer == "request":
+        _known_profiles(chosen)
+        scope = ManagerTargetSpec(descriptor.factory, **descriptor.scope)
+        if chosen:
+            scope = replace(scope, profiles=tuple(PROFILES[p] for p in chosen))
+        return run_request_conformance(
+            scope,
+            level=level,
+            hypothesis_profile=hypothesis_profile,
+            max_examples=max_examples,
+            steps=steps,
+            seed=seed,
+            target_name=name,
+            on_example=on_example,
+            program_timeout=program_timeout,
+        )
+    unknown = [d for d in chosen if d not in DISCIPLINES]
+    if unknown or len(chosen) > 1:
+        raise TargetSpecError(
+            f"the v0 layer takes one discipline as its profile: {', '.join(DISCIPLINES)}"
+        )
+    discipline = chosen[0] if chosen else "any"
+    return check_v0(
+        descriptor.factory,
+        discipline,
+        hypothesis_profile=hypothesis_profile,
+        max_examples=max_examples,
+        steps=steps,
+        seed=seed,
+        target_name=name,
+        on_example=on_example,
+        program_timeout=program_timeout,
+    )
+
+
+def _known_profiles(profiles: Sequence[str]) -> None:
+    unknown = [p for p in profiles if p not in PROFILES]
+    if unknown:
+        raise TargetSpecError(f"unknown semantics profile(s) {unknown}; known: {list(PROFILES)}")

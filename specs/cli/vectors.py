@@ -1,0 +1,118 @@
+"""``kvpool vectors``: export the model's corpus, validate vector files, replay them on a target."""
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from kvpool.specs.errors import TargetAbort, TargetError
+from kvpool.specs.pool.target import TargetFactory
+from kvpool.specs.targets import TargetSpecError, resolve_target
+from kvpool.specs.vectors.format import VectorFormatError, bundled_corpus, load
+from kvpool.specs.vectors.generate import export
+from kvpool.specs.vectors.replay import run_corpus
+
+vectors_app = typer.Typer(
+    help="Conformance vectors: export the model's corpus, replay it against a target.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+
+EXIT_OK, EXIT_MISMATCH, EXIT_ERROR = 0, 1, 2
+
+
+@vectors_app.command("export")
+def export_command(
+    directory: Annotated[
+        Path, typer.Argument(help="Where to write the .jsonl files and manifest.")
+    ],
+) -> None:
+    """Write the model's corpus (JSON lines and manifest.json) into DIRECTORY."""
+    manifest = export(directory)
+    Console().print(
+        f"wrote {manifest['count']} vectors in {len(manifest['files'])} files to {directory}"
+    )
+
+
+@vectors_app.command("validate")
+def validate_command(
+    path: Annotated[Path, typer.Argument(help="A vectors directory (with manifest) or a .jsonl.")],
+) -> None:
+    """Check vectors against the schema and the manifest, without running anything."""
+    console = Console()
+    try:
+        loaded = load(path)
+    except VectorFormatError as error:
+        console.print(str(error), markup=False, highlight=False)
+        raise typer.Exit(EXIT_ERROR) from None
+    console.print(f"{len(loaded)} valid vectors in {path}")
+
+
+@vectors_app.command("run")
+def run_command(
+    path: Annotated[
+        Path | None,
+        typer.Argument(help="A vectors directory (with manifest) or a .jsonl; default: bundled."),
+    ] = None,
+    target: Annotated[
+        str, typer.Option(help="impl, model, cmd:PROGRAM ARGS, or module:factory.")
+    ] = "impl",
+    level: Annotated[
+        list[int] | None, typer.Option(help="Run only vectors of this level (repeatable).")
+    ] = None,
+    profile: Annotated[
+        list[str] | None, typer.Option(help="Run only vectors of this profile (repeatable).")
+    ] = None,
+    fail_fast: Annotated[bool, typer.Option(help="Stop at the first mismatch.")] = False,
+) -> None:
+    """Replay vectors against a target. Exit 0: all match; 1: a mismatch; 2: cannot run."""
+    console = Console()
+    source = path or bundled_corpus()
+    try:
+        vectors = load(source)
+        factory = resolve_target(target)
+        levels, profiles = _supported(factory, level, profile)
+    except VectorFormatError as error:
+        console.print(f"[red]invalid vectors[/red] in {source}:")
+        console.print(str(error), markup=False, highlight=False)
+        raise typer.Exit(EXIT_ERROR) from None
+    except (TargetSpecError, TargetError, TargetAbort) as error:
+        console.print(f"[red]cannot run target {target!r}:[/red]")
+        console.print(str(error), markup=False, highlight=False)
+        raise typer.Exit(EXIT_ERROR) from None
+    result = run_corpus(factory, vectors, levels, profiles, fail_fast)
+    close = getattr(factory, "close", None)
+    if close is not None:
+        close()
+    for mismatch in result.mismatches[:10]:
+        console.rule(f"[red]{mismatch.vector}[/red]")
+        console.print(mismatch.describe(), markup=False, highlight=False)
+    if len(result.mismatches) > 10:
+        console.print(f"... and {len(result.mismatches) - 10} more mismatching vectors")
+    if result.target_error is not None:
+        console.rule("[red]target error[/red]")
+        console.print(result.target_error, markup=False, highlight=False)
+    failed = len(result.mismatches)
+    console.print(
+        f"{target}: {result.passed} passed, {failed} failed, {result.skipped} skipped "
+        f"({result.run} run from {source})"
+    )
+    if result.target_error is not None:
+        raise typer.Exit(EXIT_ERROR)
+    raise typer.Exit(EXIT_MISMATCH if failed else EXIT_OK)
+
+
+def _supported(
+    factory: TargetFactory, level: list[int] | None, profile: list[str] | None
+) -> tuple[list[int] | None, list[str] | None]:
+    """The levels and profiles to run: the options, within what the target declares."""
+    declared_levels = getattr(factory, "levels", None)
+    declared_profiles = getattr(factory, "profiles", None)
+    levels = list(level) if level else None
+    profiles = list(profile) if profile else None
+    if declared_levels is not None:
+        levels = [x for x in (levels or declared_levels) if x in declared_levels]
+    if declared_profiles is not None:
+        profiles = [p for p in (profiles or declared_profiles) if p in declared_profiles]
+    return levels, profiles

@@ -1,0 +1,264 @@
+"""The safety property of a prefix cache: it never serves wrong KV.
+
+The pool's invariants (``kvpool.specs.pool.invariants``) say the bookkeeping is
+consistent; they cannot say whether a block *holds* what its hash claims.
+Here the ground truth is explicit: ``KVTruth`` records, for every physical
+block and every slot in it, which KV was last written there: the group and
+the full context the KV was computed in (the *provenance*: the LoRA adapter,
+the cache salt, every token up to and including that position, and the
+multimodal inputs placed before it). A position's KV depends on exactly
+that context, so two writes with the same provenance are interchangeable,
+and any other write is wrong KV for whoever reads it.
+
+Three properties, each a predicate returning a reason or None:
+
+* ``cached_blocks_hold_their_prefix``: every block reachable through the hash
+  map holds, slot by slot, the KV of the prefix its hash names;
+* ``requests_read_their_own_kv``: every computed position of every running
+  request's block table holds that request's own KV;
+* ``hit_matches_request`` (checked when a hit is returned) and
+  ``write_is_exclusive`` (checked at each write): a hit is the request's own
+  KV, and no request writes into a block another request holds, or into
+  the null block.
+
+What a hash names comes from the *hash oracle*: every hash a request was
+given, with the content it was computed from. Two contents under one hash
+would be a collision of the hash spec, and is reported too.
+"""
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from kvpool.model import NULL_BLOCK_ID, PoolState
+from kvpool.model.request import Request
+from kvpool.specs.errors import InvariantViolation
+
+Reason = str | None
+
+
+@dataclass(frozen=True)
+class Content:
+    """Everything besides position that a prefix's KV depends on, and the prefix's tokens.
+
+    ``mm`` lists (identifier, offset) of every multimodal input starting
+    inside the prefix: an identifier is a hash of the input's content, so it
+    also fixes its length.
+    """
+
+    lora: tuple[str, str] | None
+    salt: str | None
+    tokens: tuple[int, ...]
+    mm: tuple[tuple[str, int], ...] = ()
+
+    def prefix(self, num_tokens: int) -> "Content":
+        """The content of the first ``num_tokens`` tokens."""
+        return Content(
+            self.lora,
+            self.salt,
+            self.tokens[:num_tokens],
+            tuple(m for m in self.mm if m[1] < num_tokens),
+        )
+
+
+def request_content(request: Request, extra_tokens: Sequence[int] = ()) -> Content:
+    """The request's whole content, with ``extra_tokens`` (drafts) after its own tokens."""
+    lora = None if request.lora is None else (request.lora.name, request.lora.path)
+    return Content(
+        lora=lora,
+        salt=request.cache_salt or None,
+        tokens=request.all_token_ids + tuple(extra_tokens),
+        mm=tuple((m.identifier, m.offset) for m in request.mm_inputs),
+    )
+
+
+Slot = tuple[int, Content]
+"""What one slot of a block holds: (group, provenance). The provenance of position
+p is the content of the first p + 1 tokens."""
+
+
+class RequestInvariantViolation(InvariantViolation):
+    """A request-level safety property failed."""
+
+
+@dataclass
+class KVTruth:
+    """The KV actually written into each block, and what each hash names."""
+
+    slots: dict[int, dict[int, Slot]] = field(default_factory=dict)
+    """block id -> slot index -> what was last written there."""
+    oracle: dict[bytes, tuple[int, Content]] = field(default_factory=dict)
+    """hash -> (tokens it covers, content it was computed from)."""
+    collisions: list[str] = field(default_factory=list)
+
+    def learn_hashes(self, request: Request) -> None:
+        """Record what each of the request's hashes names."""
+        content = request_content(request)
+        hbs = request.hash_block_size
+        for i, block_hash in enumerate(request.block_hashes):
+            n = (i + 1) * hbs
+            named = (n, content.prefix(n))
+            known = self.oracle.setdefault(block_hash, named)
+            if known != named:
+                self.collisions.append(f"hash {block_hash.hex()[:16]} names {known} and {named}")
+
+    def write(self, group: int, block: int, slot: int, provenance: Content) -> None:
+        """Record that KV with ``provenance`` was written into ``block[slot]`` for ``group``."""
+        self.slots.setdefault(block, {})[slot] = (group, provenance)
+
+    def holds(self, block: int, slot: int) -> Slot | None:
+        """What ``block[slot]`` holds, or None if nothing was ever written there."""
+        return self.slots.get(block, {}).get(slot)
+
+
+def cached_blocks_hold_their_prefix(
+    truth: KVTruth, pool: PoolState, block_sizes: Sequence[int]
+) -> Reason:
+    """Every block the hash map leads to holds, in every slot, the KV of the prefix its key names.
+
+    A block that fails is served to the next request with that prefix: the
+    model attends to another request's (or another adapter's, or another
+    tenant's) keys and values and generates from them, with no error
+    anywhere.
+    """
+    if truth.collisions:
+        return truth.collisions[0]
+    for (block_hash, group), block_ids in pool.cached.items():
+        if block_hash not in truth.oracle:
+            return f"the map holds a hash no request was given: {block_hash.hex()[:16]}"
+        num_tokens, content = truth.oracle[block_hash]
+        block_size = block_sizes[group]
+        for block in block_ids:
+            for j in range(block_size):
+                position = num_tokens - block_size + j
+                expected = (group, content.prefix(position + 1))
+                actual = truth.holds(block, j)
+                if actual != expected:
+                    return (
+                        f"block {block} is cached under {block_hash.hex()[:16]} (group {group}, "
+                        f"tokens {content.tokens}) but slot {j} holds "
+                        f"{_describe(actual)}, not the KV of position {position}"
+                    )
+    return None
+
+
+def requests_read_their_own_kv(
+    truth: KVTruth,
+    requests: Mapping[str, Request],
+    tables: Mapping[str, Sequence[Sequence[int]]],
+    block_sizes: Sequence[int],
+) -> Reason:
+    """Every computed position of every running request's blocks holds the request's own KV.
+
+    ``tables`` maps each running request to its block table per group. A
+    position that fails is read by the request's attention as if it were
+    its own past: generation silently goes wrong.
+    """
+    for rid, groups in tables.items():
+        request = requests[rid]
+        content = request_content(request)
+        for group, blocks in enumerate(groups):
+            size = block_sizes[group]
+            for i, block in enumerate(blocks):
+                if block == NULL_BLOCK_ID:
+                    continue
+                for j in range(size):
+                    position = i * size + j
+                    if position >= request.num_computed_tokens:
+                        break
+                    expected = (group, content.prefix(position + 1))
+                    actual = truth.holds(block, j)
+                    if actual != expected:
+                        return (
+                            f"request {rid} has computed {request.num_computed_tokens} tokens "
+                            f"but its block {block} (group {group}, index {i}) slot {j} holds "
+                            f"{_describe(actual)}, not its position {position}"
+                        )
+    return None
+
+
+def hit_matches_request(
+    truth: KVTruth, request: Request, hit: Sequence[Sequence[int]], block_sizes: Sequence[int]
+) -> Reason:
+    """Every block of a cache hit holds the requesting request's own KV at its position.
+
+    A hit that fails is computed-on-arrival KV for the wrong prefix: the
+    request skips computing those tokens and reads someone else's.
+    """
+    content = request_content(request)
+    for group, blocks in enumerate(hit):
+        size = block_sizes[group]
+        for i, block in enumerate(blocks):
+            if block == NULL_BLOCK_ID:
+                continue
+            for j in range(size):
+                position = i * size + j
+                expected = (group, content.prefix(position + 1))
+                actual = truth.holds(block, j)
+                if actual != expected:
+                    return (
+                        f"the hit for request {request.request_id} gives block {block} (group "
+                        f"{group}) at index {i}, whose slot {j} holds {_describe(actual)}, not "
+                        f"its position {position}"
+                    )
+    return None
+
+
+def ref_counts_match_tables(
+    pool: PoolState, tables: Mapping[str, Sequence[Sequence[int]]]
+) -> Reason:
+    """Every real block is held exactly as many times as request block tables list it.
+
+    More references than listings is a leak: the block never returns to the
+    free queue. Fewer is worse: the block is free (or about to be) while a
+    request still reads it, and the next allocation overwrites its KV.
+    """
+    listed: dict[int, int] = {}
+    for groups in tables.values():
+        for blocks in groups:
+            for block in blocks:
+                if block != NULL_BLOCK_ID:
+                    listed[block] = listed.get(block, 0) + 1
+    for block, state in enumerate(pool.blocks):
+        if block == NULL_BLOCK_ID:
+            continue
+        if state.ref_cnt != listed.get(block, 0):
+            return (
+                f"block {block} has ref count {state.ref_cnt} but request tables list it "
+                f"{listed.get(block, 0)} time(s)"
+            )
+    return None
+
+
+def write_is_exclusive(
+    block: int, writer: str, tables: Mapping[str, Sequence[Sequence[int]]]
+) -> Reason:
+    """A request writes only into real blocks no other running request holds.
+
+    Writing into a shared block changes KV another request is reading (or
+    the null block every request shares as a placeholder).
+    """
+    if block == NULL_BLOCK_ID:
+        return f"request {writer} writes into the null block"
+    for rid, groups in tables.items():
+        if rid != writer and any(block in blocks for blocks in groups):
+            return f"request {writer} writes into block {block}, which request {rid} holds"
+    return None
+
+
+def check(name_and_reason: tuple[str, Reason]) -> None:
+    """Raise RequestInvariantViolation if the reason is not None."""
+    name, reason = name_and_reason
+    if reason is None:
+        return
+    doc = (globals()[name].__doc__ or "").strip()
+    raise RequestInvariantViolation(name, reason, doc)
+
+
+def _describe(slot: Slot | None) -> str:
+    if slot is None:
+        return "nothing ever written"
+    group, content = slot
+    return (
+        f"KV of group {group} for tokens {content.tokens} "
+        f"(lora={content.lora}, salt={content.salt}, mm={content.mm})"
+    )

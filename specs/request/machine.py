@@ -1,0 +1,678 @@
+"""The request-level machine: a scheduler's life of requests, against the model and a target.
+
+Hypothesis plays a scheduler on a tiny KV cache (2 to 12 blocks, so
+eviction happens all the time): requests arrive with shared and diverging
+prompts (a two-token alphabet), some with a LoRA adapter, a cache salt or a
+multimodal input; they are admitted with their cache hits, prefilled in
+chunks, decoded with draft tokens that are partly rejected, preempted and
+re-admitted, and finished, in any interleaving. Every call runs on the model
+first (``kvpool.model.manager``), then on the target; results, block tables,
+free counts, usage, events, stats and (for targets with ``snapshot()``) the
+whole state must agree after every step.
+
+The machine also *runs the model* in the sense of a GPU: after each
+successful allocation it writes the KV of every scheduled position into the
+target's blocks, in a ground-truth record (``KVTruth``). The safety
+invariants of ``kvpool.specs.request.invariants`` then check that the cache
+never serves wrong KV: every block reachable through the hash map holds the
+prefix its hash names, every hit and every running request's computed
+positions hold the request's own KV, and no request writes into a block
+another request holds.
+
+The target protocol is ``kvpool.specs.request.target``; the lock-step calls
+are ``kvpool.specs.runner.lockstep``.
+"""
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, TypeVar
+
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kvpool.model import PROFILES, KVCacheEvent, PoolState, Profile
+from kvpool.model import manager as model_manager
+from kvpool.model.errors import PoolError
+from kvpool.model.hashing import LoraAdapter, MultiModalInput
+from kvpool.model.manager import Blocks, KVCacheManagerState
+from kvpool.model.request import Request, append_tokens, new_request, preempted, with_computed
+from kvpool.model.single_type import (
+    KVCacheSpec,
+    chunked_local,
+    full_attention,
+    mamba,
+    sliding_window,
+)
+from kvpool.specs.errors import Divergence
+from kvpool.specs.pool.invariants import check_all
+from kvpool.specs.request.invariants import (
+    KVTruth,
+    cached_blocks_hold_their_prefix,
+    check,
+    hit_matches_request,
+    ref_counts_match_tables,
+    request_content,
+    requests_read_their_own_kv,
+    write_is_exclusive,
+)
+from kvpool.specs.request.target import (
+    HYBRID_LAYOUTS,
+    LAYOUTS,
+    ManagerFactory,
+    ManagerSetup,
+    ManagerSnapshottable,
+    ManagerTarget,
+)
+from kvpool.specs.runner.lockstep import LockStep
+
+T = TypeVar("T")
+
+# --------------------------------------------------------------------------
+# What the machine draws
+# --------------------------------------------------------------------------
+
+MAX_MODEL_LEN = 16
+MAX_PROMPT = 12
+TOKEN = st.integers(1, 2)
+STEM = (1, 2, 2, 1, 1, 2, 1, 2, 2, 2, 1, 1)
+"""Prompts start with a prefix of this stem, so requests share long prefixes."""
+PROMPT = st.builds(
+    lambda shared, tail: (STEM[:shared] + tuple(tail))[:MAX_PROMPT] or (1,),
+    st.sampled_from([12, 10, 8, 6, 4, 3, 0]),
+    st.lists(TOKEN, max_size=3),
+)
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "plain": {},
+    "lora-a": {"lora": LoraAdapter(1, "a", "/a")},
+    "lora-b": {"lora": LoraAdapter(2, "b", "/b")},
+    "salt-s": {"cache_salt": "s"},
+    "salt-t": {"cache_salt": "t"},
+    "image-x@1": {"mm_inputs": (MultiModalInput("x", 1, 2),)},
+    "image-x@2": {"mm_inputs": (MultiModalInput("x", 2, 2),)},
+    "image-y@1": {"mm_inputs": (MultiModalInput("y", 1, 3),)},
+}
+"""Request flavours. An image's identifier fixes its length, as a content hash would."""
+
+
+def layout_specs(
+    layout: str, block_size: int, window: int, chunk_blocks: int, max_model_len: int, hbs: int
+) -> tuple[KVCacheSpec, ...]:
+    """The group specs of a layout."""
+    if layout == "full":
+        return (full_attention(block_size),)
+    if layout == "sliding_window":
+        return (sliding_window(block_size, window),)
+    if layout == "chunked_local":
+        return (chunked_local(block_size, block_size * chunk_blocks),)
+    if layout == "mamba":
+        return (mamba(-(-max_model_len // hbs) * hbs),)
+    if layout == "full+sliding_window":
+        return (full_attention(block_size), sliding_window(block_size, window))
+    if layout == "full+full+sliding_window":
+        full = full_attention(block_size)
+        return (full, full, sliding_window(block_size, window))
+    if layout == "sliding_window+full":
+        return (sliding_window(block_size, window), full_attention(block_size))
+    if layout == "full+sliding_window+sliding_window":
+        return (
+            full_attention(block_size),
+            sliding_window(block_size, window),
+            sliding_window(block_size, window + block_size + 1),
+        )
+    if layout == "full+chunked_local":
+        return (full_attention(block_size), chunked_local(block_size, block_size * chunk_blocks))
+    raise ValueError(f"unknown layout {layout!r}")
+
+
+# --------------------------------------------------------------------------
+# The machine
+# --------------------------------------------------------------------------
+
+
+def _start_rule(
+    layouts: Sequence[str],
+    profiles: Sequence[Profile],
+    events: Sequence[bool],
+    block_factors: Sequence[int],
+    min_window: int,
+) -> Callable[..., None]:
+    """The machine's first step, drawing only from the configurations given."""
+
+    @initialize(
+        layout=st.sampled_from(list(layouts)),
+        hbs=st.integers(1, 2),
+        factor=st.sampled_from(list(block_factors)),
+        num_blocks=st.integers(2, 16),
+        caching=st.sampled_from([True, True, True, False]),
+        eagle=st.sampled_from([False, False, True]),
+        events=st.sampled_from(list(events)),
+        log_stats=st.booleans(),
+        window=st.integers(min_window, max(min_window, 6)),
+        chunk_blocks=st.integers(1, 3),
+        profile=st.sampled_from([p.name for p in profiles]),
+        prompts=st.lists(PROMPT, min_size=1, max_size=3),
+    )
+    def start(self: "ManagerMachine", **drawn: Any) -> None:
+        self.start(**drawn)
+
+    return start
+
+
+class ManagerDivergence(Divergence):
+    """The manager under test and the model parted: the message says where and how."""
+
+
+class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStateMachine):
+    """Drives ``make_target`` against the model. Subclass via ``manager_machine(...)``.
+
+    With ``lockstep`` False the target drives the run alone and only the
+    safety properties are checked (no model).
+    """
+
+    make_target: ClassVar[ManagerFactory]
+    divergence = ManagerDivergence
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = None
+        self.target = None
+        self.trace = []
+        self.requests: dict[str, Request] = {}
+        self.running: list[str] = []
+        self.waiting: list[str] = []
+        self.next_id = 0
+        self.truth = KVTruth()
+        self.taken: list[KVCacheEvent] = []
+
+    # ------------------------------------------------------------------
+    # Construction
+    # ------------------------------------------------------------------
+
+    def start(
+        self,
+        layout: str,
+        hbs: int,
+        factor: int,
+        num_blocks: int,
+        caching: bool,
+        eagle: bool,
+        events: bool,
+        log_stats: bool,
+        window: int,
+        chunk_blocks: int,
+        profile: str,
+        prompts: list[tuple[int, ...]],
+    ) -> None:
+        """Build the model and the target; the first requests arrive."""
+        chosen = PROFILES[profile]
+        specs = layout_specs(layout, hbs * factor, window, chunk_blocks, MAX_MODEL_LEN, hbs)
+        eagle = eagle and layout in ("full", "sliding_window")
+        self.setup = ManagerSetup(
+            num_blocks=num_blocks,
+            specs=specs,
+            max_model_len=MAX_MODEL_LEN,
+            hash_block_size=hbs,
+            enable_caching=caching,
+            use_eagle=eagle,
+            log_stats=log_stats,
+            enable_events=events,
+            profile=chosen,
+        )
+        self.block_sizes = [s.block_size for s in specs]
+        self.model = model_manager.new_kv_cache_manager(
+            num_blocks,
+            specs,
+            MAX_MODEL_LEN,
+            hash_block_size=hbs,
+            enable_caching=caching,
+            use_eagle=eagle,
+            log_stats=log_stats,
+            enable_events=events,
+            profile=chosen,
+        )
+        self.target = type(self).make_target(self.setup)
+        for prompt in prompts:
+            self.add_request(prompt, "plain")
+
+    # ------------------------------------------------------------------
+    # The scheduler's moves
+    # ------------------------------------------------------------------
+
+    @precondition(lambda self: len(self.running) + len(self.waiting) < 5)
+    @rule(prompt=PROMPT, variant=st.sampled_from(["plain"] * 4 + sorted(VARIANTS)))
+    def add_request(self, prompt: tuple[int, ...], variant: str) -> None:
+        """A new request arrives and waits."""
+        flavour = dict(VARIANTS[variant])
+        for m in flavour.get("mm_inputs", ()):
+            if m.offset + m.length > len(prompt):
+                flavour.pop("mm_inputs")
+        rid = f"r{self.next_id}"
+        self.next_id += 1
+        request = new_request(rid, prompt, self.setup.hash_block_size, **flavour)
+        self.requests[rid] = request
+        self.waiting.append(rid)
+        self.truth.learn_hashes(request)
+
+    @precondition(lambda self: bool(self.waiting))
+    @rule(which=st.integers(0, 4), chunk=st.integers(1, MAX_PROMPT), delay=st.booleans())
+    def admit(self, which: int, chunk: int, delay: bool) -> None:
+        """Admit a waiting request: look up its hits, then allocate its first chunk."""
+        rid = self.waiting[which % len(self.waiting)]
+        request = self.requests[rid]
+        hit: Blocks | None = None
+        num_hit = 0
+        if self.setup.enable_caching:
+            hit, num_hit = self._do(
+                f"get_computed_blocks({rid})",
+                lambda s: model_manager.get_computed_blocks(s, request),
+                lambda t: _blocks_and_count(t.get_computed_blocks(request)),
+            )
+            check(
+                (
+                    "hit_matches_request",
+                    hit_matches_request(self.truth, request, hit, self.block_sizes),
+                )
+            )
+        num_new = min(chunk, request.num_tokens - num_hit)
+        allocated = self._do(
+            f"allocate_slots({rid}, num_new_tokens={num_new}, num_new_computed_tokens={num_hit}, "
+            f"new_computed_blocks={hit}, delay_cache_blocks={delay})",
+            lambda s: model_manager.allocate_slots(s, request, num_new, num_hit, hit, 0, delay),
+            lambda t: _blocks_or_none(t.allocate_slots(request, num_new, num_hit, hit, 0, delay)),
+        )
+        if allocated is None:
+            return
+        self.waiting.remove(rid)
+        self.running.append(rid)
+        request = with_computed(request, num_hit)
+        self._compute(request, num_new, ())
+
+    @precondition(lambda self: bool(self.running))
+    @rule(
+        which=st.integers(0, 4),
+        chunk=st.integers(1, MAX_PROMPT),
+        drafts=st.lists(TOKEN, max_size=2),
+        accept=st.integers(0, 2),
+        bonus=TOKEN,
+        lookahead=st.integers(0, 2),
+    )
+    def step(
+        self,
+        which: int,
+        chunk: int,
+        drafts: list[int],
+        accept: int,
+        bonus: int,
+        lookahead: int,
+    ) -> None:
+        """One scheduler step of a running request: a prefill chunk, or a decode with drafts."""
+        rid = self.running[which % len(self.running)]
+        request = self.requests[rid]
+        num_real = min(chunk, request.num_tokens - request.num_computed_tokens)
+        reaches_end = request.num_computed_tokens + num_real == request.num_tokens
+        room = MAX_MODEL_LEN - request.num_tokens - 1
+        draft = tuple(drafts[: max(0, room)]) if reaches_end else ()
+        num_new = num_real + len(draft)
+        allocated = self._do(
+            f"allocate_slots({rid}, num_new_tokens={num_new}, "
+            f"num_lookahead_tokens={lookahead})  # drafts {list(draft)}",
+            lambda s: model_manager.allocate_slots(s, request, num_new, 0, None, lookahead),
+            lambda t: _blocks_or_none(t.allocate_slots(request, num_new, 0, None, lookahead)),
+        )
+        if allocated is not None:
+            self._compute(request, num_new, draft, accept, bonus)
+
+    @precondition(lambda self: bool(self.running or self.waiting))
+    @rule(which=st.integers(0, 9), preempt=st.booleans())
+    def leave(self, which: int, preempt: bool) -> None:
+        """Preempt a running request (it waits to be admitted again), or finish any request.
+
+        Either way its blocks are freed; a waiting request holds none.
+        """
+        if preempt and self.running:
+            rid = self.running[which % len(self.running)]
+            request = self.requests[rid]
+            self._free(request)
+            self.running.remove(rid)
+            self.waiting.append(rid)
+            self.requests[rid] = preempted(request)
+            return
+        everyone = self.running + self.waiting
+        rid = everyone[which % len(everyone)]
+        self._free(self.requests[rid])
+        self._forget(rid)
+
+    @rule(
+        action=st.sampled_from(
+            ["cache_blocks", "common_prefix", "evict", "reset", "take_events", "take_stats"]
+        ),
+        which=st.integers(0, 4),
+        block_ids=st.sets(st.integers(1, 11), max_size=3),
+    )
+    def maintain(self, action: str, which: int, block_ids: set[int]) -> None:
+        """Everything else a scheduler or an operator does between steps."""
+        if action == "cache_blocks" and self.running:
+            # what a running request has computed, e.g. after a delayed allocation
+            rid = self.running[which % len(self.running)]
+            request = self.requests[rid]
+            n = request.num_computed_tokens
+            self._do(
+                f"cache_blocks({rid}, {n})",
+                lambda s: model_manager.cache_blocks(s, request, n),
+                lambda t: t.cache_blocks(request, n),
+                returns_none=True,
+            )
+        elif action == "common_prefix" and self.running and self.lockstep:
+            rid = self.running[which % len(self.running)]
+            assert self.model is not None and self.target is not None
+            expected = model_manager.get_num_common_prefix_blocks(self.model, rid)
+            answer = self.target.get_num_common_prefix_blocks(rid)
+            if answer is not None:
+                self._compare(f"get_num_common_prefix_blocks({rid})", expected, tuple(answer))
+        elif action == "evict":
+            ids = {b for b in block_ids if b < self.setup.num_blocks}
+            self._do(
+                f"evict_blocks({ids})",
+                lambda s: model_manager.evict_blocks(s, ids),
+                lambda t: t.evict_blocks(ids),
+                returns_none=True,
+            )
+        elif action == "reset":
+            self._do(
+                "reset_prefix_cache()",
+                model_manager.reset_prefix_cache,
+                lambda t: t.reset_prefix_cache(),
+            )
+        elif action == "take_events":
+            events = self._do(
+                "take_events()", model_manager.take_events, lambda t: tuple(t.take_events())
+            )
+            self.taken.extend(events)
+        elif action == "take_stats":
+            self._do(
+                "make_prefix_cache_stats()",
+                model_manager.make_prefix_cache_stats,
+                lambda t: t.make_prefix_cache_stats(),
+            )
+
+    # ------------------------------------------------------------------
+    # After every step
+    # ------------------------------------------------------------------
+
+    @invariant()
+    def target_agrees_and_cache_is_safe(self) -> None:
+        if self.model is None or self.target is None:
+            return
+        model, target = self.model, self.target
+        tables = {rid: self._table(rid) for rid in self.running}
+        pool: PoolState | None = None
+        if self.lockstep:
+            self._agree(model, target, tables)
+            pool = model.managers.pool
+        if isinstance(target, ManagerSnapshottable):
+            snapshot = target.snapshot()
+            if self.lockstep and snapshot != model:
+                raise ManagerDivergence(
+                    f"the target's state differs from the model's:\nmodel:  {model}\n"
+                    f"target: {snapshot}"
+                )
+            pool = snapshot.managers.pool
+        if pool is None:
+            return
+        check_all(pool, None, self.taken)
+        check(("ref_counts_match_tables", ref_counts_match_tables(pool, tables)))
+        check(
+            (
+                "cached_blocks_hold_their_prefix",
+                cached_blocks_hold_their_prefix(self.truth, pool, self.block_sizes),
+            )
+        )
+        running = {rid: self.requests[rid] for rid in self.running}
+        check(
+            (
+                "requests_read_their_own_kv",
+                requests_read_their_own_kv(self.truth, running, tables, self.block_sizes),
+            )
+        )
+
+    def _agree(
+        self, model: KVCacheManagerState, target: ManagerTarget, tables: dict[str, Blocks]
+    ) -> None:
+        """The counts, the usage and every request's block table agree with the model."""
+        self._compare(
+            "num_free_blocks()", model_manager.num_free_blocks(model), target.num_free_blocks()
+        )
+        expected_usage, actual_usage = model_manager.usage(model), target.usage()
+        if not math.isclose(expected_usage, actual_usage, rel_tol=1e-9, abs_tol=1e-12):
+            self._diverge("usage()", f"model {expected_usage!r}, target {actual_usage!r}")
+        for rid in [*self.running, *self.waiting]:
+            expected = model_manager.get_block_ids(model, rid)
+            actual = tables[rid] if rid in tables else self._table(rid)
+            self._compare(f"get_block_ids({rid})", expected, actual)
+
+    # ------------------------------------------------------------------
+    # The GPU: writing KV, sampling tokens
+    # ------------------------------------------------------------------
+
+    def _compute(
+        self,
+        request: Request,
+        num_new: int,
+        draft: tuple[int, ...],
+        accept: int = 0,
+        bonus: int = 1,
+    ) -> None:
+        """Write the KV of ``num_new`` positions from the request's computed count, then sample."""
+        rid = request.request_id
+        start = request.num_computed_tokens
+        content = request_content(request, draft)
+        tables = {r: self._table(r) for r in self.running}
+        table = tables[rid]
+        for position in range(start, start + num_new):
+            for group, blocks in enumerate(table):
+                size = self.block_sizes[group]
+                index = position // size
+                if index >= len(blocks):
+                    self._diverge(
+                        f"allocate_slots({rid})",
+                        f"no block for position {position} in group {group}: table {blocks}",
+                    )
+                block = blocks[index]
+                check(("write_is_exclusive", write_is_exclusive(block, rid, tables)))
+                self.truth.write(group, block, position % size, content.prefix(position + 1))
+        computed = start + num_new
+        if computed < request.num_tokens:
+            self.requests[rid] = with_computed(request, computed)
+            return
+        accepted = draft[: min(accept, len(draft))]
+        old_num_tokens = request.num_tokens
+        request = append_tokens(request, (*accepted, bonus))
+        request = with_computed(request, old_num_tokens + len(accepted))
+        self.requests[rid] = request
+        self.truth.learn_hashes(request)
+        if request.num_tokens >= MAX_MODEL_LEN:
+            self._free(request)
+            self._forget(rid)
+
+    # ------------------------------------------------------------------
+    # Lock-step machinery
+    # ------------------------------------------------------------------
+
+    def _table(self, rid: str) -> Blocks:
+        assert self.target is not None
+        return tuple(tuple(g) for g in self.target.get_block_ids(rid))
+
+    def _free(self, request: Request) -> None:
+        self._do(
+            f"free({request.request_id})",
+            lambda s: model_manager.free(s, request.request_id),
+            lambda t: t.free(request),
+            returns_none=True,
+        )
+
+    def _forget(self, rid: str) -> None:
+        if rid in self.running:
+            self.running.remove(rid)
+        if rid in self.waiting:
+            self.waiting.remove(rid)
+        del self.requests[rid]
+
+    def _do(
+        self,
+        description: str,
+        on_model: Callable[[KVCacheManagerState], tuple[KVCacheManagerState, T]],
+        on_target: Callable[[ManagerTarget], Any],
+        returns_none: bool = False,
+    ) -> T:
+        """Run one call on both sides (``LockStep._step``) and return the model's result.
+
+        Without lock-step only the target runs, and its result is returned.
+        """
+        _, result = self._step(description, on_model, on_target, returns_none=returns_none)
+        return result  # type: ignore[return-value]
+
+
+def _blocks_and_count(result: tuple[Blocks, int]) -> tuple[Blocks, int]:
+    blocks, count = result
+    return tuple(tuple(g) for g in blocks), count
+
+
+def _blocks_or_none(blocks: Blocks | None) -> Blocks | None:
+    return None if blocks is None else tuple(tuple(g) for g in blocks)
+
+
+# --------------------------------------------------------------------------
+# Level 2: calls no scheduler should make
+# --------------------------------------------------------------------------
+
+HITS = st.one_of(
+    st.none(),
+    st.lists(st.lists(st.integers(0, 17), max_size=2).map(tuple), max_size=3).map(tuple),
+)
+"""Raw hit lists: any number of groups, any block ids (unknown ones included)."""
+
+
+class RawManagerMachine(ManagerMachine):
+    """Level 2: also sends calls with raw arguments, and requests that skip the cache.
+
+    A raw call the model rejects must be rejected by the target with the
+    same exception type, leaving its state (and the model's) unchanged; a
+    raw call the model accepts is not sent (level 1 covers valid calls).
+    """
+
+    @precondition(lambda self: len(self.running) + len(self.waiting) < 5)
+    @rule(prompt=PROMPT)
+    def add_request_that_skips_the_cache(self, prompt: tuple[int, ...]) -> None:
+        """A request that must not read the prefix cache (it may still fill it)."""
+        rid = f"r{self.next_id}"
+        self.next_id += 1
+        request = new_request(
+            rid, prompt, self.setup.hash_block_size, skip_reading_prefix_cache=True
+        )
+        self.requests[rid] = request
+        self.waiting.append(rid)
+        self.truth.learn_hashes(request)
+
+    @precondition(lambda self: bool(self.running or self.waiting))
+    @rule(
+        which=st.integers(0, 9),
+        num_new=st.integers(-1, 2),
+        computed=st.integers(-1, 2),
+        lookahead=st.integers(-1, 1),
+        hits=HITS,
+    )
+    def allocate_slots_raw_arguments(
+        self, which: int, num_new: int, computed: int, lookahead: int, hits: Blocks | None
+    ) -> None:
+        everyone = self.running + self.waiting
+        request = self.requests[everyone[which % len(everyone)]]
+        self._rejected(
+            f"allocate_slots({request.request_id}, num_new_tokens={num_new}, "
+            f"num_new_computed_tokens={computed}, new_computed_blocks={hits}, "
+            f"num_lookahead_tokens={lookahead})",
+            lambda s: model_manager.allocate_slots(s, request, num_new, computed, hits, lookahead),
+            lambda t: t.allocate_slots(request, num_new, computed, hits, lookahead),
+        )
+
+    @rule(prompt=PROMPT, call=st.sampled_from(["get_computed_blocks", "allocate_slots"]))
+    def request_hashed_in_other_blocks(self, prompt: tuple[int, ...], call: str) -> None:
+        """A request whose hashes cover hash blocks of another size than the pool's."""
+        request = new_request("stranger", prompt, self.setup.hash_block_size + 1)
+        if call == "get_computed_blocks":
+            self._rejected(
+                "get_computed_blocks(stranger hashed in other blocks)",
+                lambda s: model_manager.get_computed_blocks(s, request),
+                lambda t: t.get_computed_blocks(request),
+            )
+        else:
+            self._rejected(
+                "allocate_slots(stranger hashed in other blocks, 1)",
+                lambda s: model_manager.allocate_slots(s, request, 1),
+                lambda t: t.allocate_slots(request, 1),
+            )
+
+    @precondition(lambda self: bool(self.running))
+    @rule(which=st.integers(0, 4), num_computed=st.integers(-1, MAX_MODEL_LEN + 1))
+    def cache_blocks_raw_count(self, which: int, num_computed: int) -> None:
+        request = self.requests[self.running[which % len(self.running)]]
+        self._rejected(
+            f"cache_blocks({request.request_id}, {num_computed})",
+            lambda s: model_manager.cache_blocks(s, request, num_computed),
+            lambda t: t.cache_blocks(request, num_computed),
+        )
+
+    @rule(block_ids=st.sets(st.integers(-1, 17), min_size=1, max_size=3))
+    def evict_blocks_raw_ids(self, block_ids: set[int]) -> None:
+        self._rejected(
+            f"evict_blocks({block_ids})",
+            lambda s: model_manager.evict_blocks(s, block_ids),
+            lambda t: t.evict_blocks(block_ids),
+        )
+
+    def _rejected(
+        self,
+        description: str,
+        on_model: Callable[[KVCacheManagerState], object],
+        on_target: Callable[[ManagerTarget], object],
+    ) -> None:
+        """Send the call only if the model rejects it; the target must reject it alike."""
+        assert self.model is not None
+        try:
+            on_model(self.model)
+        except PoolError as error:
+            self._expect_rejection(description, type(error), on_target)
+
+
+def manager_machine(
+    make_target: ManagerFactory,
+    layouts: Sequence[str] = LAYOUTS,
+    profiles: Sequence[Profile] | None = None,
+    name: str = "ManagerMachine",
+    lockstep: bool = True,
+    events: Sequence[bool] = (False, True),
+    block_factors: Sequence[int] = (1, 2),
+    min_window: int = 1,
+    level: int = 1,
+) -> type[ManagerMachine]:
+    """A state machine class that checks ``make_target`` on the given layouts and profiles.
+
+    With ``lockstep=False`` the model is not consulted: the target drives
+    the run alone and only the safety properties (and, with a snapshot, the
+    pool's invariants) are checked. Level 2 adds ``RawManagerMachine``'s
+    rules and the hybrid layouts of ``HYBRID_LAYOUTS``.
+    """
+    if level not in (1, 2):
+        raise ValueError(f"level must be 1 or 2, got {level}")
+    if level == 2 and not lockstep:
+        raise ValueError("level 2 compares rejections with the model: it needs lock-step")
+    chosen = tuple(profiles) if profiles else tuple(PROFILES.values())
+    if level == 2:
+        layouts = (*layouts, *(h for h in HYBRID_LAYOUTS if h not in layouts))
+    attrs = {
+        "initial": _start_rule(layouts, chosen, events, block_factors, min_window),
+        "make_target": staticmethod(make_target),
+        "lockstep": lockstep,
+    }
+    base = RawManagerMachine if level == 2 else ManagerMachine
+    return type(name, (base,), attrs)

@@ -1,0 +1,86 @@
+"""The model's KV cache manager as a manager target: the reference the others are compared with."""
+
+from collections.abc import Iterable, Sequence
+
+from kvpool.model import manager as model_manager
+from kvpool.model.events import KVCacheEvent
+from kvpool.model.manager import Blocks, KVCacheManagerState, PrefixCacheStats
+from kvpool.model.request import Request
+from kvpool.specs.request.target import ManagerSetup
+
+
+class ModelManagerTarget:
+    """Holds a model state and replaces it with each operation's result."""
+
+    def __init__(self, setup: ManagerSetup) -> None:
+        self.state = model_manager.new_kv_cache_manager(
+            setup.num_blocks,
+            setup.specs,
+            setup.max_model_len,
+            hash_block_size=setup.hash_block_size,
+            enable_caching=setup.enable_caching,
+            use_eagle=setup.use_eagle,
+            log_stats=setup.log_stats,
+            enable_events=setup.enable_events,
+            profile=setup.profile,
+        )
+
+    def snapshot(self) -> KVCacheManagerState:
+        return self.state
+
+    def get_computed_blocks(self, request: Request) -> tuple[Blocks, int]:
+        self.state, result = model_manager.get_computed_blocks(self.state, request)
+        return result
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: Blocks | None = None,
+        num_lookahead_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+    ) -> Blocks | None:
+        self.state, blocks = model_manager.allocate_slots(
+            self.state,
+            request,
+            num_new_tokens,
+            num_new_computed_tokens,
+            new_computed_blocks,
+            num_lookahead_tokens,
+            delay_cache_blocks,
+        )
+        return blocks
+
+    def free(self, request: Request) -> None:
+        self.state, _ = model_manager.free(self.state, request.request_id)
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        self.state, _ = model_manager.cache_blocks(self.state, request, num_computed_tokens)
+
+    def evict_blocks(self, block_ids: Iterable[int]) -> None:
+        self.state, _ = model_manager.evict_blocks(self.state, block_ids)
+
+    def reset_prefix_cache(self) -> bool:
+        self.state, done = model_manager.reset_prefix_cache(self.state)
+        return done
+
+    def get_num_common_prefix_blocks(self, request_id: str) -> Sequence[int]:
+        return model_manager.get_num_common_prefix_blocks(self.state, request_id)
+
+    def get_block_ids(self, request_id: str) -> Blocks:
+        return model_manager.get_block_ids(self.state, request_id)
+
+    def take_events(self) -> Sequence[KVCacheEvent]:
+        self.state, events = model_manager.take_events(self.state)
+        return events
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
+        self.state, stats = model_manager.make_prefix_cache_stats(self.state)
+        return stats
+
+    def usage(self) -> float:
+        return model_manager.usage(self.state)
+
+    def num_free_blocks(self) -> int:
+        return model_manager.num_free_blocks(self.state)

@@ -1,0 +1,122 @@
+"""The request layer's target protocol: what a KV cache manager must offer to be checked.
+
+A manager under test speaks block ids per KV cache group and takes the
+model's ``Request`` values (``kvpool.model.request``). Rejections are the
+model's exception classes; conformance compares their types only.
+``snapshot()`` is optional: with it, the whole state is compared with the
+model after every call.
+"""
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from kvpool.model import DEFAULT_PROFILE, PROFILES, KVCacheEvent, Profile
+from kvpool.model.manager import Blocks, KVCacheManagerState, PrefixCacheStats
+from kvpool.model.request import Request
+from kvpool.model.single_type import KVCacheSpec
+
+OPERATIONS = (
+    "get_computed_blocks",
+    "allocate_slots",
+    "free",
+    "cache_blocks",
+    "evict_blocks",
+    "reset_prefix_cache",
+    "get_num_common_prefix_blocks",
+    "get_block_ids",
+    "take_events",
+    "make_prefix_cache_stats",
+    "usage",
+    "num_free_blocks",
+    "snapshot",
+)
+"""The operations of ``ManagerTarget`` (and the optional ``snapshot``)."""
+
+LAYOUTS = ("full", "sliding_window", "chunked_local", "mamba", "full+sliding_window")
+"""The KV cache layouts: one group of each attention type, and a hybrid of two."""
+
+HYBRID_LAYOUTS = (
+    "full+full+sliding_window",
+    "sliding_window+full",
+    "full+sliding_window+sliding_window",
+    "full+chunked_local",
+)
+"""Level 2's extra hybrids: two groups of one spec searched together, the
+sliding-window group listed first, two windows that shorten each other's hit
+in turns, and chunked local attention beside full attention."""
+
+
+@dataclass(frozen=True)
+class ManagerSetup:
+    """The parameters a manager under test is built with."""
+
+    num_blocks: int
+    specs: tuple[KVCacheSpec, ...]
+    max_model_len: int
+    hash_block_size: int
+    enable_caching: bool = True
+    use_eagle: bool = False
+    log_stats: bool = False
+    enable_events: bool = False
+    profile: Profile = DEFAULT_PROFILE
+
+
+class ManagerTarget(Protocol):
+    """A KV cache manager under test. Semantics: see ``kvpool.model.manager``."""
+
+    def get_computed_blocks(self, request: Request) -> tuple[Blocks, int]: ...
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: Blocks | None = None,
+        num_lookahead_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+    ) -> Blocks | None: ...
+
+    def free(self, request: Request) -> None: ...
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None: ...
+
+    def evict_blocks(self, block_ids: Iterable[int]) -> None: ...
+
+    def reset_prefix_cache(self) -> bool: ...
+
+    def get_num_common_prefix_blocks(self, request_id: str) -> Sequence[int] | None:
+        """Per group; None if the target does not support it (then it is not compared)."""
+
+    def get_block_ids(self, request_id: str) -> Blocks: ...
+
+    def take_events(self) -> Sequence[KVCacheEvent]: ...
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats | None: ...
+
+    def usage(self) -> float: ...
+
+    def num_free_blocks(self) -> int: ...
+
+
+@runtime_checkable
+class ManagerSnapshottable(Protocol):
+    """A manager target that can show its whole state as the model's."""
+
+    def snapshot(self) -> KVCacheManagerState: ...
+
+
+ManagerFactory = Callable[[ManagerSetup], ManagerTarget]
+"""Builds a fresh manager target; called once per test case."""
+
+
+@dataclass(frozen=True)
+class ManagerTargetSpec:
+    """A manager target and the part of the machine's space it can be checked on."""
+
+    factory: ManagerFactory
+    layouts: tuple[str, ...] = LAYOUTS
+    profiles: tuple[Profile, ...] = tuple(PROFILES.values())
+    events: tuple[bool, ...] = (False, True)
+    block_factors: tuple[int, ...] = (1, 2)
+    min_window: int = 1

@@ -1,0 +1,140 @@
+"""Showing a ``ConformanceReport``: in a terminal, as JSON, as JUnit XML, and as files."""
+
+import dataclasses
+import difflib
+import io
+import json
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+from xml.sax.saxutils import escape
+
+from rich.console import Console
+from rich.syntax import Syntax
+from rich.table import Table
+from rich.text import Text
+
+from kvpool.specs.runner.report import ConformanceReport, Counterexample
+
+T = TypeVar("T")
+
+
+def print_terminal(console: Console, report: ConformanceReport) -> None:
+    """The report as ``kvpool check`` prints it: the failure, if any, then a summary table."""
+    if not report.conforms:
+        broken = report.failure_kind == "target-error"
+        title = "could not be run" if broken else "diverges from the model"
+        console.rule(f"[red]{report.target} {title}[/red]")
+        if report.program:
+            console.print("[bold]Minimal failing program:[/bold]")
+            console.print(report.program, markup=False, highlight=False)
+        if report.counterexample is not None:
+            print_counterexample(console, report.counterexample)
+        else:
+            console.print(f"[bold]What went wrong ({report.failure_kind}):[/bold]")
+            console.print(report.failure or "", markup=False, highlight=False)
+    table = Table(title="kvpool check", show_header=False)
+    table.add_row("target", report.target)
+    table.add_row("level", str(report.level))
+    table.add_row("semantics profile(s)", ", ".join(report.profiles))
+    table.add_row("Hypothesis profile", report.hypothesis_profile)
+    table.add_row("programs run", str(report.examples_run))
+    table.add_row("time", f"{report.seconds:.1f} s")
+    verdict = "[green]conforms[/green]" if report.conforms else "[red]diverges[/red]"
+    if report.failure_kind == "target-error":
+        verdict = "[red]target error[/red]"
+    table.add_row("result", verdict)
+    console.print(table)
+
+
+def to_json(report: ConformanceReport) -> str:
+    """The report as a JSON document (every field of ``ConformanceReport``)."""
+    return json.dumps(dataclasses.asdict(report), indent=2)
+
+
+def to_junit(report: ConformanceReport) -> str:
+    """The report as a JUnit XML test suite of one test case."""
+    name = escape(f"kvpool check {report.target} level {report.level}")
+    failure = ""
+    if not report.conforms:
+        body = escape(f"{report.program or ''}\n\n{report.failure or ''}")
+        failure = f'<failure message="{escape(report.failure_kind or "")}">{body}</failure>'
+    return (
+        '<?xml version="1.0" encoding="utf-8"?>\n'
+        f'<testsuite name="kvpool" tests="1" failures="{0 if report.conforms else 1}" '
+        f'time="{report.seconds:.3f}">\n'
+        f'  <testcase classname="kvpool.check" name="{name}" time="{report.seconds:.3f}">'
+        f"{failure}</testcase>\n</testsuite>\n"
+    )
+
+
+def save(counterexample: Counterexample, directory: Path) -> None:
+    """Write the regression test and the vector file into ``directory``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tag = json.loads(counterexample.vector)["id"].split("/")[-1]
+    test_file = directory / f"test_kvpool_regression_{tag}.py"
+    vector_file = directory / f"kvpool_regression_{tag}.jsonl"
+    test_file.write_text(counterexample.regression_test)
+    vector_file.write_text(counterexample.vector + "\n")
+    counterexample.test_file = str(test_file)
+    counterexample.vector_file = str(vector_file)
+
+
+def side_by_side(model_side: str, target_side: str) -> Table:
+    """The two texts in two columns, aligned line by line, differences highlighted."""
+    table = Table("model", "", "target", show_lines=False, expand=True)
+    left = model_side.splitlines()
+    right = target_side.splitlines()
+    matcher = difflib.SequenceMatcher(a=left, b=right, autojunk=False)
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        if tag == "equal":
+            for a, b in zip(left[i1:i2], right[j1:j2], strict=True):
+                table.add_row(Text(a, style="dim"), "", Text(b, style="dim"))
+            continue
+        a_lines, b_lines = left[i1:i2], right[j1:j2]
+        for k in range(max(len(a_lines), len(b_lines))):
+            a = a_lines[k] if k < len(a_lines) else ""
+            b = b_lines[k] if k < len(b_lines) else ""
+            mark = "≠" if a and b else ("<" if a else ">")
+            table.add_row(
+                Text(a, style="bold green"), Text(mark, style="bold"), Text(b, style="bold red")
+            )
+    return table
+
+
+def print_counterexample(console: Console, counterexample: Counterexample) -> None:
+    """The terminal rendering of a counterexample (after the minimal program)."""
+    c = counterexample
+    console.print(
+        f"[bold]Where they part:[/bold] step {c.step} of {c.steps}, ", end="", highlight=False
+    )
+    console.print(c.operation, markup=False, highlight=False)
+    console.print(c.problem.splitlines()[0] if c.problem else "", markup=False, highlight=False)
+    console.print(
+        f"[bold]The two {'states' if c.compared == 'state' else 'results'} side by side[/bold] "
+        "(≠ marks a difference, < and > a line on one side only):"
+    )
+    console.print(side_by_side(c.model_side, c.target_side))
+    for broken in c.invariants:
+        console.print(f"[bold red]Invariant broken on the target's state: {broken.name}[/bold red]")
+        console.print(f"  {broken.reason}", markup=False, highlight=False)
+        console.print(textwrap.indent(broken.doc, "  "), markup=False, highlight=False)
+    where = f" (saved as {c.test_file})" if c.test_file else ""
+    console.print(f"[bold]Regression test[/bold]{where}:")
+    console.print(Syntax(c.regression_test, "python", theme="ansi_dark", word_wrap=True))
+    if c.vector_file:
+        console.print(
+            f"[bold]The same program as a conformance vector:[/bold] {c.vector_file}\n"
+            f"  kvpool vectors run {c.vector_file} --target ...",
+            highlight=False,
+        )
+
+
+def render_text(printer: Callable[[Console, T], None], value: T, width: int = 120) -> str:
+    """What ``printer(console, value)`` prints, as plain text (no colours)."""
+    console = Console(width=width, file=io.StringIO(), color_system=None)
+    printer(console, value)
+    file = console.file
+    assert isinstance(file, io.StringIO)
+    return file.getvalue()

@@ -1,0 +1,195 @@
+"""The one runner: a layer's state machine under Hypothesis, turned into a ``ConformanceReport``.
+
+Every layer's ``check`` builds its machine class and calls ``run_machine``,
+which counts the programs, gives each a time limit (``watchdog``), runs the
+machine under a Hypothesis settings profile (``settings``), and sorts the
+way the run ended: a ``Divergence`` or an ``InvariantViolation`` means the
+target does not conform; a ``TargetError`` (or the ``TargetAbort`` carrying
+one) means it could not be checked. Layers pass in what is theirs: how to
+explain a divergence, and whether the failing program is the one Hypothesis
+printed or the calls the machine traced.
+"""
+
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+
+from hypothesis import settings as Settings
+from hypothesis.internal.conjecture import providers
+from hypothesis.internal.constants_ast import Constants
+from hypothesis.reporting import with_reporter
+from hypothesis.stateful import RuleBasedStateMachine, get_state_machine_test
+
+from kvpool.specs.errors import Divergence, InvariantViolation, TargetAbort, TargetError
+from kvpool.specs.runner import settings as _profiles  # noqa: F401  (registers the profiles)
+from kvpool.specs.runner.report import ConformanceReport, Counterexample
+from kvpool.specs.runner.watchdog import DEFAULT_PROGRAM_TIMEOUT, Deadlines, program_deadlines
+
+Explain = Callable[[BaseException], Counterexample | None]
+"""Builds the counterexample of a failed run from the failure (divergences and invariants)."""
+
+
+class LastProgram:
+    """The machine instance of the latest program (after a failure: the minimal one)."""
+
+    machine: RuleBasedStateMachine | None = None
+
+
+def run_machine(
+    machine: type[RuleBasedStateMachine],
+    report: ConformanceReport,
+    *,
+    hypothesis_profile: str = "ci",
+    max_examples: int | None = None,
+    steps: int | None = None,
+    seed: int | None = None,
+    program_timeout: float | None = DEFAULT_PROGRAM_TIMEOUT,
+    on_example: Callable[[int], None] | None = None,
+    preflight: Callable[[], None] | None = None,
+    explain: Explain | None = None,
+    traced_program: bool = False,
+    overrides: Mapping[str, object] | None = None,
+) -> ConformanceReport:
+    """Run ``machine`` and fill in ``report``; never raises for a failure of the target.
+
+    ``preflight`` runs first and may raise ``TargetError`` (the target cannot
+    be checked here). ``traced_program`` reports the failing program as the
+    calls the machine traced (``LockStep.trace``) instead of the program
+    Hypothesis printed. ``overrides`` are further Hypothesis settings.
+    """
+    if preflight is not None:
+        try:
+            preflight()
+        except TargetError as failure:
+            report.fail("target-error", failure)
+            return report
+        except TargetAbort as abort:
+            report.fail("target-error", abort.error)
+            return report
+    last = LastProgram()
+    deadlines = Deadlines(None)
+    counted = _counting(machine, report, on_example, lambda: deadlines.start_program(), last)
+    test = machine_test(counted, hypothesis_profile, max_examples, steps, seed, overrides)
+    if seed is not None:
+        report.notes.append(f"seed {seed}")
+
+    printed: list[str] = []
+    started = time.perf_counter()
+    caught: BaseException | None = None
+    try:
+        with (
+            with_reporter(lambda value: printed.append(str(value))),
+            program_deadlines(program_timeout) as deadlines,
+            only_global_constants(),
+        ):
+            test()
+    except Divergence as failure:
+        report.fail("divergence", caught := failure)
+    except InvariantViolation as failure:
+        report.fail("invariant", caught := failure)
+    except TargetError as failure:
+        report.fail("target-error", caught := failure)
+    except TargetAbort as abort:
+        # A broken program: stopped at once, so no minimal program to show.
+        report.fail("target-error", abort.error)
+    finally:
+        report.seconds = time.perf_counter() - started
+    if caught is not None:
+        trace = getattr(last.machine, "trace_lines", None)
+        if traced_program and trace is not None:
+            report.program = "\n".join(trace()) or None
+        else:
+            report.program = _program(printed, caught)
+    if explain is not None and report.failure_kind in ("divergence", "invariant"):
+        assert caught is not None
+        report.counterexample = explain(caught)
+    return report
+
+
+@contextmanager
+def only_global_constants() -> Iterator[None]:
+    """Within the block, Hypothesis draws no constants from the code on ``sys.path``.
+
+    Hypothesis now and then draws a literal found in "local" modules (any code
+    outside site-packages). That made the derandomized ``ci`` programs depend
+    on every literal in kvpool (an editable install counts as local, a wheel
+    does not) and in the user's own modules: the same seed gave different runs,
+    and an edit anywhere reshuffled which bugs ``ci`` found. Its own constants
+    (boundaries such as 0, -1, 2**63) are kept. The hook is private; without it
+    this does nothing.
+    """
+    hook = getattr(providers, "_get_local_constants", None)
+    if hook is None:  # pragma: no cover  (a Hypothesis without local constants)
+        yield
+        return
+    empty = Constants()
+    providers._get_local_constants = lambda: empty
+    providers.CONSTANTS_CACHE.cache.clear()
+    try:
+        yield
+    finally:
+        providers._get_local_constants = hook
+        providers.CONSTANTS_CACHE.cache.clear()
+
+
+def machine_test(
+    machine: type[RuleBasedStateMachine],
+    hypothesis_profile: str,
+    max_examples: int | None = None,
+    steps: int | None = None,
+    seed: int | None = None,
+    overrides: Mapping[str, object] | None = None,
+) -> Callable[[], None]:
+    """The test that runs ``machine`` under a settings profile, with the runner's overrides."""
+    # One failure per run: with several distinct bugs Hypothesis would raise an
+    # ExceptionGroup, which the report cannot explain as one counterexample.
+    chosen_overrides: dict[str, object] = {"report_multiple_bugs": False, **(overrides or {})}
+    if max_examples is not None:
+        chosen_overrides["max_examples"] = max_examples
+    if steps is not None:
+        chosen_overrides["stateful_step_count"] = steps
+    profile = Settings.get_profile(hypothesis_profile)
+    chosen = Settings(profile, **chosen_overrides)  # type: ignore[arg-type]
+    test: Callable[[], None] = get_state_machine_test(machine, settings=chosen)
+    if seed is not None:
+        # hypothesis.seed() only decorates functions; this is the attribute it sets.
+        test._hypothesis_internal_use_seed = seed  # type: ignore[attr-defined]
+    return test
+
+
+def _program(printed: list[str], failure: BaseException | None) -> str | None:
+    """The minimal program: printed by Hypothesis, or attached to the failure as notes."""
+    lines = [line for line in printed if line.strip()]
+    notes = [str(n) for n in getattr(failure, "__notes__", ())]
+    if not lines and notes:
+        for note in notes:
+            if note.startswith(("Explanation:", "\nYou can reproduce", "You can reproduce")):
+                break
+            lines.append(note)
+    noise = ("state.target_agrees_with_model()", "Failing test case: <state machine>")
+    program = [line for line in lines if line.strip() not in noise]
+    return "\n".join(program) or None
+
+
+def _counting(
+    machine: type[RuleBasedStateMachine],
+    report: ConformanceReport,
+    on_example: Callable[[int], None] | None,
+    on_start: Callable[[], None],
+    last: LastProgram,
+) -> type[RuleBasedStateMachine]:
+    """A subclass that counts the programs run (one machine instance per program)."""
+
+    class Counted(machine):  # type: ignore[valid-type,misc]
+        # No arguments, and the machine's own name below: Hypothesis derives the
+        # derandomized (ci) programs from the class's name and signature.
+        def __init__(self) -> None:
+            on_start()
+            super().__init__()
+            last.machine = self
+            report.examples_run += 1
+            if on_example is not None:
+                on_example(report.examples_run)
+
+    Counted.__name__ = Counted.__qualname__ = machine.__name__
+    return Counted

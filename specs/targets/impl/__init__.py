@@ -1,0 +1,1 @@
+"""kvpool's own fast implementation (``kvpool.impl``) as a target of each layer it implements."""

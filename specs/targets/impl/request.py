@@ -1,0 +1,105 @@
+"""kvpool's own fast KV cache manager as a manager target."""
+
+from collections.abc import Iterable, Sequence
+
+from kvpool.impl.block import KVCacheBlock
+from kvpool.impl.manager import KVCacheBlocks, KVCacheConfig, KVCacheManager
+from kvpool.model.events import KVCacheEvent
+from kvpool.model.manager import Blocks, KVCacheManagerState, PrefixCacheStats
+from kvpool.model.request import Request
+from kvpool.specs.request.target import ManagerSetup
+
+
+class ImplManagerTarget:
+    """``kvpool.impl.manager.KVCacheManager`` behind the manager protocol, with its snapshot.
+
+    ``manager_class`` lets tests check a modified copy of the impl.
+    """
+
+    manager_class: type[KVCacheManager] = KVCacheManager
+
+    def __init__(self, setup: ManagerSetup) -> None:
+        self.manager = self.manager_class(
+            KVCacheConfig(setup.num_blocks, setup.specs),
+            setup.max_model_len,
+            hash_block_size=setup.hash_block_size,
+            enable_caching=setup.enable_caching,
+            use_eagle=setup.use_eagle,
+            log_stats=setup.log_stats,
+            enable_kv_cache_events=setup.enable_events,
+            profile=setup.profile,
+        )
+
+    def snapshot(self) -> KVCacheManagerState:
+        return self.manager.snapshot()
+
+    def get_computed_blocks(self, request: Request) -> tuple[Blocks, int]:
+        blocks, num_tokens = self.manager.get_computed_blocks(request)
+        return _ids(blocks), num_tokens
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: Blocks | None = None,
+        num_lookahead_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+    ) -> Blocks | None:
+        hits = None
+        if new_computed_blocks is not None:
+            hits = KVCacheBlocks(tuple([self._block(b) for b in g] for g in new_computed_blocks))
+        blocks = self.manager.allocate_slots(
+            request,
+            num_new_tokens,
+            num_new_computed_tokens,
+            hits,
+            num_lookahead_tokens,
+            delay_cache_blocks,
+        )
+        return None if blocks is None else _ids(blocks)
+
+    def _block(self, block_id: int) -> KVCacheBlock:
+        """The pool's block, or for an id it does not have, a block of no pool.
+
+        The stand-in lets the manager itself refuse the unknown block, in its
+        own checking order, as it would refuse another pool's block.
+        """
+        blocks = self.manager.block_pool.blocks
+        if 0 <= block_id < len(blocks):
+            return blocks[block_id]
+        return KVCacheBlock(block_id)
+
+    def free(self, request: Request) -> None:
+        self.manager.free(request)
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        self.manager.cache_blocks(request, num_computed_tokens)
+
+    def evict_blocks(self, block_ids: Iterable[int]) -> None:
+        self.manager.evict_blocks(set(block_ids))
+
+    def reset_prefix_cache(self) -> bool:
+        return self.manager.reset_prefix_cache()
+
+    def get_num_common_prefix_blocks(self, request_id: str) -> Sequence[int]:
+        return self.manager.get_num_common_prefix_blocks(request_id)
+
+    def get_block_ids(self, request_id: str) -> Blocks:
+        return tuple(tuple(g) for g in self.manager.get_block_ids(request_id))
+
+    def take_events(self) -> Sequence[KVCacheEvent]:
+        return self.manager.take_events()
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
+        return self.manager.make_prefix_cache_stats()
+
+    def usage(self) -> float:
+        return self.manager.usage
+
+    def num_free_blocks(self) -> int:
+        return self.manager.block_pool.get_num_free_blocks()
+
+
+def _ids(blocks: KVCacheBlocks) -> Blocks:
+    return tuple(tuple(b.block_id for b in g) for g in blocks.blocks)

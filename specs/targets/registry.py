@@ -1,0 +1,280 @@
+"""Turning a target string into a ``TargetDescriptor``, for one layer.
+
+Target strings, and the layers each works at:
+
+=========================  ====  =======  ==
+string                     pool  request  v0
+=========================  ====  =======  ==
+``impl``                   yes   yes      no
+``model``                  yes   yes      yes
+``module:factory``         yes   yes      yes
+``cmd:PROGRAM ARGS``       yes   no       no
+``vllm``                   yes   yes      yes
+``vllm:module:Class``      yes   no       no
+``vllm==X.Y.Z``            yes   no       no
+=========================  ====  =======  ==
+
+* ``impl``: kvpool's own fast implementation (the default);
+* ``model``: the model itself (a self-check of the harness);
+* ``module:factory``: any importable callable taking the layer's setup
+  (``PoolConfig``, ``ManagerSetup`` or ``V0Config``);
+* ``cmd:PROGRAM ARGS``: a program in any language speaking the JSON-lines
+  protocol (docs/formats.md, ``kvpool.specs.targets.cmd``);
+* ``vllm``: the installed vLLM (its ``BlockPool``, ``KVCacheManager`` or v0 allocator);
+* ``vllm:package.module:Class``: a ``BlockPool`` subclass or fork;
+* ``vllm==X.Y.Z``: a vLLM release, checked by ``kvpool check`` in a child
+  interpreter (``kvpool.specs.targets.vllm.releases``).
+
+The registry resolves a string once; the descriptor says everything the
+check needs: the factory, the profiles the target claims, the operations it
+supports, its preflight, and whether it runs in a child interpreter.
+"""
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpool.specs.pool import target as pool_target
+from kvpool.specs.pool.target import TargetFactory
+from kvpool.specs.request import target as request_target
+from kvpool.specs.targets.importing import import_from_here
+from kvpool.specs.targets.vllm.releases import (
+    RELEASE_ENV,
+    VLLM,
+    ReleaseError,
+    default_profile_for,
+    installed_version,
+    is_vllm_target,
+    release_of,
+)
+from kvpool.specs.v0 import target as v0_target
+
+LAYERS = ("pool", "request", "v0")
+"""The layers a target can be checked at: vLLM's v1 block pool, the request layer
+over it (a KV cache manager), and vLLM's v0 allocator."""
+
+OPERATIONS: Mapping[str, tuple[str, ...]] = {
+    "pool": (*pool_target.OPERATIONS, *pool_target.FEATURES),
+    "request": request_target.OPERATIONS,
+    "v0": v0_target.OPERATIONS,
+}
+"""What a target of each layer may support: its operations, and the pool's features."""
+
+
+class TargetSpecError(ValueError):
+    """The target string names no usable target for the layer."""
+
+
+@dataclass(frozen=True)
+class TargetDescriptor:
+    """What a target string names at one layer: everything a check needs to run it."""
+
+    layer: str
+    spec: str
+    """The target string, as given."""
+    factory: Callable[[Any], Any] | None
+    """Builds a fresh target per program from the layer's setup; None when the
+    target runs in a child interpreter (``release``)."""
+    profiles: tuple[str, ...] | None = None
+    """The semantics profiles the target claims; None: the user's choice or the default."""
+    unsupported: frozenset[str] = frozenset()
+    """Operations and features of the layer (``OPERATIONS``) the target lacks."""
+    preflight: Callable[[int, Sequence[str]], None] | None = None
+    """Fails fast (``TargetError``), before any program, if the target cannot be
+    checked at this level and these profiles."""
+    scope: Mapping[str, Any] = field(default_factory=dict)
+    """The part of the layer's space the target is checked on (request layer:
+    ``layouts``, ``events``, ``block_factors``, ``min_window``)."""
+    release: str | None = None
+    """A vLLM release to check in a child interpreter that imports it."""
+
+    @property
+    def operations(self) -> frozenset[str]:
+        """The operations and features of the layer the target supports."""
+        return frozenset(OPERATIONS[self.layer]) - self.unsupported
+
+    @property
+    def in_child(self) -> bool:
+        """Whether the check runs in a child interpreter (another vLLM release)."""
+        return self.release is not None and self.factory is None
+
+
+def resolve(layer: str, spec: str) -> TargetDescriptor:
+    """The descriptor a target string names at ``layer``; TargetSpecError if there is none."""
+    if layer not in LAYERS:
+        raise TargetSpecError(f"unknown layer {layer!r}: use {', '.join(LAYERS)}")
+    if not isinstance(spec, str) or not spec.strip():
+        raise TargetSpecError("the target string is empty")
+    resolver = {"pool": _pool, "request": _request, "v0": _v0}[layer]
+    return resolver(spec)
+
+
+def resolve_target(spec: str) -> TargetFactory:
+    """The pool target factory a target string names (``resolve("pool", spec)``)."""
+    descriptor = resolve("pool", spec)
+    if descriptor.factory is None:
+        raise TargetSpecError(
+            f"{spec} runs in its own interpreter: use `kvpool check --target {spec}` "
+            "or kvpool.specs.targets.vllm.releases.run_check_in_release"
+        )
+    return descriptor.factory
+
+
+# --------------------------------------------------------------------------
+# The pool layer
+# --------------------------------------------------------------------------
+
+
+def _pool(spec: str) -> TargetDescriptor:
+    if spec == "impl":
+        from kvpool.specs.targets.impl.pool import ImplTarget
+
+        return TargetDescriptor("pool", spec, ImplTarget)
+    if spec == "model":
+        from kvpool.specs.pool.model_target import ModelTarget
+
+        return TargetDescriptor("pool", spec, ModelTarget)
+    if spec.startswith("cmd:"):
+        from kvpool.specs.targets.cmd.pool import CmdTargetFactory
+
+        try:
+            factory = CmdTargetFactory.from_spec(spec)
+        except ValueError as error:
+            raise TargetSpecError(f"bad cmd: target {spec!r}: {error}") from error
+        return TargetDescriptor("pool", spec, factory, preflight=factory.preflight)
+    if is_vllm_target(spec):
+        return _vllm_pool(spec)
+    return _module_factory("pool", spec)
+
+
+def _vllm_pool(spec: str) -> TargetDescriptor:
+    try:
+        release = release_of(spec)
+        profiles = default_profile_for(spec)
+    except ReleaseError as error:
+        raise TargetSpecError(str(error)) from error
+    claimed = None if profiles is None else tuple(profiles)
+    if release is not None and not _in_release_child(release):
+        return TargetDescriptor("pool", spec, None, profiles=claimed, release=release)
+    if installed_version() is None:
+        raise TargetSpecError(
+            "vLLM is not installed: pip install vllm, or use --target vllm==X.Y.Z"
+        )
+    from kvpool.specs.targets.vllm.pool import vllm_factory
+
+    try:
+        factory = vllm_factory(VLLM if release is not None else spec)
+    except ValueError as error:
+        raise TargetSpecError(str(error)) from error
+    return TargetDescriptor(
+        "pool",
+        spec,
+        factory,
+        profiles=claimed,
+        unsupported=factory.unsupported_operations(),
+        preflight=factory.preflight,
+        release=release,
+    )
+
+
+def _in_release_child(release: str) -> bool:
+    """Whether this interpreter is the child that ``kvpool check`` started for ``release``."""
+    return os.environ.get(RELEASE_ENV) == release == installed_version()
+
+
+# --------------------------------------------------------------------------
+# The request layer
+# --------------------------------------------------------------------------
+
+
+def _request(spec: str) -> TargetDescriptor:
+    if spec == "impl":
+        from kvpool.specs.targets.impl.request import ImplManagerTarget
+
+        return TargetDescriptor("request", spec, ImplManagerTarget)
+    if spec == "model":
+        from kvpool.specs.request.model_target import ModelManagerTarget
+
+        return TargetDescriptor("request", spec, ModelManagerTarget)
+    if spec == VLLM:
+        if installed_version() is None:
+            raise TargetSpecError("vLLM is not installed: pip install vllm")
+        from kvpool.specs.targets.vllm.request import VLLM_SCOPE
+
+        return _from_scope(spec, VLLM_SCOPE)
+    if spec.startswith("cmd:") or is_vllm_target(spec):
+        raise TargetSpecError(
+            f"{spec!r} cannot be checked at the request layer yet: use impl, model, vllm "
+            "or module:factory (a callable taking a ManagerSetup)"
+        )
+    return _module_factory("request", spec)
+
+
+def _from_scope(spec: str, scope: request_target.ManagerTargetSpec) -> TargetDescriptor:
+    return TargetDescriptor(
+        "request",
+        spec,
+        scope.factory,
+        profiles=tuple(p.name for p in scope.profiles),
+        scope={
+            "layouts": scope.layouts,
+            "events": scope.events,
+            "block_factors": scope.block_factors,
+            "min_window": scope.min_window,
+        },
+    )
+
+
+# --------------------------------------------------------------------------
+# The v0 layer
+# --------------------------------------------------------------------------
+
+
+def _v0(spec: str) -> TargetDescriptor:
+    if spec == "model":
+        from kvpool.specs.v0.model_target import ModelV0Target
+
+        return TargetDescriptor("v0", spec, ModelV0Target)
+    if spec == VLLM:
+        from kvpool.specs.targets.vllm.v0 import make_vllm_v0_target, unavailable_reason
+
+        reason = unavailable_reason()
+        if reason is not None:
+            raise TargetSpecError(f"vLLM's v0 allocator cannot be loaded: {reason}")
+        return TargetDescriptor("v0", spec, make_vllm_v0_target)
+    if spec == "impl" or spec.startswith("cmd:") or is_vllm_target(spec):
+        raise TargetSpecError(
+            f"{spec!r} cannot be checked at the v0 layer: use model, vllm "
+            "or module:factory (a callable taking a V0Config)"
+        )
+    return _module_factory("v0", spec)
+
+
+# --------------------------------------------------------------------------
+# Any layer
+# --------------------------------------------------------------------------
+
+
+def _module_factory(layer: str, spec: str) -> TargetDescriptor:
+    if ":" not in spec:
+        raise TargetSpecError(
+            f"unknown target {spec!r}: use impl, model, module:factory, cmd:PROGRAM ARGS, "
+            "vllm, vllm:module:Class or vllm==X.Y.Z"
+        )
+    module_name, _, attribute = spec.partition(":")
+    try:
+        module = import_from_here(module_name)
+    except ImportError as error:
+        raise TargetSpecError(f"cannot import {module_name!r}: {error}") from error
+    factory = getattr(module, attribute, None)
+    if not callable(factory):
+        raise TargetSpecError(f"{module_name!r} has no callable {attribute!r}")
+    unsupported = getattr(factory, "unsupported_operations", None)
+    return TargetDescriptor(
+        layer,
+        spec,
+        factory,
+        unsupported=frozenset(unsupported()) if callable(unsupported) else frozenset(),
+        preflight=getattr(factory, "preflight", None),
+    )

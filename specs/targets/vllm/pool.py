@@ -1,0 +1,808 @@
+"""vLLM's own ``BlockPool`` behind the target protocol, with its abstraction function.
+
+``VllmTarget`` drives ``vllm.v1.core.block_pool.BlockPool`` (or a subclass or
+fork with the same constructor) through kvpool's lock-step machine. vLLM is
+imported when the first target is built, never when this module is imported:
+kvpool does not depend on vLLM.
+
+What the adapter translates, and nothing more (docs/vllm-conformance.md
+justifies each point):
+
+* **Hashes.** The machine's hashes are short byte strings. The adapter hands
+  vLLM ``sha256(b"kvpool:" + h)`` instead, a 32-byte digest like vLLM's own,
+  and maps every hash that comes back (block keys, map keys, event hashes) to
+  the machine's bytes through a dictionary. vLLM reports event hashes as the
+  last 8 bytes of the hash read as a big-endian int; distinct short hashes
+  can share those 8 bytes, distinct digests practically cannot.
+* **Keys.** vLLM's ``BlockHashWithGroupId`` is the hash followed by the group
+  id as 4 big-endian bytes; the model's key is the pair ``(hash, group)``.
+* **Events.** vLLM's msgspec events become the model's dataclasses. Fields
+  the model does not have (``kv_cache_spec_kind``, ``locality``,
+  ``session_id``, ...) must be None at the pool layer; an event where one
+  is not comes back as an ``UnmappedEvent`` and so never compares equal.
+* **Errors.** ``get_new_blocks`` signals a shortage with ``ValueError``,
+  which becomes the model's ``NotEnoughFreeBlocks``. Any other exception
+  vLLM raises becomes a ``VllmRejection`` (a ``PoolError`` named after the
+  original, e.g. ``VllmAssertionError``) so that the machine reports it as a
+  divergence; ``AttributeError`` and ``TypeError`` mean the adapter and the
+  release disagree on the API, and become ``TargetError``.
+* **Releases.** One small shim per API change, listed in ``VllmApi``.
+"""
+
+import functools
+import hashlib
+import importlib
+import inspect
+import logging
+import os
+from collections.abc import Callable, Collection, Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
+
+from kvpool import model
+from kvpool.model import (
+    NULL_BLOCK_ID,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockState,
+    BlockStored,
+    CacheRequest,
+    HashKey,
+    KVCacheEvent,
+    NotEnoughFreeBlocks,
+    PoolConfig,
+    PoolError,
+    PoolState,
+)
+from kvpool.specs.errors import TargetError
+from kvpool.specs.pool.target import OPERATIONS
+from kvpool.specs.targets.block_pool_api import BlockPoolApiTarget
+from kvpool.specs.targets.importing import import_from_here
+from kvpool.specs.targets.vllm.findings import KNOWN_FINDINGS
+
+T = TypeVar("T")
+
+MODEL_ONLY_EVENT_FIELDS = (
+    "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window",
+    "locality",
+    "ownership",
+    "session_id",
+    "lookahead_token_ids",
+)
+"""Fields vLLM's events carry that the model's do not; None at the pool layer."""
+
+
+# --------------------------------------------------------------------------
+# What the loaded vLLM offers
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class VllmApi:
+    """The shape of the importable vLLM's block pool API, found by introspection.
+
+    Each flag is one API era; the adapter has one shim per flag.
+    """
+
+    version: str
+    pool_class: Any
+    kv_cache_utils: Any
+    hash_block_size_arg: bool
+    """0.12.0+: the constructor takes ``hash_block_size``. Before, a request's
+    hashes are per block, so the adapter hands the pool the hashes at the
+    call's ``block_size``."""
+    touch_per_group: bool
+    """0.9.1-0.13.x: ``touch`` takes one list of blocks per KV cache group."""
+    evict_blocks: bool
+    """0.13.0+: ``evict_blocks(ids)``. Before, the adapter calls the pool's own
+    ``_maybe_evict_cached_block`` per id, the primitive ``evict_blocks`` wraps."""
+    block_mask: bool
+    """0.22.0+: ``cache_full_blocks(..., block_mask)``."""
+    cache_partial_block: bool
+    """0.24.0+: ``cache_partial_block``."""
+    hash_num_tokens: bool
+    """0.24.0+: blocks record how many tokens their key covers."""
+    events_with_group: bool
+    """0.20.0+: events carry ``group_idx``, ``lora_name`` and ``extra_keys``."""
+    map_is_object: bool
+    """0.11.0+: the hash map is a ``BlockHashToBlockMap`` (its ``_cache``
+    dict); before, a dict of dicts."""
+    last_hash_names_block: bool
+    """A block of k hash blocks is keyed by the last of its k hashes (0.24.0+,
+    and before 0.12 through the per-block-size shim). 0.12-0.23 key it by the
+    concatenation of the k hashes, which only a caller knowing the group's
+    block size can look up: those releases are checked with block_size ==
+    hash_block_size."""
+
+    def unsupported_operations(self) -> frozenset[str]:
+        """Operations and features this release lacks (``kvpool.specs.pool.target``)."""
+        missing = set()
+        if not self.cache_partial_block:
+            missing.add("cache_partial_block")
+        if not self.block_mask:
+            missing.add("block_mask")
+        if not self.events_with_group:
+            missing.add("events")
+        if not self.last_hash_names_block:
+            missing.add("block_size_multiple")
+        return frozenset(missing)
+
+
+class UnsupportedRelease(TargetError):
+    """The importable vLLM predates the API eras this adapter supports."""
+
+
+_none_hash_ready = False
+
+
+def load_vllm(pool_class: Any = None) -> VllmApi:
+    """Import vLLM's block pool and describe its API; ``pool_class`` overrides the class."""
+    global _none_hash_ready
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # read when vllm is first imported
+    try:
+        vllm = importlib.import_module("vllm")
+        block_pool = importlib.import_module("vllm.v1.core.block_pool")
+        utils = importlib.import_module("vllm.v1.core.kv_cache_utils")
+    except ImportError as error:
+        raise TargetError(f"vLLM cannot be imported: {error}") from error
+    version = str(getattr(vllm, "__version__", "unknown"))
+    # reset_prefix_cache logs a warning each time it refuses; the machine asks often.
+    logging.getLogger("vllm").setLevel(logging.ERROR)
+    if not hasattr(utils, "make_block_hash_with_group_id"):
+        raise UnsupportedRelease(
+            f"vLLM {version} predates byte-string block hashes (0.10.2); "
+            "kvpool's vLLM adapter supports 0.10.2 and later"
+        )
+    kv_events = importlib.import_module("vllm.distributed.kv_events")
+    if not _none_hash_ready and hasattr(utils, "init_none_hash"):
+        utils.init_none_hash(_vllm_sha256())
+        _none_hash_ready = True
+    cls = pool_class if pool_class is not None else block_pool.BlockPool
+    init_params = inspect.signature(cls.__init__).parameters
+    full_params = inspect.signature(cls.cache_full_blocks).parameters
+    touch_params = inspect.signature(cls.touch).parameters
+    touch_annotation = str(touch_params["blocks"].annotation) if "blocks" in touch_params else ""
+    return VllmApi(
+        version=version,
+        pool_class=cls,
+        kv_cache_utils=utils,
+        hash_block_size_arg="hash_block_size" in init_params,
+        touch_per_group=touch_annotation.startswith("tuple"),
+        evict_blocks=hasattr(cls, "evict_blocks"),
+        block_mask="block_mask" in full_params,
+        cache_partial_block=hasattr(cls, "cache_partial_block"),
+        hash_num_tokens=hasattr(utils.KVCacheBlock, "block_hash_num_tokens"),
+        events_with_group="group_idx" in getattr(kv_events.BlockRemoved, "__struct_fields__", ()),
+        map_is_object=hasattr(block_pool, "BlockHashToBlockMap"),
+        last_hash_names_block=_names_block_by_last_hash(utils),
+    )
+
+
+def _names_block_by_last_hash(utils: Any) -> bool:
+    """Whether a block of two hash blocks is keyed by its second hash (see ``VllmApi``)."""
+    view = getattr(utils, "BlockHashListWithBlockSize", None)
+    if view is None:
+        return True
+    first, second = b"\x01" * 32, b"\x02" * 32
+    return bytes(view([first, second], 1, 2)[0]) == second
+
+
+def _vllm_sha256() -> Callable[[Any], bytes]:
+    for module_name in ("vllm.utils.hashing", "vllm.utils"):
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        function = getattr(module, "sha256", None)
+        if callable(function):
+            return function  # type: ignore[no-any-return]
+    raise TargetError("vLLM's sha256 hash function was not found")
+
+
+# --------------------------------------------------------------------------
+# Errors
+# --------------------------------------------------------------------------
+
+
+class VllmRejection(PoolError):
+    """vLLM raised where the model expects something else; named after vLLM's exception."""
+
+    original: BaseException
+
+
+@functools.cache
+def _rejection_class(name: str) -> type[VllmRejection]:
+    return type(f"Vllm{name}", (VllmRejection,), {"__module__": __name__})
+
+
+def rejection(error: BaseException) -> VllmRejection:
+    """``error`` as a ``PoolError`` the machine can report: ``VllmAssertionError`` etc."""
+    wrapped = _rejection_class(type(error).__name__)(f"{type(error).__name__}: {error}")
+    wrapped.original = error
+    return wrapped
+
+
+@dataclass(frozen=True)
+class UnmappedEvent:
+    """An event of vLLM's the model has no equivalent for; never equal to a model event."""
+
+    description: str
+
+
+# --------------------------------------------------------------------------
+# Requests
+# --------------------------------------------------------------------------
+
+
+class DuckRequest:
+    """The attributes of ``vllm.v1.request.Request`` the block pool reads, and no others.
+
+    Reading any other attribute raises ``AttributeError`` naming it, which the
+    adapter reports as a ``TargetError``: the release reads something new.
+    """
+
+    def __init__(self, block_hashes: list[bytes], token_ids: Sequence[int]) -> None:
+        self.block_hashes = block_hashes
+        self.all_token_ids = list(token_ids)
+        self.num_tokens = len(token_ids)
+        self.lora_request = None
+        self.mm_features: list[Any] = []
+        self.cache_salt = None
+        self.session_id = None
+        self.prompt_embeds = None
+
+    def __getattr__(self, name: str) -> Any:
+        raise AttributeError(f"the duck-typed request has no {name!r}: the release reads it")
+
+
+# --------------------------------------------------------------------------
+# The target
+# --------------------------------------------------------------------------
+
+
+class VllmTarget(BlockPoolApiTarget):
+    """A vLLM ``BlockPool`` built for ``config``, speaking block ids.
+
+    ``pool_class`` replaces ``vllm.v1.core.block_pool.BlockPool`` (a subclass
+    or a fork with the same constructor). ``suppress`` names known findings
+    (``KNOWN_FINDINGS`` keys, or ``operation:ModelError``) to step over at
+    level 2: for an operation the
+    model rejects with a suppressed finding's exception, the adapter raises
+    that exception itself and does not call vLLM, so a run can go on to find
+    the next divergence. ``workarounds`` (``WORKAROUNDS`` keys) do the same
+    for known level-1 bugs of old releases, by calling vLLM differently with
+    the same meaning; the matrix (bench/vllm_matrix.py) uses them to look
+    past a release's first bug.
+    """
+
+    def __init__(
+        self,
+        config: PoolConfig,
+        pool_class: Any = None,
+        suppress: Collection[str] = (),
+        workarounds: Collection[str] = (),
+    ) -> None:
+        self.api = load_vllm(pool_class)
+        unknown = set(workarounds) - WORKAROUNDS.keys()
+        if unknown:
+            raise TargetError(
+                f"unknown workaround(s) {sorted(unknown)}; known: {list(WORKAROUNDS)}"
+            )
+        self.workarounds = frozenset(workarounds)
+        self.config = config
+        if config.enable_events and not self.api.events_with_group:
+            raise TargetError(
+                f"vLLM {self.api.version}'s events carry no KV cache group; "
+                "check it with events off (kvpool check --target vllm==X does)"
+            )
+        self._suppressed = {_suppression(item) for item in suppress}
+        self._to_model: dict[bytes, bytes] = {}
+        self._token_counts: dict[Any, dict[int, int]] = {}
+        self._int_to_model: dict[int, bytes] = {}
+        cls = self.api.pool_class
+        kwargs: dict[str, Any] = {"enable_kv_cache_events": config.enable_events}
+        try:
+            if self.api.hash_block_size_arg:
+                pool = cls(
+                    config.num_blocks, config.enable_caching, config.hash_block_size, **kwargs
+                )
+            else:
+                pool = cls(config.num_blocks, config.enable_caching, **kwargs)
+        except Exception as error:
+            raise TargetError(f"{cls.__name__}({config}) failed: {error!r}") from error
+        super().__init__(pool)
+
+    # Hashes -------------------------------------------------------------------
+
+    def vllm_hash(self, block_hash: bytes) -> bytes:
+        """The 32-byte hash vLLM is given for the machine's ``block_hash``."""
+        digest = hashlib.sha256(b"kvpool:" + block_hash).digest()
+        if digest not in self._to_model:
+            self._to_model[digest] = block_hash
+            self._int_to_model[int.from_bytes(digest[-8:], "big")] = block_hash
+        return digest
+
+    def model_hash(self, value: Any) -> bytes:
+        """The machine's hash for a hash vLLM reports (bytes, or the int events carry)."""
+        if isinstance(value, int):
+            found = self._int_to_model.get(value)
+            return found if found is not None else f"<unknown int hash {value}>".encode()
+        raw = bytes(value)
+        found = self._to_model.get(raw)
+        return found if found is not None else b"<unknown hash " + raw.hex().encode() + b">"
+
+    def hash_key(self, key: Any) -> HashKey | None:
+        """``BlockHashWithGroupId`` (hash + 4 big-endian group bytes) as ``(hash, group)``."""
+        if key is None:
+            return None
+        raw = bytes(key)
+        return self.model_hash(raw[:-4]), int.from_bytes(raw[-4:], "big")
+
+    def vllm_request(self, request: CacheRequest, block_size: int | None = None) -> DuckRequest:
+        """The request vLLM sees; before 0.12 its hashes are per ``block_size`` tokens."""
+        hashes: Sequence[bytes] = request.block_hashes
+        hbs = self.config.hash_block_size
+        size = block_size or 0
+        if not self.api.hash_block_size_arg and size >= hbs and size % hbs == 0:
+            hashes = model.hashes_at_block_size(hashes, hbs, size)
+        return DuckRequest([self.vllm_hash(h) for h in hashes], request.all_token_ids)
+
+    # Events -------------------------------------------------------------------
+
+    def event(self, event: Any) -> KVCacheEvent:
+        """One of vLLM's msgspec events as the model's event."""
+        kind = type(event).__name__
+        unexpected = {
+            name: getattr(event, name)
+            for name in MODEL_ONLY_EVENT_FIELDS
+            if getattr(event, name, None) is not None
+        }
+        if unexpected or kind not in ("BlockStored", "BlockRemoved", "AllBlocksCleared"):
+            return UnmappedEvent(f"{event!r}")  # type: ignore[return-value]
+        if kind == "AllBlocksCleared":
+            return AllBlocksCleared()
+        if kind == "BlockRemoved":
+            return BlockRemoved(
+                block_hashes=tuple(self.model_hash(h) for h in event.block_hashes),
+                medium=getattr(event, "medium", None),
+                group_idx=getattr(event, "group_idx", None),  # type: ignore[arg-type]
+            )
+        extra_keys = getattr(event, "extra_keys", None)
+        parent = event.parent_block_hash
+        return BlockStored(
+            block_hashes=tuple(self.model_hash(h) for h in event.block_hashes),
+            parent_block_hash=None if parent is None else self.model_hash(parent),
+            token_ids=tuple(event.token_ids),
+            block_size=event.block_size,
+            lora_id=event.lora_id,
+            medium=getattr(event, "medium", None),
+            lora_name=getattr(event, "lora_name", None),
+            extra_keys=None if extra_keys is None else tuple(extra_keys),
+            group_idx=getattr(event, "group_idx", None),  # type: ignore[arg-type]
+        )
+
+    # Calling vLLM -------------------------------------------------------------
+
+    def _vllm(self, call: Callable[[], T]) -> T:
+        """Run one call into vLLM, translating its exceptions (see the module docstring)."""
+        try:
+            return call()
+        except (PoolError, TargetError):
+            raise
+        except (AttributeError, TypeError) as error:
+            raise TargetError(
+                f"the adapter and vLLM {self.api.version} disagree: {error!r}"
+            ) from error
+        except Exception as error:
+            raise rejection(error) from error
+
+    def _guard(self, operation: str, on_model: Callable[[PoolState], object]) -> None:
+        """Raise the model's exception for a suppressed known finding instead of calling vLLM."""
+        if not any(op == operation for op, _ in self._suppressed):
+            return
+        try:
+            on_model(self.snapshot())
+        except PoolError as error:
+            if (operation, type(error).__name__) in self._suppressed:
+                raise type(error)(f"known vLLM finding, not sent to vLLM: {error}") from error
+
+    # The target protocol ------------------------------------------------------
+
+    def get_new_blocks(self, num_blocks: int) -> Sequence[int]:
+        self._guard("get_new_blocks", lambda s: model.get_new_blocks(s, num_blocks))
+        try:
+            blocks = self._vllm(lambda: self.pool.get_new_blocks(num_blocks))
+        except VllmRejection as error:
+            if isinstance(error.original, ValueError):
+                raise NotEnoughFreeBlocks(str(error.original)) from error
+            raise
+        return [b.block_id for b in blocks]
+
+    def touch(self, block_ids: Sequence[int]) -> None:
+        self._guard("touch", lambda s: model.touch(s, block_ids))
+        blocks = self._blocks(block_ids)
+        argument = (blocks,) if self.api.touch_per_group else blocks
+        self._vllm(lambda: self.pool.touch(argument))
+
+    def free_blocks(self, block_ids: Sequence[int]) -> None:
+        self._guard("free_blocks", lambda s: model.free_blocks(s, block_ids))
+        if "free-listed-twice" in self.workarounds:
+            for batch in _batches_of_distinct(block_ids):
+                self._vllm(lambda b=batch: super(VllmTarget, self).free_blocks(b))  # type: ignore[misc]
+            return
+        self._vllm(lambda: super(VllmTarget, self).free_blocks(block_ids))
+
+    def cache_full_blocks(
+        self,
+        request: CacheRequest,
+        block_ids: Sequence[int],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+        kv_cache_group_id: int,
+        block_mask: Sequence[bool] | None = None,
+    ) -> None:
+        self._guard(
+            "cache_full_blocks",
+            lambda s: model.cache_full_blocks(
+                s,
+                request,
+                block_ids,
+                num_cached_blocks,
+                num_full_blocks,
+                block_size,
+                kv_cache_group_id,
+                block_mask,
+            ),
+        )
+        blocks = self._blocks(block_ids)
+        args: list[Any] = [
+            self.vllm_request(request, block_size),
+            blocks,
+            num_cached_blocks,
+            num_full_blocks,
+            block_size,
+            kv_cache_group_id,
+        ]
+        hbs = self.config.hash_block_size
+        if block_size > hbs and block_size % hbs == 0 and not self.api.last_hash_names_block:
+            raise TargetError(
+                f"vLLM {self.api.version} keys a block of several hash blocks by their "
+                "concatenation; `kvpool check --target vllm==X` checks it with "
+                "block_size == hash_block_size"
+            )
+        if block_mask is not None:
+            if not self.api.block_mask:
+                raise TargetError(f"vLLM {self.api.version} has no block_mask (0.22.0+)")
+            args.append(list(block_mask))
+        if "promotion" in self.workarounds:
+            self._evict_before_promotion(
+                blocks, num_cached_blocks, num_full_blocks, block_size, block_mask
+            )
+        unhashed = {b.block_id for b in blocks if b.block_hash is None}
+        if "null-in-cache" in self.workarounds and any(b.is_null for b in blocks):
+            self._cache_around_null_blocks(args, blocks, num_cached_blocks, num_full_blocks)
+        else:
+            self._vllm(lambda: self.pool.cache_full_blocks(*args))
+        if not self.api.hash_num_tokens:
+            self._record_token_counts(
+                blocks, unhashed, num_cached_blocks, num_full_blocks, block_size
+            )
+
+    def _cache_around_null_blocks(
+        self, args: list[Any], blocks: Sequence[Any], num_cached_blocks: int, num_full_blocks: int
+    ) -> None:
+        """The ``null-in-cache`` workaround: one call per run of positions without a null block.
+
+        With events off (the only way those releases are checked) the runs
+        together cache exactly what one call that skips null blocks caches.
+        """
+        if self.config.enable_events:
+            raise TargetError("the null-in-cache workaround needs events off")
+        start = max(0, num_cached_blocks)
+        end = min(num_full_blocks, len(blocks))
+        run_start = start
+        for i in range(start, end + 1):
+            if i == end or blocks[i].is_null:
+                if run_start < i:
+                    call = [*args[:2], run_start, i, *args[4:]]
+                    self._vllm(lambda c=call: self.pool.cache_full_blocks(*c))  # type: ignore[misc]
+                run_start = i + 1
+
+    def _evict_before_promotion(
+        self,
+        blocks: Sequence[Any],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+        block_mask: Sequence[bool] | None,
+    ) -> None:
+        """The ``promotion`` workaround: drop the keys of blocks about to be cached again.
+
+        Only a block whose key covers fewer tokens than its new position: the
+        pool's own ``_maybe_evict_cached_block`` drops it, which is what 0.24
+        and later do inside ``cache_full_blocks``.
+        """
+        state = self.snapshot()
+        for i in range(max(0, num_cached_blocks), min(num_full_blocks, len(blocks))):
+            masked = block_mask is not None and not block_mask[i - num_cached_blocks]
+            covered = state.blocks[blocks[i].block_id].hash_num_tokens
+            longer = covered is not None and covered < (i + 1) * block_size
+            if longer and not blocks[i].is_null and not masked:
+                self._vllm(lambda b=blocks[i]: self.pool._maybe_evict_cached_block(b))  # type: ignore[misc]
+
+    def _record_token_counts(
+        self,
+        blocks: Sequence[Any],
+        unhashed: set[int],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+    ) -> None:
+        """Before 0.24 vLLM does not keep how many tokens a block's key covers: note it here.
+
+        Position i of the call caches ``(i + 1) * block_size`` tokens. A block
+        of the range that had no key before the call (``unhashed``) and has
+        one after it got it from this call (skipped and masked blocks keep
+        theirs). The note is read only while the block still has that key.
+        """
+        for i in range(max(0, num_cached_blocks), min(num_full_blocks, len(blocks))):
+            key = blocks[i].block_hash
+            if key is not None and blocks[i].block_id in unhashed:
+                self._token_counts.setdefault(key, {})[blocks[i].block_id] = (i + 1) * block_size
+
+    def cache_partial_block(
+        self,
+        request: CacheRequest,
+        block_id: int,
+        num_tokens: int,
+        kv_cache_group_id: int,
+        block_size: int,
+    ) -> HashKey | None:
+        if not self.api.cache_partial_block:
+            raise TargetError(
+                f"vLLM {self.api.version} has no cache_partial_block (0.24.0+); "
+                f"`kvpool check --target vllm=={self.api.version}` leaves it out"
+            )
+        self._guard(
+            "cache_partial_block",
+            lambda s: model.cache_partial_block(
+                s, request, block_id, num_tokens, kv_cache_group_id, block_size
+            ),
+        )
+        (block,) = self._blocks([block_id])
+        key = self._vllm(
+            lambda: self.pool.cache_partial_block(
+                self.vllm_request(request), block, num_tokens, kv_cache_group_id, block_size
+            )
+        )
+        return self.hash_key(key)
+
+    def get_cached_block(
+        self, block_hash: bytes, kv_cache_group_ids: Sequence[int]
+    ) -> Sequence[int] | None:
+        self._guard(
+            "get_cached_block", lambda s: model.get_cached_block(s, block_hash, kv_cache_group_ids)
+        )
+        digest = self.vllm_hash(block_hash)
+        blocks = self._vllm(lambda: self.pool.get_cached_block(digest, list(kv_cache_group_ids)))
+        return None if blocks is None else [b.block_id for b in blocks]
+
+    def evict_blocks(self, block_ids: Iterable[int]) -> None:
+        ids = sorted(set(block_ids))
+        self._guard("evict_blocks", lambda s: model.evict_blocks(s, ids))
+
+        def evict_each() -> None:
+            # One id at a time, ascending: vLLM iterates its set in hash-table
+            # order, which docs/semantics.md leaves out of the contract.
+            for block_id in ids:
+                if self.api.evict_blocks:
+                    self.pool.evict_blocks({block_id})
+                else:
+                    self.pool._maybe_evict_cached_block(self.pool.blocks[block_id])
+
+        self._vllm(evict_each)
+
+    def reset_prefix_cache(self) -> bool:
+        return self._vllm(lambda: super(VllmTarget, self).reset_prefix_cache())
+
+    def take_events(self) -> Sequence[KVCacheEvent]:
+        return self._vllm(lambda: super(VllmTarget, self).take_events())
+
+    # The abstraction function -------------------------------------------------
+
+    def snapshot(self) -> PoolState:
+        """vLLM's pool as the model's ``PoolState``.
+
+        The free queue is the linked list front to back; the null block's
+        ref count is not maintained by vLLM and reads as 0; partial keys come
+        from ``cached_block_hashes_by_block`` (a set: in sorted order); the
+        map lists a key's blocks in insertion order. Releases before 0.24 do
+        not record how many tokens a key covers: the snapshot takes it from
+        the adapter's note of the ``cache_full_blocks`` call that set the key.
+        """
+        pool = self.pool
+        partial_keys: dict[int, Any] = getattr(pool, "cached_block_hashes_by_block", {})
+        blocks = []
+        for block in pool.blocks:
+            key = self.hash_key(block.block_hash)
+            if key is None:
+                num_tokens = None
+            elif self.api.hash_num_tokens:
+                num_tokens = block.block_hash_num_tokens
+            else:
+                num_tokens = self._token_counts.get(block.block_hash, {}).get(block.block_id, 0)
+            partial = sorted(
+                k for k in (self.hash_key(p) for p in partial_keys.get(block.block_id, ())) if k
+            )
+            blocks.append(
+                BlockState(
+                    ref_cnt=0 if block.block_id == NULL_BLOCK_ID else block.ref_cnt,
+                    block_hash=key,
+                    hash_num_tokens=num_tokens,
+                    partial_keys=tuple(partial),
+                )
+            )
+        free = tuple(b.block_id for b in pool.free_block_queue.get_all_free_blocks())
+        return PoolState(
+            config=self.config,
+            blocks=tuple(blocks),
+            free_queue=free,
+            cached=self._hash_map(),
+            pending_events=tuple(self.event(e) for e in pool.kv_event_queue),
+        )
+
+    def _hash_map(self) -> dict[HashKey, tuple[int, ...]]:
+        table = self.pool.cached_block_hash_to_block
+        entries = table._cache if self.api.map_is_object else table
+        cached: dict[HashKey, tuple[int, ...]] = {}
+        for raw_key, entry in entries.items():
+            key = self.hash_key(raw_key)
+            assert key is not None
+            if isinstance(entry, dict):
+                cached[key] = tuple(block.block_id for block in entry.values())
+            else:
+                cached[key] = (entry.block_id,)
+        return cached
+
+    # Normalization (docs/vllm-conformance.md) ---------------------------------
+
+    def normalize_state(self, state: PoolState) -> PoolState:
+        """Each block's partial keys in sorted order, and the events normalized."""
+        blocks = tuple(replace(b, partial_keys=tuple(sorted(b.partial_keys))) for b in state.blocks)
+        return replace(
+            state, blocks=blocks, pending_events=tuple(self.normalize_events(state.pending_events))
+        )
+
+    def normalize_events(self, events: Sequence[KVCacheEvent]) -> Sequence[KVCacheEvent]:
+        """Each run of consecutive ``BlockRemoved`` events in sorted order.
+
+        vLLM removes a block's keys primary first, then its partial keys in
+        the iteration order of a set of bytes, which depends on
+        ``PYTHONHASHSEED``. Order inside a run of removals is therefore not
+        compared; which keys are removed, and everything else, still is.
+        """
+        result: list[KVCacheEvent] = []
+        run: list[BlockRemoved] = []
+        for event in [*events, None]:
+            if isinstance(event, BlockRemoved):
+                run.append(event)
+                continue
+            run.sort(key=_removed_order)
+            result.extend(run)
+            run = []
+            if event is not None:
+                result.append(event)
+        return result
+
+
+def _batches_of_distinct(block_ids: Sequence[int]) -> list[list[int]]:
+    """``block_ids`` cut, in order, into runs in which no id repeats."""
+    batches: list[list[int]] = [[]]
+    for block_id in block_ids:
+        if block_id in batches[-1]:
+            batches.append([])
+        batches[-1].append(block_id)
+    return [b for b in batches if b]
+
+
+WORKAROUNDS: dict[str, str] = {
+    "promotion": (
+        "vLLM 0.23 and earlier assert that a block they cache has no key yet; 0.24 "
+        "and later (and the model) let a key covering more tokens replace the old "
+        "one. The workaround evicts the old key first with the pool's own "
+        "_maybe_evict_cached_block, as 0.24 does inside cache_full_blocks"
+    ),
+    "null-in-cache": (
+        "vLLM 0.13 and earlier hash the null block when cache_full_blocks is given "
+        "it; the workaround caches the runs of positions between null blocks in "
+        "separate calls, which with events off (as those releases are checked) "
+        "caches exactly what skipping the null block does"
+    ),
+    "free-listed-twice": (
+        "vLLM 0.23 and earlier queue a block once per time it is listed in one "
+        "free_blocks call once its count reaches 0 (vllm-project/vllm#42571); the "
+        "workaround frees in consecutive calls without repeats, which under the "
+        "append free order of those releases has exactly the meaning of one call"
+    ),
+}
+"""Known level-1 bugs the adapter can step around without changing what is checked."""
+
+
+def _removed_order(event: BlockRemoved) -> tuple[int, tuple[bytes, ...], str]:
+    return (event.group_idx, event.block_hashes, event.medium or "")
+
+
+def _suppression(item: str) -> tuple[str, str]:
+    """A finding key, or ``operation:ModelError``, as the pair the guard matches."""
+    if item in KNOWN_FINDINGS:
+        return KNOWN_FINDINGS[item].operation, KNOWN_FINDINGS[item].model_error
+    operation, _, error = item.partition(":")
+    if operation not in OPERATIONS or not error:
+        raise ValueError(f"not a known finding or operation:ModelError: {item!r}")
+    return operation, error
+
+
+# --------------------------------------------------------------------------
+# Target factories and strings
+# --------------------------------------------------------------------------
+
+
+class VllmTargetFactory:
+    """Builds ``VllmTarget``s; ``pool_class`` is a class or a ``module:Class`` string."""
+
+    def __init__(
+        self,
+        pool_class: Any = None,
+        suppress: Collection[str] = (),
+        workarounds: Collection[str] = (),
+    ) -> None:
+        self._pool_class = pool_class
+        self.suppress = tuple(suppress)
+        self.workarounds = tuple(workarounds)
+
+    def pool_class(self) -> Any:
+        """The class to instantiate (None: vLLM's own ``BlockPool``), imported on first use."""
+        if isinstance(self._pool_class, str):
+            module_name, _, attribute = self._pool_class.partition(":")
+            try:
+                module = import_from_here(module_name)
+            except ImportError as error:
+                raise TargetError(f"cannot import {module_name!r}: {error}") from error
+            found = getattr(module, attribute, None)
+            if not isinstance(found, type):
+                raise TargetError(f"{module_name!r} has no class {attribute!r}")
+            self._pool_class = found
+        return self._pool_class
+
+    def __call__(self, config: PoolConfig) -> VllmTarget:
+        return VllmTarget(
+            config,
+            pool_class=self.pool_class(),
+            suppress=self.suppress,
+            workarounds=self.workarounds,
+        )
+
+    def preflight(self, level: int, profiles: Sequence[str]) -> None:
+        """Fail fast, before any program runs, if this vLLM cannot be checked here."""
+        load_vllm(self.pool_class())
+
+    def unsupported_operations(self) -> frozenset[str]:
+        """What programs must leave out for this vLLM (empty if it cannot be imported).
+
+        ``run_conformance`` asks every factory that has this method.
+        """
+        try:
+            return load_vllm(self.pool_class()).unsupported_operations()
+        except TargetError:
+            return frozenset()
+
+
+def vllm_factory(spec: str, suppress: Collection[str] = ()) -> VllmTargetFactory:
+    """The factory for ``vllm`` or ``vllm:package.module:Class``."""
+    if spec == "vllm":
+        return VllmTargetFactory(None, suppress)
+    if spec.startswith("vllm:") and spec.count(":") == 2:
+        return VllmTargetFactory(spec[len("vllm:") :], suppress)
+    raise ValueError(f"not a vLLM target string: {spec!r}")

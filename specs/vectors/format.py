@@ -1,0 +1,188 @@
+"""The vector file format: reading untrusted vector files against their schema and manifest.
+
+A corpus is a directory of JSON-lines files and a ``manifest.json`` naming
+each file with its vector count and sha256; the schema sits beside this
+module (``schemas/vectors-v1.json``, which refers to the protocol's schema).
+Nothing in a file is evaluated: it is parsed with ``json`` and checked by
+the schema. docs/formats.md describes the format.
+"""
+
+import hashlib
+import json
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from kvpool.specs.protocol.codec import Json
+
+FORMAT = "kvpool-vectors"
+FORMAT_VERSION = 1
+"""The vector format; bumped on any change a consumer could notice (docs/formats.md)."""
+GENERATOR = "kvpool.specs.vectors"
+GENERATOR_VERSION = 1
+"""Bumped whenever generate() produces a different corpus."""
+MANIFEST = "manifest.json"
+
+
+def bundled_corpus() -> Path:
+    """The corpus shipped inside the kvpool package."""
+    return Path(str(resources.files("kvpool.specs.vectors").joinpath("data")))
+
+
+def sha256(data: bytes) -> str:
+    """The hex sha256 of ``data``, as the manifest records it."""
+    return hashlib.sha256(data).hexdigest()
+
+
+# --------------------------------------------------------------------------
+# Reading vectors: untrusted data, parsed with json and checked by the schema
+# --------------------------------------------------------------------------
+
+
+class VectorFormatError(ValueError):
+    """Vectors or a manifest that do not follow the format; the message names file and line."""
+
+
+@dataclass(frozen=True)
+class LoadedVector:
+    """A vector read from ``source`` (file name) at ``line`` (1-based)."""
+
+    source: str
+    line: int
+    data: dict[str, Json]
+
+    @property
+    def where(self) -> str:
+        return f"{self.source}:{self.line}"
+
+
+SCHEMAS = {"protocol-v1.json": "kvpool.specs.protocol", "vectors-v1.json": "kvpool.specs.vectors"}
+"""Each JSON Schema kvpool ships, and the package it sits beside (in ``schemas/``)."""
+
+
+def load_schema(name: str) -> dict[str, Json]:
+    """The JSON Schema ``name`` (a key of ``SCHEMAS``), as shipped in the package."""
+    text = resources.files(SCHEMAS[name]).joinpath("schemas", name).read_text()
+    schema: dict[str, Json] = json.loads(text)
+    return schema
+
+
+def validators() -> tuple[Any, Any]:
+    """JSON Schema validators for one vector and for a manifest."""
+    from jsonschema import Draft202012Validator
+    from referencing import Registry, Resource
+
+    protocol_schema = load_schema("protocol-v1.json")
+    vectors_schema = load_schema("vectors-v1.json")
+    registry: Registry[Any] = Registry().with_resources(
+        [
+            (protocol_schema["$id"], Resource.from_contents(protocol_schema)),
+            (vectors_schema["$id"], Resource.from_contents(vectors_schema)),
+        ]
+    )
+    vector = Draft202012Validator(vectors_schema, registry=registry)
+    manifest = Draft202012Validator(
+        {"$defs": vectors_schema["$defs"], "$ref": "#/$defs/manifest"}, registry=registry
+    )
+    return vector, manifest
+
+
+def _schema_errors(validator: Any, value: Json, where: str) -> list[str]:
+    problems = []
+    for error in sorted(validator.iter_errors(value), key=lambda e: list(e.absolute_path)):
+        path = "/".join(str(p) for p in error.absolute_path) or "(top level)"
+        problems.append(f"{where}: field {path}: {_short(error.message)}")
+    return problems
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def load(path: Path, max_errors: int = 20) -> list[LoadedVector]:
+    """Read and validate vectors from a directory with a manifest, or from one .jsonl file.
+
+    Raises VectorFormatError listing every problem (file, line and field).
+    """
+    validator, manifest_validator = validators()
+    problems: list[str] = []
+    if path.is_dir():
+        files = _manifest_files(path, manifest_validator, problems)
+    elif path.is_file():
+        files = [(path, None)]
+    else:
+        raise VectorFormatError(f"{path}: no such file or directory")
+    loaded: list[LoadedVector] = []
+    for file, count in files:
+        try:
+            text = file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as error:
+            problems.append(f"{file.name}: cannot read: {error}")
+            continue
+        lines = text.splitlines()
+        if count is not None and count != sum(1 for x in lines if x.strip()):
+            problems.append(
+                f"{file.name}: the manifest says {count} vectors, the file has "
+                f"{sum(1 for x in lines if x.strip())}"
+            )
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            where = f"{file.name} line {number}"
+            try:
+                value = json.loads(line)
+            except ValueError as error:
+                problems.append(f"{where}: not JSON: {error}")
+                continue
+            errors = _schema_errors(validator, value, where)
+            if errors:
+                problems.extend(errors)
+            else:
+                loaded.append(LoadedVector(file.name, number, value))
+        if len(problems) >= max_errors:
+            break
+    if problems:
+        shown = problems[:max_errors]
+        more = len(problems) - len(shown)
+        raise VectorFormatError(
+            "\n".join(shown) + (f"\n... and {more} more problem(s)" if more > 0 else "")
+        )
+    return loaded
+
+
+def _manifest_files(
+    directory: Path, validator: Any, problems: list[str]
+) -> list[tuple[Path, int | None]]:
+    manifest_path = directory / MANIFEST
+    try:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise VectorFormatError(
+            f"{manifest_path}: missing (a vectors directory needs one)"
+        ) from None
+    except (OSError, ValueError) as error:
+        raise VectorFormatError(f"{manifest_path}: not a JSON manifest: {error}") from error
+    errors = _schema_errors(validator, manifest, MANIFEST)
+    if errors:
+        raise VectorFormatError("\n".join(errors))
+    files: list[tuple[Path, int | None]] = []
+    for entry in manifest["files"]:
+        file = directory / entry["name"]
+        try:
+            data = file.read_bytes()
+        except OSError as error:
+            problems.append(f"{MANIFEST}: lists {entry['name']}, which cannot be read: {error}")
+            continue
+        if sha256(data) != entry["sha256"]:
+            problems.append(
+                f"{entry['name']}: sha256 {sha256(data)} does not match the "
+                f"manifest's {entry['sha256']}"
+            )
+            continue
+        files.append((file, int(entry["count"])))
+    if sum(entry["count"] for entry in manifest["files"]) != manifest["count"]:
+        problems.append(
+            f"{MANIFEST}: count {manifest['count']} is not the sum of the files' counts"
+        )
+    return files

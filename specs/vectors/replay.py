@@ -1,0 +1,207 @@
+"""Replaying conformance vectors against a target, step by step.
+
+Results are compared at every step, and the whole state too when the target
+has ``snapshot()``. A target that crashes is a ``TargetError``, not a
+mismatch; ``run_corpus`` stops at the first one.
+"""
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvpool.model import PoolConfig, PoolError
+from kvpool.specs.errors import TargetAbort, TargetError
+from kvpool.specs.pool.machine import state_diff
+from kvpool.specs.pool.record import crash_message
+from kvpool.specs.pool.target import PoolTarget, Snapshottable, TargetFactory
+from kvpool.specs.protocol import codec as protocol
+from kvpool.specs.protocol.codec import Json
+from kvpool.specs.vectors.format import LoadedVector
+
+# --------------------------------------------------------------------------
+# Replaying vectors against a target
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class Mismatch:
+    """Where a target parts from a vector."""
+
+    vector: str
+    where: str
+    step: int
+    """1-based; 0 when the pool could not even be built."""
+    op: str
+    args: dict[str, Json]
+    problem: str
+    diff: str | None = None
+
+    def describe(self) -> str:
+        head = (
+            f"{self.where} {self.vector}: step {self.step}, "
+            f"{self.op} {json.dumps(self.args, separators=(', ', ': '))}: {self.problem}"
+        )
+        return head if self.diff is None else f"{head}\n{self.diff}"
+
+
+def same_result(op: str, expected: Json, actual: Json, target: object = None) -> bool:
+    """Whether a target's JSON result counts as the model's (usage within 1e-9)."""
+    if op == "get_usage":
+        return (
+            isinstance(actual, int | float)
+            and not isinstance(actual, bool)
+            and math.isclose(expected, actual, rel_tol=1e-9, abs_tol=1e-9)
+        )
+    if op == "take_events":
+        return bool(_normal_events(target, expected) == _normal_events(target, actual))
+    return bool(expected == actual)
+
+
+def _normal_events(target: object, events: Json) -> Json:
+    normalize = getattr(target, "normalize_events", None)
+    if normalize is None or not isinstance(events, list):
+        return events
+    try:
+        decoded = [protocol.decode_event(e) for e in events]
+    except protocol.ProtocolError:
+        return events
+    return [protocol.encode_event(e) for e in normalize(decoded)]
+
+
+def state_of(target: object, config: PoolConfig) -> Json | None:
+    """The target's state in canonical JSON (normalized), or None if it has no snapshot."""
+    if not isinstance(target, Snapshottable):
+        return None
+    return normal_state(target, protocol.encode_state(target.snapshot()), config)
+
+
+def normal_state(target: object, state: Json, config: PoolConfig) -> Json:
+    """``state`` after the target's ``normalize_state`` hook, if it has one."""
+    normalize = getattr(target, "normalize_state", None)
+    if normalize is None:
+        return state
+    return protocol.encode_state(normalize(protocol.decode_state(state, config)))
+
+
+def check_step(target: PoolTarget, step: dict[str, Json]) -> str | None:
+    """Run one step on ``target``; None if it matches, else what went wrong."""
+    op, args, expect = step["op"], step["args"], step["expect"]
+    try:
+        actual = protocol.apply(target, op, args)
+    except PoolError as rejection:
+        name = type(rejection).__name__
+        if "error" not in expect:
+            return (
+                f"the model accepts it (returning {expect['ok']!r}), "
+                f"the target rejects it with {name}: {rejection}"
+            )
+        if name != expect["error"]:
+            return f"the model rejects it with {expect['error']}, the target with {name}"
+        actual = None
+    else:
+        if "error" in expect:
+            return (
+                f"the model rejects it with {expect['error']}, "
+                f"the target accepts it (returning {actual!r})"
+            )
+        if not same_result(op, expect["ok"], actual, target):
+            return f"the model returns {expect['ok']!r}, the target returned {actual!r}"
+    return None
+
+
+def state_problem(target: PoolTarget, config: PoolConfig, expected: Json) -> tuple[str, str] | None:
+    """(problem, side-by-side diff) if the target's state is not ``expected``."""
+    actual = state_of(target, config)
+    if actual is None:
+        return None
+    wanted = normal_state(target, expected, config)
+    if actual == wanted:
+        return None
+    diff = state_diff(protocol.decode_state(wanted, config), protocol.decode_state(actual, config))
+    return "the target's state differs from the model's", diff
+
+
+def run_vector(factory: TargetFactory, vector: LoadedVector) -> Mismatch | None:
+    """Replay one vector; None if the target matches it at every step.
+
+    Results are compared at every step; the whole state too when the target
+    has ``snapshot()``. TargetError propagates.
+    """
+    data = vector.data
+    config = protocol.decode_config(data["config"])
+    vid = str(data["id"])
+    try:
+        target = factory(config)
+    except PoolError as error:
+        return Mismatch(
+            vid,
+            vector.where,
+            0,
+            "new_pool",
+            data["config"],
+            f"the target cannot build the pool: {type(error).__name__}: {error}",
+        )
+    except TargetError:
+        raise
+    except Exception as error:  # the target's own bug: a target error, not a kit crash
+        raise TargetError(crash_message("new_pool", data["config"], error)) from error
+    for number, step in enumerate(data["steps"], 1):
+        try:
+            problem = check_step(target, step)
+            state = None if problem is not None else state_problem(target, config, step["state"])
+        except TargetError:
+            raise
+        except Exception as error:  # the target's own bug: a target error, not a kit crash
+            raise TargetError(crash_message(step["op"], step["args"], error)) from error
+        if problem is not None:
+            return Mismatch(vid, vector.where, number, step["op"], step["args"], problem)
+        if state is not None:
+            return Mismatch(vid, vector.where, number, step["op"], step["args"], *state)
+    return None
+
+
+@dataclass
+class RunResult:
+    """The outcome of replaying a corpus."""
+
+    run: int = 0
+    passed: int = 0
+    skipped: int = 0
+    mismatches: list[Mismatch] = field(default_factory=list)
+    target_error: str | None = None
+
+
+def run_corpus(
+    factory: TargetFactory,
+    vectors: Sequence[LoadedVector],
+    levels: Sequence[int] | None = None,
+    profiles: Sequence[str] | None = None,
+    fail_fast: bool = False,
+) -> RunResult:
+    """Replay every vector whose level and profile are chosen; count what happened."""
+    result = RunResult()
+    for vector in vectors:
+        config = vector.data["config"]
+        if (levels is not None and vector.data["level"] not in levels) or (
+            profiles is not None and config["profile"] not in profiles
+        ):
+            result.skipped += 1
+            continue
+        result.run += 1
+        try:
+            mismatch = run_vector(factory, vector)
+        except TargetError as error:
+            result.target_error = f"{vector.where} {vector.data['id']}: {error}"
+            break
+        except TargetAbort as abort:
+            result.target_error = f"{vector.where} {vector.data['id']}: {abort.error}"
+            break
+
+        if mismatch is None:
+            result.passed += 1
+        else:
+            result.mismatches.append(mismatch)
+            if fail_fast:
+                break
+    return result
