@@ -19,7 +19,15 @@ from typing import Any
 from kvpool.impl.block import KVCacheBlock
 from kvpool.impl.pool import BlockPool
 from kvpool.impl.single_type import SingleTypeKVCacheManager, get_manager_for_kv_cache_spec
-from kvpool.model.errors import CachingDisabled, UnknownBlock
+from kvpool.model.errors import (
+    CachingDisabled,
+    HitOnRunningRequest,
+    InvalidHit,
+    InvalidManagerConfig,
+    InvalidTokenCount,
+    NoNewTokens,
+    UnknownBlock,
+)
 from kvpool.model.events import KVCacheEvent
 from kvpool.model.manager import (
     KVCacheManagerState,
@@ -28,14 +36,7 @@ from kvpool.model.manager import (
     record,
 )
 from kvpool.model.profiles import DEFAULT_PROFILE, Profile
-from kvpool.model.request import (
-    HitOnRunningRequest,
-    InvalidHit,
-    InvalidManagerConfig,
-    InvalidTokenCount,
-    NoNewTokens,
-    verify_hash_block_size,
-)
+from kvpool.model.request import verify_hash_block_size
 from kvpool.model.single_type import AttentionType, KVCacheSpec, ManagersState
 
 

@@ -14,13 +14,8 @@ from typing import Any, ClassVar
 
 from kvpool.impl.block import KVCacheBlock
 from kvpool.impl.pool import BlockPool
-from kvpool.model.request import (
-    HitOnRunningRequest,
-    InvalidTokenCount,
-    UnknownGroup,
-    UnknownRequest,
-    verify_hash_block_size,
-)
+from kvpool.model.errors import HitOnRunningRequest, InvalidTokenCount, UnknownGroup, UnknownRequest
+from kvpool.model.request import verify_hash_block_size
 from kvpool.model.single_type import AttentionType, GroupTable, KVCacheSpec
 
 

@@ -1,6 +1,10 @@
-"""The exceptions the specification raises when an operation's precondition fails.
+"""The exceptions the v1 specification raises when an operation's precondition fails.
 
-Every rejected call leaves the pool exactly as it was. Conformance compares the
+One module for the v1 family: the block pool, the hash chain and the request
+layer (the v0 allocator's are in ``v0_errors``). The model and the impl raise
+the same classes: they share types and exceptions, never logic.
+
+Every rejected call leaves the state exactly as it was. Conformance compares the
 exception *type*, never its message, so each precondition has its own class.
 Classes that vLLM reports with a ``ValueError`` also derive from ``ValueError``,
 so code written against vLLM's pool keeps working.
@@ -69,3 +73,81 @@ class InvalidPartialBlock(PoolError, ValueError):
 
 class InvalidGroup(PoolError, ValueError):
     """A KV cache group id is negative."""
+
+
+POOL_ERRORS: tuple[type[PoolError], ...] = (
+    InvalidConfig,
+    InvalidBlockCount,
+    NotEnoughFreeBlocks,
+    UnknownBlock,
+    BlockNotHeld,
+    OverFree,
+    DuplicateBlock,
+    AlreadyCached,
+    CachingDisabled,
+    InvalidBlockSize,
+    InvalidBlockRange,
+    InvalidBlockMask,
+    NotEnoughHashes,
+    InvalidPartialBlock,
+    InvalidGroup,
+)
+"""The block pool's rejections: what a pool target may answer with."""
+
+
+# --------------------------------------------------------------------------
+# The hash chain
+# --------------------------------------------------------------------------
+
+
+class InvalidMultiModalInputs(PoolError, ValueError):
+    """Multimodal inputs overlap, are out of order, or have a negative offset or no length."""
+
+
+class InvalidHashBlockSize(PoolError, ValueError):
+    """A hash block size is not positive."""
+
+
+class InvalidBlockHashes(PoolError, ValueError):
+    """A request's hashes cover more tokens than the request has."""
+
+
+# --------------------------------------------------------------------------
+# The request layer
+# --------------------------------------------------------------------------
+
+
+class RequestError(PoolError):
+    """Base class: a call the request layer (the KV cache manager) must reject."""
+
+
+class InvalidManagerConfig(RequestError, ValueError):
+    """The KV cache manager cannot be built with these parameters."""
+
+
+class UnknownGroup(RequestError, ValueError):
+    """A KV cache group index does not name a group of this manager."""
+
+
+class NoNewTokens(RequestError, ValueError):
+    """allocate_slots was asked for no new tokens."""
+
+
+class InvalidTokenCount(RequestError, ValueError):
+    """A token count is negative, or exceeds what the request holds."""
+
+
+class InvalidHit(RequestError, ValueError):
+    """The computed blocks passed to allocate_slots do not fit this manager or request."""
+
+
+class HitOnRunningRequest(RequestError, ValueError):
+    """Cache hits were passed for a request that already holds blocks."""
+
+
+class HashBlockSizeMismatch(RequestError, ValueError):
+    """A request was hashed with another hash block size than the manager's pool uses."""
+
+
+class UnknownRequest(RequestError, ValueError):
+    """A request id names no request holding blocks in this manager."""

@@ -24,7 +24,7 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvpool.model.errors import PoolError
+from kvpool.model.errors import InvalidBlockHashes, InvalidHashBlockSize, InvalidMultiModalInputs
 from kvpool.model.state import BlockHash
 
 # --------------------------------------------------------------------------
@@ -82,18 +82,6 @@ class MultiModalInput:
     identifier: str
     offset: int
     length: int
-
-
-class InvalidMultiModalInputs(PoolError, ValueError):
-    """Multimodal inputs overlap, are out of order, or have a negative offset or no length."""
-
-
-class InvalidHashBlockSize(PoolError, ValueError):
-    """A hash block size is not positive."""
-
-
-class InvalidBlockHashes(PoolError, ValueError):
-    """A request's hashes cover more tokens than the request has."""
 
 
 # --------------------------------------------------------------------------

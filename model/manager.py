@@ -26,18 +26,18 @@ from dataclasses import dataclass, replace
 
 import kvpool.model.pool as pool_ops
 import kvpool.model.single_type as single
-from kvpool.model.errors import CachingDisabled, UnknownBlock
-from kvpool.model.events import KVCacheEvent
-from kvpool.model.profiles import DEFAULT_PROFILE, Profile
-from kvpool.model.request import (
+from kvpool.model.errors import (
+    CachingDisabled,
     HitOnRunningRequest,
     InvalidHit,
     InvalidManagerConfig,
     InvalidTokenCount,
     NoNewTokens,
-    Request,
-    verify_hash_block_size,
+    UnknownBlock,
 )
+from kvpool.model.events import KVCacheEvent
+from kvpool.model.profiles import DEFAULT_PROFILE, Profile
+from kvpool.model.request import Request, verify_hash_block_size
 from kvpool.model.single_type import AttentionType, KVCacheSpec
 from kvpool.model.state import BlockHash
 

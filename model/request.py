@@ -14,7 +14,7 @@ precondition has its own class.
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from kvpool.model.errors import PoolError
+from kvpool.model.errors import HashBlockSizeMismatch, InvalidTokenCount
 from kvpool.model.hashing import (
     NONE_HASH,
     LoraAdapter,
@@ -22,47 +22,6 @@ from kvpool.model.hashing import (
     extend_block_hashes,
 )
 from kvpool.model.state import BlockHash, CacheRequest
-
-# --------------------------------------------------------------------------
-# The request layer's exceptions
-# --------------------------------------------------------------------------
-
-
-class RequestError(PoolError):
-    """Base class: a call the request layer (the KV cache manager) must reject."""
-
-
-class InvalidManagerConfig(RequestError, ValueError):
-    """The KV cache manager cannot be built with these parameters."""
-
-
-class UnknownGroup(RequestError, ValueError):
-    """A KV cache group index does not name a group of this manager."""
-
-
-class NoNewTokens(RequestError, ValueError):
-    """allocate_slots was asked for no new tokens."""
-
-
-class InvalidTokenCount(RequestError, ValueError):
-    """A token count is negative, or exceeds what the request holds."""
-
-
-class InvalidHit(RequestError, ValueError):
-    """The computed blocks passed to allocate_slots do not fit this manager or request."""
-
-
-class HitOnRunningRequest(RequestError, ValueError):
-    """Cache hits were passed for a request that already holds blocks."""
-
-
-class HashBlockSizeMismatch(RequestError, ValueError):
-    """A request was hashed with another hash block size than the manager's pool uses."""
-
-
-class UnknownRequest(RequestError, ValueError):
-    """A request id names no request holding blocks in this manager."""
-
 
 # --------------------------------------------------------------------------
 # The request

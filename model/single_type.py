@@ -27,6 +27,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
+from kvpool.model.errors import (
+    HitOnRunningRequest,
+    InvalidManagerConfig,
+    InvalidTokenCount,
+    UnknownGroup,
+    UnknownRequest,
+)
 from kvpool.model.pool import (
     cache_full_blocks,
     free_blocks,
@@ -34,16 +41,7 @@ from kvpool.model.pool import (
     get_new_blocks,
     hashes_at_block_size,
 )
-from kvpool.model.request import (
-    HitOnRunningRequest,
-    InvalidManagerConfig,
-    InvalidTokenCount,
-    Request,
-    UnknownGroup,
-    UnknownRequest,
-    cache_request,
-    verify_hash_block_size,
-)
+from kvpool.model.request import Request, cache_request, verify_hash_block_size
 from kvpool.model.state import NULL_BLOCK_ID, BlockHash, PoolState
 
 # --------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from kvpool.specs.pool.check import run_conformance
 from kvpool.specs.request.check import run_request_conformance
 from kvpool.specs.request.target import ManagerTargetSpec
 from kvpool.specs.runner.report import ConformanceReport
+from kvpool.specs.runner.run import RunOptions
 from kvpool.specs.runner.watchdog import DEFAULT_PROGRAM_TIMEOUT
 from kvpool.specs.targets import TargetDescriptor, TargetSpecError, resolve
 from kvpool.specs.v0.check import check_v0
@@ -67,46 +68,7 @@ def check(
         )
     name = target_name or descriptor.spec
     chosen = list(profiles or descriptor.profiles or ())
-    if layer == "pool":
-        _known_profiles(chosen)
-        return run_conformance(
-            descriptor.factory,
-            level=level,
-            profile=chosen or None,
-            unsupported=descriptor.unsupported,
-            hypothesis_profile=hypothesis_profile,
-            max_examples=max_examples,
-            steps=steps,
-            seed=seed,
-            target_name=name,
-            on_example=on_example,
-            program_timeout=program_timeout,
-        )
-    if layer == "request":
-        _known_profiles(chosen)
-        scope = ManagerTargetSpec(descriptor.factory, **descriptor.scope)
-        if chosen:
-            scope = replace(scope, profiles=tuple(PROFILES[p] for p in chosen))
-        return run_request_conformance(
-            scope,
-            level=level,
-            hypothesis_profile=hypothesis_profile,
-            max_examples=max_examples,
-            steps=steps,
-            seed=seed,
-            target_name=name,
-            on_example=on_example,
-            program_timeout=program_timeout,
-        )
-    unknown = [d for d in chosen if d not in DISCIPLINES]
-    if unknown or len(chosen) > 1:
-        raise TargetSpecError(
-            f"the v0 layer takes one discipline as its profile: {', '.join(DISCIPLINES)}"
-        )
-    discipline = chosen[0] if chosen else "any"
-    return check_v0(
-        descriptor.factory,
-        discipline,
+    options = RunOptions(
         hypothesis_profile=hypothesis_profile,
         max_examples=max_examples,
         steps=steps,
@@ -115,6 +77,28 @@ def check(
         on_example=on_example,
         program_timeout=program_timeout,
     )
+    if layer == "pool":
+        _known_profiles(chosen)
+        return run_conformance(
+            descriptor.factory,
+            level=level,
+            profile=chosen or None,
+            unsupported=descriptor.unsupported,
+            **options,
+        )
+    if layer == "request":
+        _known_profiles(chosen)
+        scope = ManagerTargetSpec(descriptor.factory, **descriptor.scope)
+        if chosen:
+            scope = replace(scope, profiles=tuple(PROFILES[p] for p in chosen))
+        return run_request_conformance(scope, level=level, **options)
+    unknown = [d for d in chosen if d not in DISCIPLINES]
+    if unknown or len(chosen) > 1:
+        raise TargetSpecError(
+            f"the v0 layer takes one discipline as its profile: {', '.join(DISCIPLINES)}"
+        )
+    discipline = chosen[0] if chosen else "any"
+    return check_v0(descriptor.factory, discipline, **options)
 
 
 def _known_profiles(profiles: Sequence[str]) -> None:

@@ -256,12 +256,8 @@ def decode_state(value: Json, config: PoolConfig) -> PoolState:
 # --------------------------------------------------------------------------
 
 
-ERROR_NAMES: dict[str, type[PoolError]] = {
-    name: cls
-    for name, cls in vars(model_errors).items()
-    if isinstance(cls, type) and issubclass(cls, PoolError) and cls is not PoolError
-}
-"""The rejections a target may answer with, by class name."""
+ERROR_NAMES: dict[str, type[PoolError]] = {cls.__name__: cls for cls in model_errors.POOL_ERRORS}
+"""The rejections a pool target may answer with, by class name."""
 
 
 def _ids(args: Mapping[str, Json], name: str = "block_ids") -> list[int]:

@@ -13,6 +13,7 @@ printed or the calls the machine traced.
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from typing import TypedDict
 
 from hypothesis import settings as Settings
 from hypothesis.internal.conjecture import providers
@@ -24,6 +25,19 @@ from kvpool.specs.errors import Divergence, InvariantViolation, TargetAbort, Tar
 from kvpool.specs.runner import settings as _profiles  # noqa: F401  (registers the profiles)
 from kvpool.specs.runner.report import ConformanceReport, Counterexample
 from kvpool.specs.runner.watchdog import DEFAULT_PROGRAM_TIMEOUT, Deadlines, program_deadlines
+
+
+class RunOptions(TypedDict):
+    """The options every layer's check takes, whatever the layer."""
+
+    hypothesis_profile: str
+    max_examples: int | None
+    steps: int | None
+    seed: int | None
+    target_name: str
+    on_example: Callable[[int], None] | None
+    program_timeout: float | None
+
 
 Explain = Callable[[BaseException], Counterexample | None]
 """Builds the counterexample of a failed run from the failure (divergences and invariants)."""

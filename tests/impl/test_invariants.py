@@ -255,15 +255,13 @@ def test_an_intact_pool_passes_in_every_shape() -> None:
 
 
 def test_the_dump_shows_the_whole_pool() -> None:
-    from kvpool.impl.invariants import dump_pool
-
     pool = BlockPool(5, True, 1, enable_kv_cache_events=True)
     a, b, c = pool.get_new_blocks(3)
     for block in (a, b):
         pool.cache_full_blocks(REQ, [block], 0, 1, 1, 0)  # one key, two blocks
     pool.cache_full_blocks(REQ, [a, c], 1, 2, 1, 0)
     pool.free_blocks([c, b, a])
-    lines = dump_pool(pool).splitlines()
+    lines = pool._dump().splitlines()
     assert lines[1] == "  num_free_blocks=4"
     assert lines[2] == "  fake head: next=4, prev=None"
     assert lines[3] == "  fake tail: prev=1, next=None"
@@ -275,10 +273,8 @@ def test_the_dump_shows_the_whole_pool() -> None:
 
 
 def test_the_dump_of_a_cycle_stops_and_says_so() -> None:
-    from kvpool.impl.invariants import dump_pool
-
     pool = BlockPool(4, True, 1)
     first, second = pool.blocks[1], pool.blocks[2]
     second.next_free_block = first  # 1 -> 2 -> 1 -> ...
-    walk = next(x for x in dump_pool(pool).splitlines() if "free list" in x)
+    walk = next(x for x in pool._dump().splitlines() if "free list" in x)
     assert walk == "  free list (front first, bounded walk): [1, 2, 1, 2, 1, ...]"

@@ -8,8 +8,8 @@ import pytest
 from jsonschema import Draft202012Validator
 
 from kvpool.model import PoolConfig
-from kvpool.specs.pool.model_target import ModelTarget
 from kvpool.specs import protocol
+from kvpool.specs.pool.model_target import ModelTarget
 from kvpool.specs.vectors import load, load_schema, validators
 from tests.kit.helpers import ROOT, node_target
 

@@ -6,11 +6,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpool.model.hashing import (
-    NONE_HASH,
+from kvpool.model.errors import (
     InvalidBlockHashes,
     InvalidHashBlockSize,
     InvalidMultiModalInputs,
+    InvalidTokenCount,
+)
+from kvpool.model.hashing import (
+    NONE_HASH,
     LoraAdapter,
     LoraKey,
     MultiModalInput,
@@ -23,7 +26,7 @@ from kvpool.model.hashing import (
     hash_block_tokens,
     none_hash,
 )
-from kvpool.model.request import InvalidTokenCount, Request, append_tokens, new_request
+from kvpool.model.request import Request, append_tokens, new_request
 from kvpool.specs.request.invariants import request_content
 
 # --------------------------------------------------------------------------

@@ -6,7 +6,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpool.model.errors import CachingDisabled, UnknownBlock
+from kvpool.model.errors import (
+    CachingDisabled,
+    HashBlockSizeMismatch,
+    HitOnRunningRequest,
+    InvalidHit,
+    InvalidManagerConfig,
+    InvalidTokenCount,
+    NoNewTokens,
+    UnknownBlock,
+)
 from kvpool.model.manager import (
     KVCacheManagerState,
     PrefixCacheStats,
@@ -28,18 +37,7 @@ from kvpool.model.manager import (
     running_request_ids,
 )
 from kvpool.model.pool import evict_blocks
-from kvpool.model.request import (
-    HashBlockSizeMismatch,
-    HitOnRunningRequest,
-    InvalidHit,
-    InvalidManagerConfig,
-    InvalidTokenCount,
-    NoNewTokens,
-    Request,
-    new_request,
-    preempted,
-    with_computed,
-)
+from kvpool.model.request import Request, new_request, preempted, with_computed
 from kvpool.model.single_type import (
     chunked_local,
     full_attention,

@@ -2,16 +2,15 @@
 
 import pytest
 
-from kvpool.model.pool import evict_blocks, new_pool
-from kvpool.model.request import (
+from kvpool.model.errors import (
     HitOnRunningRequest,
     InvalidManagerConfig,
     InvalidTokenCount,
-    Request,
     UnknownGroup,
     UnknownRequest,
-    new_request,
 )
+from kvpool.model.pool import evict_blocks, new_pool
+from kvpool.model.request import Request, new_request
 from kvpool.model.single_type import (
     KVCacheSpec,
     ManagersState,
