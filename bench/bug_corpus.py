@@ -2,7 +2,7 @@
 
 The corpus has two layers: block-pool bugs (tests/corpus/bugs.py, checked by
 ``run_conformance``) and request-layer bugs in the KV cache manager
-(tests/corpus/request_bugs.py, checked by ``run_manager_conformance`` on the
+(tests/corpus/request_bugs.py, checked by ``run_request_conformance`` on the
 layouts each bug lists). Run from the repository root::
 
     python bench/bug_corpus.py                  # every bug, 5 seeds
@@ -38,29 +38,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvpool.model import PoolConfig
 from kvpool.specs.conformance import run_conformance
-from kvpool.specs.protocol import OPERATIONS as PROTOCOL_OPERATIONS
-from kvpool.specs.request.machine import LAYOUTS, ManagerSetup, run_manager_conformance
+from kvpool.specs.pool.target import OPERATIONS as POOL_OPERATIONS
+from kvpool.specs.request.check import run_request_conformance
+from kvpool.specs.request.target import LAYOUTS, ManagerSetup
+from kvpool.specs.request.target import OPERATIONS as REQUEST_OPERATIONS
 from tests.corpus.bugs import BUGS, Bug, target_of
 from tests.corpus.request_bugs import CACHING, REQUEST_BUGS, RequestBug, spec_of
 from tests.corpus.request_bugs import target_of as manager_target_of
 
 # Steps count the pool operations that change or read the pool's state, not its
 # two counters or the snapshot the checker takes itself.
-OPERATIONS = frozenset(PROTOCOL_OPERATIONS) - {"get_num_free_blocks", "get_usage", "snapshot"}
+OPERATIONS = frozenset(POOL_OPERATIONS) - {"get_num_free_blocks", "get_usage", "snapshot"}
 
-MANAGER_OPERATIONS = frozenset(
-    {
-        "get_computed_blocks",
-        "allocate_slots",
-        "free",
-        "cache_blocks",
-        "evict_blocks",
-        "reset_prefix_cache",
-        "get_num_common_prefix_blocks",
-        "take_events",
-        "make_prefix_cache_stats",
-    }
-)
+# Likewise for the manager: its block tables, counters, usage and snapshot are
+# what the checker reads after every step.
+MANAGER_OPERATIONS = frozenset(REQUEST_OPERATIONS) - {
+    "get_block_ids",
+    "usage",
+    "num_free_blocks",
+    "snapshot",
+}
 
 
 class Counting:
@@ -142,7 +139,7 @@ def first_request_failure(bug: RequestBug, seed: int, budget: int) -> tuple[bool
     """first_failure for a request-layer bug: manager operations until the first failure."""
     probe = ManagerProbe(bug)
     started = time.perf_counter()
-    report = run_manager_conformance(
+    report = run_request_conformance(
         spec_of(bug, probe), hypothesis_profile="mutation", seed=seed, max_examples=budget
     )
     if report.conforms:
@@ -164,10 +161,10 @@ def summary(runs: list[tuple[bool, float, int, int]]) -> dict[str, Any]:
 
 def measure_request(bug: RequestBug, seeds: int, budget: int) -> dict[str, Any]:
     started = time.perf_counter()
-    ci = run_manager_conformance(spec_of(bug), hypothesis_profile="ci")
+    ci = run_request_conformance(spec_of(bug), hypothesis_profile="ci")
     ci_seconds = time.perf_counter() - started
     runs = [first_request_failure(bug, seed, budget) for seed in range(seeds)]
-    blind = run_manager_conformance(
+    blind = run_request_conformance(
         spec_of(bug, ManagerProbe(bug, snapshot=False)), hypothesis_profile="ci"
     )
     return {
