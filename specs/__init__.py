@@ -17,16 +17,45 @@ The layers are packages with the same file names (``pool/``, ``request/``,
 draws the floors.
 """
 
-from kvpool.specs.checking import check
-from kvpool.specs.errors import Divergence, InvariantViolation, TargetError
-from kvpool.specs.pool.check import run_conformance
-from kvpool.specs.pool.target import PoolTarget, Snapshottable, TargetFactory
-from kvpool.specs.request.check import run_request_conformance
-from kvpool.specs.request.target import ManagerSetup, ManagerTarget, ManagerTargetSpec
-from kvpool.specs.runner.report import ConformanceReport, Counterexample
-from kvpool.specs.targets import TargetDescriptor, TargetSpecError, resolve
-from kvpool.specs.v0.check import check_v0
-from kvpool.specs.v0.target import V0Target
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvpool.specs.checking import check
+    from kvpool.specs.errors import Divergence, InvariantViolation, TargetError
+    from kvpool.specs.pool.check import run_conformance
+    from kvpool.specs.pool.target import PoolTarget, Snapshottable, TargetFactory
+    from kvpool.specs.request.check import run_request_conformance
+    from kvpool.specs.request.target import ManagerSetup, ManagerTarget, ManagerTargetSpec
+    from kvpool.specs.runner.report import ConformanceReport, Counterexample
+    from kvpool.specs.targets import TargetDescriptor, TargetSpecError, resolve
+    from kvpool.specs.v0.check import check_v0
+    from kvpool.specs.v0.target import V0Target
+
+# Loaded on first use, so that importing one small module of kvpool.specs (a
+# protocol server in a target's process, say) does not load Hypothesis and the
+# whole kit with it.
+_PUBLIC = {
+    "check": "kvpool.specs.checking",
+    "Divergence": "kvpool.specs.errors",
+    "InvariantViolation": "kvpool.specs.errors",
+    "TargetError": "kvpool.specs.errors",
+    "run_conformance": "kvpool.specs.pool.check",
+    "PoolTarget": "kvpool.specs.pool.target",
+    "Snapshottable": "kvpool.specs.pool.target",
+    "TargetFactory": "kvpool.specs.pool.target",
+    "run_request_conformance": "kvpool.specs.request.check",
+    "ManagerSetup": "kvpool.specs.request.target",
+    "ManagerTarget": "kvpool.specs.request.target",
+    "ManagerTargetSpec": "kvpool.specs.request.target",
+    "ConformanceReport": "kvpool.specs.runner.report",
+    "Counterexample": "kvpool.specs.runner.report",
+    "TargetDescriptor": "kvpool.specs.targets",
+    "TargetSpecError": "kvpool.specs.targets",
+    "resolve": "kvpool.specs.targets",
+    "check_v0": "kvpool.specs.v0.check",
+    "V0Target": "kvpool.specs.v0.target",
+}
 
 __all__ = [
     "ConformanceReport",
@@ -49,3 +78,9 @@ __all__ = [
     "run_conformance",
     "run_request_conformance",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'kvpool.specs' has no attribute {name!r}")
+    return getattr(import_module(_PUBLIC[name]), name)

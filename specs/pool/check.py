@@ -1,6 +1,7 @@
 """``run_conformance``: the one entry point for checking a Python block pool."""
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
+from typing import Unpack
 
 from kvpool.model import DEFAULT_PROFILE, PROFILES, Profile
 from kvpool.specs.pool.counterexample import explain
@@ -8,8 +9,7 @@ from kvpool.specs.pool.machine import pool_machine
 from kvpool.specs.pool.record import Recorder
 from kvpool.specs.pool.target import TargetFactory
 from kvpool.specs.runner.report import ConformanceReport
-from kvpool.specs.runner.run import run_machine
-from kvpool.specs.runner.watchdog import DEFAULT_PROGRAM_TIMEOUT
+from kvpool.specs.runner.run import RunOptions, run_machine
 
 
 def run_conformance(
@@ -17,16 +17,10 @@ def run_conformance(
     level: int = 1,
     profile: str | Profile | Sequence[str | Profile] | None = None,
     *,
-    hypothesis_profile: str = "ci",
-    max_examples: int | None = None,
-    steps: int | None = None,
-    seed: int | None = None,
-    target_name: str = "target",
     caching: Sequence[bool] = (True, False),
     events: Sequence[bool] = (False, True),
-    on_example: Callable[[int], None] | None = None,
-    program_timeout: float | None = DEFAULT_PROGRAM_TIMEOUT,
     unsupported: Collection[str] = (),
+    **options: Unpack[RunOptions],
 ) -> ConformanceReport:
     """Check a block pool against the kvpool model and report whether it conforms.
 
@@ -47,23 +41,18 @@ def run_conformance(
     ``level`` 1 sends valid operations only; level 2 also sends invalid ones
     and requires the model's exception types with the state unchanged.
     ``profile`` names the semantics profile(s) the target claims (default:
-    the seeds' ``hashless-first``). ``hypothesis_profile`` is ``ci``
-    (derandomized), ``dev``, ``deep`` or ``fuzz``; ``max_examples``,
-    ``steps`` and ``seed`` override it. Never raises for a divergence: the
-    report says what failed and prints the shrunk program. A program running
-    longer than ``program_timeout`` seconds ends the check with a target
-    error (the target hangs); None removes the limit. ``unsupported`` names
+    the seeds' ``hashless-first``). ``options`` are the runner's
+    (``kvpool.specs.runner.run.RunOptions``): ``hypothesis_profile`` is ``ci``
+    (derandomized), ``dev``, ``deep`` or ``fuzz``; ``max_examples``, ``steps``
+    and ``seed`` override it; ``target_name``, ``on_example``,
+    ``program_timeout``. Never raises for a divergence: the report says what
+    failed and prints the shrunk program. ``unsupported`` names
     operations and features the target lacks (``kvpool.specs.pool.target``):
     no program uses them; a factory with an ``unsupported_operations()`` method
     adds what it returns.
     """
     profiles = _resolve_profiles(profile)
-    report = ConformanceReport(
-        target=target_name,
-        level=level,
-        profiles=tuple(p.name for p in profiles),
-        hypothesis_profile=hypothesis_profile,
-    )
+    names = tuple(p.name for p in profiles)
     preflight = getattr(make_target, "preflight", None)
     # A factory may declare what its pool lacks (an old vLLM release does).
     declared = getattr(make_target, "unsupported_operations", None)
@@ -81,15 +70,11 @@ def run_conformance(
     )
     return run_machine(
         machine,
-        report,
-        hypothesis_profile=hypothesis_profile,
-        max_examples=max_examples,
-        steps=steps,
-        seed=seed,
-        program_timeout=program_timeout,
-        on_example=on_example,
-        preflight=None if preflight is None else lambda: preflight(level, report.profiles),
-        explain=lambda failure: explain(recorder, target_name, failure),
+        level=level,
+        profiles=names,
+        **options,
+        preflight=None if preflight is None else lambda: preflight(level, names),
+        explain=lambda failure: explain(recorder, options.get("target_name", "target"), failure),
     )
 
 

@@ -1,25 +1,18 @@
 """``run_request_conformance``: checking a KV cache manager against the request layer's model."""
 
-from collections.abc import Callable
+from typing import Unpack
 
 from kvpool.specs.request.machine import manager_machine
 from kvpool.specs.request.target import ManagerTargetSpec
 from kvpool.specs.runner.report import ConformanceReport
-from kvpool.specs.runner.run import run_machine
-from kvpool.specs.runner.watchdog import DEFAULT_PROGRAM_TIMEOUT
+from kvpool.specs.runner.run import RunOptions, run_machine
 
 
 def run_request_conformance(
     target: ManagerTargetSpec,
     *,
-    hypothesis_profile: str = "ci",
-    max_examples: int | None = None,
-    steps: int | None = None,
-    seed: int | None = None,
-    target_name: str = "target",
     level: int = 1,
-    program_timeout: float | None = DEFAULT_PROGRAM_TIMEOUT,
-    on_example: Callable[[int], None] | None = None,
+    **options: Unpack[RunOptions],
 ) -> ConformanceReport:
     """Check a KV cache manager against the model: a ``ConformanceReport``, never a raise.
 
@@ -38,14 +31,9 @@ def run_request_conformance(
         assert report.conforms, report.failure
 
     ``target`` also says which part of the machine's space the manager is
-    checked on (layouts, profiles, events, block sizes, windows).
+    checked on (layouts, profiles, events, block sizes, windows). ``options``
+    are the runner's (``kvpool.specs.runner.run.RunOptions``).
     """
-    report = ConformanceReport(
-        target=target_name,
-        level=level,
-        profiles=tuple(p.name for p in target.profiles),
-        hypothesis_profile=hypothesis_profile,
-    )
     machine = manager_machine(
         target.factory,
         layouts=target.layouts,
@@ -57,12 +45,5 @@ def run_request_conformance(
         level=level,
     )
     return run_machine(
-        machine,
-        report,
-        hypothesis_profile=hypothesis_profile,
-        max_examples=max_examples,
-        steps=steps,
-        seed=seed,
-        program_timeout=program_timeout,
-        on_example=on_example,
+        machine, level=level, profiles=tuple(p.name for p in target.profiles), **options
     )

@@ -11,9 +11,9 @@ printed or the calls the machine traced.
 """
 
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import TypedDict
+from typing import TypedDict, Unpack
 
 from hypothesis import settings as Settings
 from hypothesis.internal.conjecture import providers
@@ -27,8 +27,17 @@ from kvpool.specs.runner.report import ConformanceReport, Counterexample
 from kvpool.specs.runner.watchdog import DEFAULT_PROGRAM_TIMEOUT, Deadlines, program_deadlines
 
 
-class RunOptions(TypedDict):
-    """The options every layer's check takes, whatever the layer."""
+class RunOptions(TypedDict, total=False):
+    """The options every layer's check takes, whatever the layer (all optional).
+
+    ``hypothesis_profile`` (default ``ci``) is a profile of
+    ``kvpool.specs.runner.settings``; ``max_examples``, ``steps`` and ``seed``
+    override it. ``target_name`` names the target in the report (default
+    ``target``). ``on_example`` is called with the number of programs run so
+    far. A program running longer than ``program_timeout`` seconds (default
+    60) ends the check with a target error: the target hangs; None removes the
+    limit.
+    """
 
     hypothesis_profile: str
     max_examples: int | None
@@ -51,26 +60,32 @@ class LastProgram:
 
 def run_machine(
     machine: type[RuleBasedStateMachine],
-    report: ConformanceReport,
     *,
-    hypothesis_profile: str = "ci",
-    max_examples: int | None = None,
-    steps: int | None = None,
-    seed: int | None = None,
-    program_timeout: float | None = DEFAULT_PROGRAM_TIMEOUT,
-    on_example: Callable[[int], None] | None = None,
+    level: int,
+    profiles: Sequence[str],
     preflight: Callable[[], None] | None = None,
     explain: Explain | None = None,
     traced_program: bool = False,
     overrides: Mapping[str, object] | None = None,
+    **options: Unpack[RunOptions],
 ) -> ConformanceReport:
-    """Run ``machine`` and fill in ``report``; never raises for a failure of the target.
+    """Run ``machine`` and report how it went; never raises for a failure of the target.
 
-    ``preflight`` runs first and may raise ``TargetError`` (the target cannot
+    ``level`` and ``profiles`` (what the target is checked at) go into the
+    report. ``preflight`` runs first and may raise ``TargetError`` (the target cannot
     be checked here). ``traced_program`` reports the failing program as the
     calls the machine traced (``LockStep.trace``) instead of the program
     Hypothesis printed. ``overrides`` are further Hypothesis settings.
     """
+    hypothesis_profile = options.get("hypothesis_profile", "ci")
+    seed = options.get("seed")
+    on_example = options.get("on_example")
+    report = ConformanceReport(
+        target=options.get("target_name", "target"),
+        level=level,
+        profiles=tuple(profiles),
+        hypothesis_profile=hypothesis_profile,
+    )
     if preflight is not None:
         try:
             preflight()
@@ -83,7 +98,14 @@ def run_machine(
     last = LastProgram()
     deadlines = Deadlines(None)
     counted = _counting(machine, report, on_example, lambda: deadlines.start_program(), last)
-    test = machine_test(counted, hypothesis_profile, max_examples, steps, seed, overrides)
+    test = machine_test(
+        counted,
+        hypothesis_profile,
+        options.get("max_examples"),
+        options.get("steps"),
+        seed,
+        overrides,
+    )
     if seed is not None:
         report.notes.append(f"seed {seed}")
 
@@ -93,7 +115,7 @@ def run_machine(
     try:
         with (
             with_reporter(lambda value: printed.append(str(value))),
-            program_deadlines(program_timeout) as deadlines,
+            program_deadlines(options.get("program_timeout", DEFAULT_PROGRAM_TIMEOUT)) as deadlines,
             only_global_constants(),
         ):
             test()
