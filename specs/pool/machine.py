@@ -16,7 +16,6 @@ not sent, and is counted (see ``hypothesis.event``). Level 2 also sends
 invalid calls and requires the same rejection with the state unchanged.
 """
 
-import difflib
 import inspect
 import math
 from collections.abc import Callable, Collection, Sequence
@@ -55,7 +54,7 @@ from kvpool.specs.pool.target import (
     Snapshottable,
     TargetFactory,
 )
-from kvpool.specs.runner.lockstep import LockStep
+from kvpool.specs.runner.lockstep import LockStep, dump_diff
 
 T = TypeVar("T")
 
@@ -86,14 +85,7 @@ def request_for(tokens: Sequence[int], hash_block_size: int) -> CacheRequest:
 
 def state_diff(expected: PoolState, actual: PoolState) -> str:
     """The two states side by side, as a unified diff of their dumps."""
-    lines = difflib.unified_diff(
-        dump_state(expected).splitlines(),
-        dump_state(actual).splitlines(),
-        fromfile="model",
-        tofile="target",
-        lineterm="",
-    )
-    return "\n".join(lines)
+    return dump_diff(dump_state(expected), dump_state(actual))
 
 
 BLOCK_IDS = Bundle("block_ids")

@@ -17,6 +17,7 @@ Every call the target received is kept in ``trace``, with the model's
 result, so a failure can name the program in the protocol's terms.
 """
 
+import difflib
 from collections.abc import Callable
 from typing import Any, ClassVar, Generic, NoReturn, TypeVar
 
@@ -174,3 +175,11 @@ class LockStep(Generic[S, Tgt]):
     def trace_lines(self) -> list[str]:
         """The calls of this program, one per line, with the model's results."""
         return [call if result is _NOTE else f"{call} -> {result!r}" for call, result in self.trace]
+
+
+def dump_diff(expected: str, actual: str) -> str:
+    """Two state dumps, the model's and the target's, as a unified diff."""
+    lines = difflib.unified_diff(
+        expected.splitlines(), actual.splitlines(), fromfile="model", tofile="target", lineterm=""
+    )
+    return "\n".join(lines)

@@ -27,7 +27,6 @@ Two **disciplines** decide which programs are generated:
   machine finds its evictor bugs (docs/semantics.md, "The v0 allocator").
 """
 
-import difflib
 from collections.abc import Sequence
 from typing import ClassVar, NoReturn
 
@@ -45,7 +44,7 @@ from kvpool.model import PoolError
 from kvpool.model import v0 as model
 from kvpool.model.v0 import V0Config, V0State
 from kvpool.specs.errors import Divergence
-from kvpool.specs.runner.lockstep import LockStep
+from kvpool.specs.runner.lockstep import LockStep, dump_diff
 from kvpool.specs.v0.invariants import (
     V0InvariantViolation,
     cached_prefix_closed,
@@ -412,15 +411,7 @@ class V0Machine(LockStep[V0State, V0Target], RuleBasedStateMachine):
 
 def state_diff(expected: V0State, actual: V0State) -> str:
     """The two states side by side, as a unified diff of their dumps."""
-    return "\n".join(
-        difflib.unified_diff(
-            dump_v0_state(expected).splitlines(),
-            dump_v0_state(actual).splitlines(),
-            fromfile="model",
-            tofile="target",
-            lineterm="",
-        )
-    )
+    return dump_diff(dump_v0_state(expected), dump_v0_state(actual))
 
 
 def v0_machine(
