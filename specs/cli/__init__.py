@@ -23,7 +23,7 @@ from kvpool.specs.runner.report import ConformanceReport
 from kvpool.specs.runner.settings import PROFILE_NAMES, default_profile_name
 from kvpool.specs.targets import LAYERS, TargetDescriptor, TargetSpecError, resolve
 from kvpool.specs.targets.vllm.releases import forwarded_options, run_check_in_release
-from kvpool.specs.teaching.explain import explain
+from kvpool.specs.teaching.command import explain
 
 app = typer.Typer(
     help="kvpool: check KV-cache block pools against an executable specification.",

@@ -1,29 +1,27 @@
-"""``kvpool explain``: a scenario told step by step, with the pool drawn after each step.
+"""A pool scenario told step by step, with the pool drawn after each step.
 
 The scenario is a built-in one (``kvpool explain --list``), a conformance
 vector file (``.jsonl``: the vector a divergence writes beside its regression
 test is one) or the id of a vector in the bundled corpus. Each step is run on
 the model; the terminal shows the narration, the result, the events and the
-pool; ``--html OUT`` writes the same as one self-contained page with an SVG
-picture per step (``kvpool.specs.teaching.pictures``).
+pool; ``render_html`` writes the same as one self-contained page with an SVG
+picture per step (``kvpool.specs.teaching.pictures``). The command itself,
+which also tells request-layer scenarios (``request_explain``), is in
+``command``.
 """
 
 import html
 import json
-from collections.abc import Sequence
-from pathlib import Path
-from typing import Annotated
+from collections.abc import Mapping, Sequence
 
-import typer
-from rich.columns import Columns
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from kvpool.model import (
     NULL_BLOCK_ID,
-    PROFILES,
     AllBlocksCleared,
+    BlockHash,
     BlockRemoved,
     BlockStored,
     FreeOrder,
@@ -33,10 +31,8 @@ from kvpool.model import (
 )
 from kvpool.specs.protocol.codec import Json
 from kvpool.specs.teaching import scenarios
-from kvpool.specs.teaching.pictures import hash_label, key_label, render_svg
-from kvpool.specs.teaching.scenarios import Outcome, Scenario, ScenarioError
-
-EXIT_OK, EXIT_ERROR = 0, 2
+from kvpool.specs.teaching.pictures import hash_label, key_label, named, render_svg
+from kvpool.specs.teaching.scenarios import Outcome, Scenario
 
 HASHED_STYLE = "black on #f6c560"
 HASHLESS_STYLE = "black on #dde3ea"
@@ -187,13 +183,18 @@ def _result_text(outcome: Outcome) -> str:
 # --------------------------------------------------------------------------
 
 
-def _block_text(state: PoolState, block_id: int, changed: frozenset[int]) -> Text:
+def _block_text(
+    state: PoolState,
+    block_id: int,
+    changed: frozenset[int],
+    labels: Mapping[BlockHash, str] | None = None,
+) -> Text:
     block = state.blocks[block_id]
     if block_id == NULL_BLOCK_ID:
         return Text(" 0 null ", style=NULL_STYLE)
     label = f" {block_id}"
     if block.block_hash is not None:
-        label += f" {hash_label(block.block_hash[0], width=7)}"
+        label += f" {named(block.block_hash[0], labels, width=7)}"
         if block.partial_keys:
             label += f" +{len(block.partial_keys)}"
     if block.ref_cnt > 0:
@@ -207,8 +208,15 @@ def _block_text(state: PoolState, block_id: int, changed: frozenset[int]) -> Tex
     return text
 
 
-def pool_table(state: PoolState, changed: frozenset[int] = frozenset()) -> Table:
-    """The pool as three rows: free queue, hash map, held blocks (and the null block)."""
+def pool_table(
+    state: PoolState,
+    changed: frozenset[int] = frozenset(),
+    labels: Mapping[BlockHash, str] | None = None,
+) -> Table:
+    """The pool as three rows: free queue, hash map, held blocks (and the null block).
+
+    ``labels`` names hashes for the reader (see ``pictures.named``).
+    """
     table = Table(show_header=False, box=None, padding=(0, 1))
     table.add_column(style="bold", no_wrap=True)
     table.add_column()
@@ -216,16 +224,18 @@ def pool_table(state: PoolState, changed: frozenset[int] = frozenset()) -> Table
     for i, block_id in enumerate(state.free_queue):
         if i:
             row.append(" ")
-        row.append_text(_block_text(state, block_id, changed))
+        row.append_text(_block_text(state, block_id, changed, labels))
     if not state.free_queue:
         row.append("(empty: every usable block is held)", style="dim")
     table.add_row("free queue", row)
     keys = Text()
     entries: list[tuple[HashKey, tuple[int, ...]]] = sorted(state.cached.items())
+    if labels is not None:
+        entries.sort(key=lambda item: (item[0][1], key_label(item[0], labels)))
     for i, (key, ids) in enumerate(entries):
         if i:
             keys.append("   ")
-        keys.append(key_label(key), style="bold")
+        keys.append(key_label(key, labels), style="bold")
         keys.append(f" → {_ids(ids)}")
     if not entries:
         keys.append("(empty)", style="dim")
@@ -233,7 +243,7 @@ def pool_table(state: PoolState, changed: frozenset[int] = frozenset()) -> Table
     held = Text()
     for block_id in range(1, state.config.num_blocks):
         if state.blocks[block_id].ref_cnt > 0:
-            held.append_text(_block_text(state, block_id, changed))
+            held.append_text(_block_text(state, block_id, changed, labels))
             held.append(" ")
     if not held:
         held.append("(none) ", style="dim")
@@ -350,89 +360,3 @@ def render_html(scenario: Scenario) -> str:
         parts.append(f"<figure>{svg}</figure></section>")
     parts.append("</body></html>")
     return "\n".join(parts) + "\n"
-
-
-# --------------------------------------------------------------------------
-# The command
-# --------------------------------------------------------------------------
-
-
-def _list(console: Console) -> None:
-    table = Table("scenario", "what it shows", "steps", "profile", title="built-in scenarios")
-    for s in scenarios.BUILT_IN.values():
-        table.add_row(s.name, s.title, str(len(s.steps)), s.config.profile.name)
-    console.print(table)
-    from kvpool.specs.vectors import bundled_corpus
-
-    ids = []
-    scenario_file = bundled_corpus() / "scenarios.jsonl"
-    if scenario_file.is_file():
-        for line in scenario_file.read_text(encoding="utf-8").splitlines():
-            if line.strip():
-                ids.append(str(json.loads(line)["id"]))
-    console.print(
-        "Also: any conformance vector file (.jsonl, e.g. the one `kvpool check` writes "
-        "beside a regression test; --vector ID picks one of several), or the id of a "
-        "bundled vector:",
-        highlight=False,
-    )
-    console.print(Columns(ids, padding=(0, 3)))
-
-
-def explain(
-    scenario: Annotated[
-        str | None,
-        typer.Argument(
-            help="A built-in scenario (see --list), a vector file (.jsonl) or a bundled vector id.",
-            show_default=False,
-        ),
-    ] = None,
-    list_scenarios: Annotated[
-        bool, typer.Option("--list", help="List the built-in scenarios and exit.")
-    ] = False,
-    html_out: Annotated[
-        Path | None,
-        typer.Option(
-            "--html", help="Also write a self-contained HTML page with a picture per step."
-        ),
-    ] = None,
-    vector: Annotated[
-        str | None, typer.Option(help="The id of the vector to explain, in a file of several.")
-    ] = None,
-    profile: Annotated[
-        str | None,
-        typer.Option(help=f"Replay under another semantics profile: {', '.join(PROFILES)}."),
-    ] = None,
-) -> None:
-    """Step through a scenario on the model, drawing the pool after every operation."""
-    console = Console(highlight=False)
-    errors = Console(stderr=True)
-    if list_scenarios:
-        _list(console)
-        return
-    if scenario is None:
-        errors.print("[red]name a scenario (kvpool explain --list shows them)[/red]")
-        raise typer.Exit(EXIT_ERROR)
-    try:
-        chosen = scenarios.resolve(scenario, vector)
-    except ScenarioError as error:
-        errors.print(f"[red]{error}[/red]", highlight=False)
-        raise typer.Exit(EXIT_ERROR) from error
-    if profile is not None:
-        if profile not in PROFILES:
-            errors.print(f"[red]unknown profile {profile!r}; known: {', '.join(PROFILES)}[/red]")
-            raise typer.Exit(EXIT_ERROR)
-        chosen = chosen.with_profile(profile)
-    mismatches = print_scenario(console, chosen)
-    if mismatches:
-        console.print(
-            f"[red]{mismatches} step(s) answer differently from the vector: it was "
-            "recorded by another version of the model, or by a diverging target.[/red]"
-        )
-    if html_out is not None:
-        try:
-            html_out.write_text(render_html(chosen), encoding="utf-8")
-        except OSError as error:
-            errors.print(f"[red]cannot write {html_out}: {error}[/red]", highlight=False)
-            raise typer.Exit(EXIT_ERROR) from error
-        console.print(f"wrote {html_out}")

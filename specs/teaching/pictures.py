@@ -23,7 +23,7 @@ True
 """
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from xml.sax.saxutils import escape
 
@@ -117,9 +117,22 @@ def free_queue_order(svg: str) -> list[int]:
     return [int(m) for m in re.findall(r'<g data-block="(\d+)">', svg[start:end])]
 
 
-def key_label(key: HashKey) -> str:
-    """``hash g<group>``, e.g. ``AB g0``."""
-    return f"{hash_label(key[0])} g{key[1]}"
+def key_label(key: HashKey, labels: Mapping[BlockHash, str] | None = None) -> str:
+    """``hash g<group>``, e.g. ``AB g0``; ``labels`` may name hashes for the reader."""
+    return f"{named(key[0], labels)} g{key[1]}"
+
+
+def named(block_hash: BlockHash, labels: Mapping[BlockHash, str] | None, width: int = 8) -> str:
+    """The reader's name for a hash if ``labels`` has one (long ones keep their end), else
+    ``hash_label``.
+
+    >>> named(b"\x01", {b"\x01": "ABCDEFGHIJ"}), named(b"AB", None)
+    ('…DEFGHIJ', 'AB')
+    """
+    if labels is None or block_hash not in labels:
+        return hash_label(block_hash, width)
+    text = labels[block_hash]
+    return text if len(text) <= width else "…" + text[-(width - 1) :]
 
 
 @dataclass(frozen=True)
@@ -181,9 +194,10 @@ def _block(
     block_id: int,
     held: bool,
     highlighted: bool,
+    labels: Mapping[BlockHash, str] | None = None,
 ) -> None:
     svg.add(f'<g data-block="{block_id}">')
-    _block_body(svg, box, state, block_id, held, highlighted)
+    _block_body(svg, box, state, block_id, held, highlighted, labels)
     svg.add("</g>")
 
 
@@ -194,6 +208,7 @@ def _block_body(
     block_id: int,
     held: bool,
     highlighted: bool,
+    labels: Mapping[BlockHash, str] | None = None,
 ) -> None:
     block = state.blocks[block_id]
     if block_id == NULL_BLOCK_ID:
@@ -218,7 +233,7 @@ def _block_body(
         return
     svg.text(box.cx, box.y + 20, str(block_id), size=15, anchor="middle", fill=ink, weight="bold")
     if block.block_hash is not None:
-        label = hash_label(block.block_hash[0], width=7)
+        label = named(block.block_hash[0], labels, width=7)
         extra = len(block.partial_keys)
         svg.text(box.cx, box.y + 37, label, size=11, anchor="middle", fill=ink, mono=True)
         if extra:
@@ -237,11 +252,17 @@ def _arrowhead(x: int, y: int, up: bool) -> str:
     return f'<polygon points="{x},{tip} {x - 5},{base} {x + 5},{base}" fill="{ARROW}"/>'
 
 
-def render_svg(state: PoolState, caption: str = "", highlight: Iterable[int] = ()) -> str:
+def render_svg(
+    state: PoolState,
+    caption: str = "",
+    highlight: Iterable[int] = (),
+    labels: Mapping[BlockHash, str] | None = None,
+) -> str:
     """The pool as an SVG document (a string starting with ``<svg``).
 
     ``caption`` is printed above the picture (wrapped); ``highlight`` names
-    blocks to outline, e.g. the blocks the last operation changed.
+    blocks to outline, e.g. the blocks the last operation changed; ``labels``
+    names hashes (the request layer's SHA-256 hashes by the prefix they cover).
     """
     marked = frozenset(highlight)
     config = state.config
@@ -288,7 +309,7 @@ def render_svg(state: PoolState, caption: str = "", highlight: Iterable[int] = (
     wanted: list[tuple[int, HashKey, int]] = []
     for key in keys:
         targets = [boxes[b].cx for b in state.cached[key] if b in boxes]
-        width = len(key_label(key)) * CHAR_W + 16
+        width = len(key_label(key, labels)) * CHAR_W + 16
         centre = sum(targets) // len(targets) if targets else x0 + width // 2
         wanted.append((centre - width // 2, key, width))
     wanted.sort(key=lambda item: (item[0], item[1]))
@@ -335,13 +356,13 @@ def render_svg(state: PoolState, caption: str = "", highlight: Iterable[int] = (
             f'<rect x="{kbox.x}" y="{kbox.y}" width="{kbox.w}" height="{kbox.h}" rx="4" '
             f'fill="{KEY_FILL}" stroke="{ARROW}" stroke-width="1"/>'
         )
-        svg.text(kbox.cx, kbox.y + 16, key_label(key), size=12, anchor="middle", mono=True)
+        svg.text(kbox.cx, kbox.y + 16, key_label(key, labels), size=12, anchor="middle", mono=True)
 
     # --- held blocks and the null block ------------------------------------
     svg.text(MARGIN, held_y + 20, "held", size=13, weight="bold")
     svg.text(MARGIN, held_y + 36, f"{len(held)} block(s)", size=11, fill=MUTED)
     svg.add('<g class="null-block">')
-    _block(svg, null_box, state, NULL_BLOCK_ID, held=False, highlighted=False)
+    _block(svg, null_box, state, NULL_BLOCK_ID, held=False, highlighted=False, labels=labels)
     svg.add("</g>")
     svg.text(null_box.cx, held_y + BLOCK_H + 14, "never free", size=10, anchor="middle", fill=MUTED)
     sep_x = null_box.x + null_box.w + (3 * GAP) // 2
@@ -362,7 +383,7 @@ def render_svg(state: PoolState, caption: str = "", highlight: Iterable[int] = (
     for band, members, is_held in (("free-queue", free, False), ("held", held, True)):
         svg.add(f'<g class="{band}">')
         for block_id in members:
-            _block(svg, boxes[block_id], state, block_id, is_held, block_id in marked)
+            _block(svg, boxes[block_id], state, block_id, is_held, block_id in marked, labels)
         svg.add("</g>")
 
     # --- legend and summary, wrapped to the width of the drawing ----------
