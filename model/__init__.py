@@ -2,7 +2,7 @@
 
 Read ``pool.py`` top to bottom: one pure function per operation over the
 immutable data of ``state.py``. The request layer builds on it: ``hashing.py``
-(block hashes), ``request.py``, ``managers.py`` (one KV cache group per
+(block hashes), ``request.py``, ``single_type.py`` (one KV cache group per
 attention type) and ``manager.py`` (the KV cache manager). Nothing here
 imports anything else of kvpool.
 """

@@ -17,6 +17,7 @@ Each is computed by calling the model's own functions (``single_type`` and
 ['AB', 'CD']
 """
 
+import textwrap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -218,15 +219,24 @@ def hits_text(rows: Sequence[HitRow], title: str = "", legend: bool = True) -> s
     }
     lines = [title] if title else []
     width = max((len(r.label) for r in rows), default=0)
-    for row in rows:
-        cells = []
-        for c in row.cells:
-            mark = f"#{c.block}" if c.kind == HIT else symbol[c.kind]
-            cells.append(f"{c.tokens}:{mark}")
-        lines.append(f"  {row.label.ljust(width)}  {' '.join(cells)}  -> {row.num_tokens} tokens")
+    texts = [
+        [f"{c.tokens}:" + (f"#{c.block}" if c.kind == HIT else symbol[c.kind]) for c in row.cells]
+        for row in rows
+    ]
+    columns = max((len(t) for t in texts), default=0)
+    widths = [max((len(t[i]) for t in texts if i < len(t)), default=0) for i in range(columns)]
+    for row, cells in zip(rows, texts, strict=True):
+        padded = " ".join(cell.ljust(widths[i]) for i, cell in enumerate(cells))
+        padded = padded.ljust(sum(widths) + len(widths) - 1)
+        lines.append(f"  {row.label.ljust(width)}  {padded}  -> {row.num_tokens} tokens")
     if legend:
-        lines.append(f"  ({HITS_LEGEND})")
+        lines.append(legend_text())
     return "\n".join(lines)
+
+
+def legend_text() -> str:
+    """The key to ``hits_text``'s cells, wrapped."""
+    return textwrap.fill(f"({HITS_LEGEND})", 88, initial_indent="  ", subsequent_indent="   ")
 
 
 def spec_groups(specs: Sequence[KVCacheSpec]) -> list[tuple[KVCacheSpec, list[int]]]:

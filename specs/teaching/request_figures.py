@@ -167,7 +167,7 @@ def _rounds_text() -> str:
             facts.hits_text(r.rows, f"round {n}, candidate {r.length} tokens:", legend=False)
         )
     parts.append(f"settled: {length} tokens in every group")
-    parts.append(f"({facts.HITS_LEGEND})")
+    parts.append(facts.legend_text())
     return "\n".join(parts)
 
 

@@ -487,12 +487,114 @@ HASHLESS_FIRST_UNDER_APPEND = Scenario(
     steps=_HASHLESS_STEPS,
 )
 
+EVICT_HELD_THEN_FREE = Scenario(
+    name="evict-held-then-free",
+    title="A held block is evicted, then freed: it goes to the front",
+    summary=(
+        "evict_blocks drops a block's hashes and moves nothing. A held block stays held; "
+        "when it is freed later it carries no hash, so it joins the front of the free "
+        "queue and is the next block handed out, while its cached neighbours go to the back."
+    ),
+    config=_config(6, enable_events=True),
+    steps=(
+        new_blocks(3, "A request takes blocks 1, 2 and 3."),
+        cache_full("ABC", [1, 2, 3], 0, 3, "All three are full and cached as A, AB and ABC."),
+        evict(
+            [2],
+            "evict_blocks drops AB from block 2 while the request still holds it: one "
+            "BlockRemoved, and block 2 stays held, in place, with no hash.",
+        ),
+        lookup("AB", "AB now misses."),
+        lookup(
+            "ABC",
+            "ABC still hits by its hash, though its prefix AB is gone: a prefix search "
+            "stops at the AB miss and never reaches it.",
+        ),
+        free(
+            [3, 2, 1],
+            "The request finishes, last block first. Block 2 has no hash now, so it goes to "
+            "the front; 3 and 1 are cached and go to the back.",
+        ),
+        new_blocks(1, "The next allocation takes block 2 first; nothing cached is evicted."),
+        take_events(
+            "The events: one BlockStored for A, AB and ABC, one BlockRemoved for AB; the "
+            "free and the allocation of a hash-less block emit nothing."
+        ),
+    ),
+)
+
+DUPLICATES_FREED = Scenario(
+    name="duplicates-freed",
+    title="Duplicates are freed and evicted one copy at a time",
+    summary=(
+        "Two copies of one prefix are two blocks under one key. Each copy is freed with "
+        "its request and evicted on its own when the free queue reaches it; the key stays "
+        "cached while any copy lives, and the oldest remaining copy answers lookups."
+    ),
+    config=_config(7, enable_events=True),
+    steps=(
+        new_blocks(2, "Request 1 takes blocks 1 and 2 for its prompt AB."),
+        new_blocks(2, "Request 2, scheduled in the same step, takes blocks 3 and 4 for AB too."),
+        cache_full("AB", [1, 2], 0, 2, "Request 1 caches A and AB."),
+        cache_full("AB", [3, 4], 0, 2, "Request 2 caches the same keys: each now has two blocks."),
+        free(
+            [2, 1],
+            "Request 1 finishes: its cached blocks go to the back of the queue, still cached.",
+        ),
+        lookup("AB", "A lookup still returns block 2, the first inserted, though it is free."),
+        free([4, 3], "Request 2 finishes: its copies go to the back too, behind request 1's."),
+        new_blocks(
+            3,
+            "Three blocks are needed: the never-used 5 and 6, then block 2, whose copy of AB "
+            "is evicted (one BlockRemoved). The key AB stays, with block 4.",
+        ),
+        lookup("AB", "Now block 4, the remaining copy, answers for AB."),
+        take_events(
+            "The events: two BlockStored, one per cache_full_blocks call, each with A and AB, "
+            "and one BlockRemoved AB. A router that counts copies still holds AB once."
+        ),
+    ),
+)
+
+EVENT_TRACE = Scenario(
+    name="event-trace",
+    title="Which operations emit which events",
+    summary=(
+        "Only changes to the hash map emit events: BlockStored when blocks are cached, "
+        "BlockRemoved when a block loses a key (eviction by allocation or by evict_blocks), "
+        "AllBlocksCleared when a reset succeeds. Allocating, touching, freeing and looking "
+        "up emit nothing."
+    ),
+    config=_config(5, enable_events=True),
+    steps=(
+        new_blocks(2, "A request takes blocks 1 and 2: no event."),
+        cache_full("AB", [1, 2], 0, 2, "Both are cached: one BlockStored with A and AB."),
+        lookup("AB", "A lookup: no event."),
+        touch([1, 2], "A second request shares both blocks: no event."),
+        free([2, 1], "The first request finishes; the blocks are still held: no event."),
+        free([2, 1], "The second finishes; both blocks are free and cached: still no event."),
+        new_blocks(
+            3,
+            "Three blocks are needed: 3, 4, then block 2, which is reused and loses AB: "
+            "one BlockRemoved.",
+        ),
+        evict([1], "evict_blocks drops A from free block 1: one BlockRemoved."),
+        reset("A reset while blocks are held is refused: no event."),
+        free([2, 4, 3], "The blocks are freed: no event."),
+        reset("The reset succeeds: one AllBlocksCleared."),
+        take_events("take_events hands over the four events, oldest first."),
+    ),
+)
+
 BUILT_IN: dict[str, Scenario] = {
     s.name: s
     for s in (
         TUTORIAL,
         HIT_ON_EVICTION_CANDIDATE,
         DUPLICATES,
+        DUPLICATES_FREED,
+        EVICT_HELD_THEN_FREE,
+        EVENT_TRACE,
         RESET_REFUSED,
         PARTIAL_PROMOTED,
         HASHLESS_FIRST,
