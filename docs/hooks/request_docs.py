@@ -214,10 +214,8 @@ def expand_operations(name: str) -> str:
         ]
         raised = rejections(function)
         if raised:
-            lines += [
-                f"**Raises** (besides what the functions it calls raise): {', '.join(f'`{r}`' for r in raised)}.",
-                "",
-            ]
+            names = ", ".join(f"`{r}`" for r in raised)
+            lines += [f"**Raises** (besides what the functions it calls raise): {names}.", ""]
     return "\n".join(lines)
 
 

@@ -12,7 +12,7 @@ The names are the request-layer figures (``request_figures``) and a trace of
 every pool scenario (``trace:SCENARIO``): each step's call, the free queue and
 hash map after it, and the events it emitted.
 
->>> print(text("trace:evict-held-then-free").splitlines()[3])
+>>> print(text("trace:evict-held-then-free").splitlines()[8])
  3 evict_blocks(block_ids=[2])
 """
 

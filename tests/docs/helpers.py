@@ -17,16 +17,27 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 HOOK = DOCS / "hooks" / "kvpool_docs.py"
+REQUEST_HOOK = DOCS / "hooks" / "request_docs.py"
+
+
+def _load(path: Path, name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @cache
 def hook() -> ModuleType:
     """docs/hooks/kvpool_docs.py, imported the way MkDocs imports it (by path)."""
-    spec = importlib.util.spec_from_file_location("kvpool_docs_hook", HOOK)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _load(HOOK, "kvpool_docs_hook")
+
+
+@cache
+def request_hook() -> ModuleType:
+    """docs/hooks/request_docs.py, imported the way MkDocs imports it (by path)."""
+    return _load(REQUEST_HOOK, "request_docs_hook")
 
 
 def markdown_pages() -> list[Path]:

@@ -16,9 +16,17 @@ from typer.testing import CliRunner
 
 from kvpool import model
 from kvpool.specs.cli import app
-from kvpool.specs.teaching import scenarios
+from kvpool.specs.teaching import command, scenarios
 from kvpool.specs.teaching.scenarios import ScenarioError
-from tests.docs.helpers import DOCS, ROOT, assert_not_blank, hook, markdown_pages, screenshot
+from tests.docs.helpers import (
+    DOCS,
+    ROOT,
+    assert_not_blank,
+    hook,
+    markdown_pages,
+    request_hook,
+    screenshot,
+)
 
 PAGES = markdown_pages()
 FENCE = re.compile(
@@ -76,7 +84,21 @@ def test_mkdocs_build_strict_generates_every_picture(site: Path) -> None:
 def test_no_directive_is_left_unexpanded(site: Path) -> None:
     for html in site.rglob("*.html"):
         text = html.read_text(encoding="utf-8")
-        assert "<!-- kvpool:" not in text and "&lt;!-- kvpool:" not in text, html
+        for prefix in ("kvpool:", "kvpool-request:", "kvpool-v0:", "kvpool-text"):
+            assert f"<!-- {prefix}" not in text and f"&lt;!-- {prefix}" not in text, html
+
+
+def test_the_build_draws_every_request_layer_picture(site: Path) -> None:
+    pictures = request_hook().all_pictures()
+    assert any(p.startswith("pictures/request/request-life/") for p in pictures)
+    assert any(p.startswith("pictures/figures/") for p in pictures)
+    for path in pictures:
+        assert (site / path).is_file(), f"the build did not write {path}"
+    part_2 = (site / "tutorial-request" / "index.html").read_text(encoding="utf-8")
+    for step in range(11):
+        assert f"../pictures/request/request-life/step-{step:02d}.svg" in part_2
+    reference = (site / "reference" / "request-operations" / "index.html").read_text("utf-8")
+    assert 'id="manager-allocate-slots"' in reference
 
 
 def test_the_built_site_renders_in_a_browser(site: Path, tmp_path: Path) -> None:
@@ -125,6 +147,22 @@ def test_the_tutorial_session_ends_where_the_tutorial_scenario_ends() -> None:
     assert test.globs["pool"] == scenarios.final_state(scenarios.get("tutorial"))
 
 
+def test_the_second_tutorial_session_ends_where_the_request_life_scenario_ends() -> None:
+    """Part 2's Python and its pictures' scenario tell the same ten steps."""
+    from kvpool.specs.teaching import request_scenarios, request_stories
+
+    text = (DOCS / "tutorial-request.md").read_text(encoding="utf-8")
+    assert len(re.findall(r"^## \d+\. ", text, re.M)) == 10
+    globs: dict[str, object] = {}
+    test = doctest.DocTestParser().get_doctest(text, globs, "part 2", "tutorial-request.md", 0)
+    runner = doctest.DocTestRunner()
+    runner.run(test, clear_globs=False)
+    assert runner.summarize(verbose=False).failed == 0
+    story = request_stories.get("request-life")
+    assert len(story.steps) == 10
+    assert test.globs["kv"] == request_scenarios.final_state(story).manager
+
+
 def _kvpool_lines() -> list[tuple[str, str]]:
     found = []
     for page in PAGES:
@@ -163,7 +201,7 @@ def test_cheap_kvpool_commands_in_the_docs_run(
     positional = [a for a in args[1:] if not a.startswith("-")]
     if args[0] == "explain" and positional:
         try:
-            scenarios.resolve(positional[0])
+            command.resolve(positional[0])
         except ScenarioError:
             pytest.skip(f"{positional[0]} is a file the reader has, not one the docs ship")
     monkeypatch.chdir(tmp_path)
