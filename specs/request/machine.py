@@ -20,7 +20,10 @@ positions hold the request's own KV, and no request writes into a block
 another request holds.
 
 The target protocol is ``kvpool.specs.request.target``; the lock-step calls
-are ``kvpool.specs.runner.lockstep``.
+are ``kvpool.specs.runner.lockstep``. Every program is also kept as data in
+``script``, in the steps of a request-layer scenario file
+(``kvpool.specs.teaching.request_scenarios``), so that it can be told step by
+step (``kvpool explain``) or turned into a vector.
 """
 
 import math
@@ -184,6 +187,8 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
         self.next_id = 0
         self.truth = KVTruth()
         self.taken: list[KVCacheEvent] = []
+        self.script: list[tuple[str, dict[str, object]]] = []
+        """The program so far as (operation, JSON arguments) of a request scenario file."""
 
     # ------------------------------------------------------------------
     # Construction
@@ -250,6 +255,7 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
         rid = f"r{self.next_id}"
         self.next_id += 1
         request = new_request(rid, prompt, self.setup.hash_block_size, **flavour)
+        self._record("new_request", request_id=rid, prompt=list(prompt), **_flavour_json(flavour))
         self.requests[rid] = request
         self.waiting.append(rid)
         self.truth.learn_hashes(request)
@@ -263,6 +269,7 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
         hit: Blocks | None = None
         num_hit = 0
         if self.setup.enable_caching:
+            self._record("get_computed_blocks", request_id=rid)
             hit, num_hit = self._do(
                 f"get_computed_blocks({rid})",
                 lambda s: model_manager.get_computed_blocks(s, request),
@@ -275,6 +282,14 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
                 )
             )
         num_new = min(chunk, request.num_tokens - num_hit)
+        self._record(
+            "allocate_slots",
+            request_id=rid,
+            num_new_tokens=num_new,
+            num_new_computed_tokens=num_hit,
+            new_computed_blocks=None if hit is None else [list(g) for g in hit],
+            delay_cache_blocks=delay,
+        )
         allocated = self._do(
             f"allocate_slots({rid}, num_new_tokens={num_new}, num_new_computed_tokens={num_hit}, "
             f"new_computed_blocks={hit}, delay_cache_blocks={delay})",
@@ -314,6 +329,9 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
         room = MAX_MODEL_LEN - request.num_tokens - 1
         draft = tuple(drafts[: max(0, room)]) if reaches_end else ()
         num_new = num_real + len(draft)
+        self._record(
+            "allocate_slots", request_id=rid, num_new_tokens=num_new, num_lookahead_tokens=lookahead
+        )
         allocated = self._do(
             f"allocate_slots({rid}, num_new_tokens={num_new}, "
             f"num_lookahead_tokens={lookahead})  # drafts {list(draft)}",
@@ -333,6 +351,7 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
         if preempt and self.running:
             rid = self.running[which % len(self.running)]
             request = self.requests[rid]
+            self._record("preempt", request_id=rid)
             self._free(request)
             self.running.remove(rid)
             self.waiting.append(rid)
@@ -340,6 +359,7 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
             return
         everyone = self.running + self.waiting
         rid = everyone[which % len(everyone)]
+        self._record("free", request_id=rid)
         self._free(self.requests[rid])
         self._forget(rid)
 
@@ -357,6 +377,7 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
             rid = self.running[which % len(self.running)]
             request = self.requests[rid]
             n = request.num_computed_tokens
+            self._record("cache_blocks", request_id=rid, num_computed_tokens=n)
             self._do(
                 f"cache_blocks({rid}, {n})",
                 lambda s: model_manager.cache_blocks(s, request, n),
@@ -366,12 +387,14 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
         elif action == "common_prefix" and self.running and self.lockstep:
             rid = self.running[which % len(self.running)]
             assert self.model is not None and self.target is not None
+            self._record("get_num_common_prefix_blocks", request_id=rid)
             expected = model_manager.get_num_common_prefix_blocks(self.model, rid)
             answer = self.target.get_num_common_prefix_blocks(rid)
             if answer is not None:
                 self._compare(f"get_num_common_prefix_blocks({rid})", expected, tuple(answer))
         elif action == "evict":
             ids = {b for b in block_ids if b < self.setup.num_blocks}
+            self._record("evict_blocks", block_ids=sorted(ids))
             self._do(
                 f"evict_blocks({ids})",
                 lambda s: model_manager.evict_blocks(s, ids),
@@ -379,17 +402,20 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
                 returns_none=True,
             )
         elif action == "reset":
+            self._record("reset_prefix_cache")
             self._do(
                 "reset_prefix_cache()",
                 model_manager.reset_prefix_cache,
                 lambda t: t.reset_prefix_cache(),
             )
         elif action == "take_events":
+            self._record("take_events")
             events = self._do(
                 "take_events()", model_manager.take_events, lambda t: tuple(t.take_events())
             )
             self.taken.extend(events)
         elif action == "take_stats":
+            self._record("make_prefix_cache_stats")
             self._do(
                 "make_prefix_cache_stats()",
                 model_manager.make_prefix_cache_stats,
@@ -483,21 +509,32 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
                 self.truth.write(group, block, position % size, content.prefix(position + 1))
         computed = start + num_new
         if computed < request.num_tokens:
+            self._record("run_model", request_id=rid, num_computed_tokens=computed, sampled=[])
             self.requests[rid] = with_computed(request, computed)
             return
         accepted = draft[: min(accept, len(draft))]
         old_num_tokens = request.num_tokens
         request = append_tokens(request, (*accepted, bonus))
         request = with_computed(request, old_num_tokens + len(accepted))
+        self._record(
+            "run_model",
+            request_id=rid,
+            num_computed_tokens=request.num_computed_tokens,
+            sampled=[*accepted, bonus],
+        )
         self.requests[rid] = request
         self.truth.learn_hashes(request)
         if request.num_tokens >= MAX_MODEL_LEN:
+            self._record("free", request_id=rid)
             self._free(request)
             self._forget(rid)
 
     # ------------------------------------------------------------------
     # Lock-step machinery
     # ------------------------------------------------------------------
+
+    def _record(self, op: str, **args: object) -> None:
+        self.script.append((op, args))
 
     def _table(self, rid: str) -> Blocks:
         assert self.target is not None
@@ -531,6 +568,22 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
         """
         _, result = self._step(description, on_model, on_target, returns_none=returns_none)
         return result  # type: ignore[return-value]
+
+
+def _flavour_json(flavour: dict[str, Any]) -> dict[str, object]:
+    """A request's LoRA adapter, salt and multimodal inputs as scenario-file arguments."""
+    out: dict[str, object] = {}
+    lora = flavour.get("lora")
+    if lora is not None:
+        out["lora"] = {"id": lora.lora_id, "name": lora.name, "path": lora.path}
+    if flavour.get("cache_salt") is not None:
+        out["cache_salt"] = flavour["cache_salt"]
+    if flavour.get("mm_inputs"):
+        out["mm_inputs"] = [
+            {"identifier": m.identifier, "offset": m.offset, "length": m.length}
+            for m in flavour["mm_inputs"]
+        ]
+    return out
 
 
 def _blocks_and_count(result: tuple[Blocks, int]) -> tuple[Blocks, int]:
@@ -570,6 +623,9 @@ class RawManagerMachine(ManagerMachine):
         request = new_request(
             rid, prompt, self.setup.hash_block_size, skip_reading_prefix_cache=True
         )
+        self._record(
+            "new_request", request_id=rid, prompt=list(prompt), skip_reading_prefix_cache=True
+        )
         self.requests[rid] = request
         self.waiting.append(rid)
         self.truth.learn_hashes(request)
@@ -593,23 +649,39 @@ class RawManagerMachine(ManagerMachine):
             f"num_lookahead_tokens={lookahead})",
             lambda s: model_manager.allocate_slots(s, request, num_new, computed, hits, lookahead),
             lambda t: t.allocate_slots(request, num_new, computed, hits, lookahead),
+            (
+                "allocate_slots",
+                {
+                    "request_id": request.request_id,
+                    "num_new_tokens": num_new,
+                    "num_new_computed_tokens": computed,
+                    "new_computed_blocks": None if hits is None else [list(g) for g in hits],
+                    "num_lookahead_tokens": lookahead,
+                },
+            ),
         )
 
     @rule(prompt=PROMPT, call=st.sampled_from(["get_computed_blocks", "allocate_slots"]))
     def request_hashed_in_other_blocks(self, prompt: tuple[int, ...], call: str) -> None:
         """A request whose hashes cover hash blocks of another size than the pool's."""
         request = new_request("stranger", prompt, self.setup.hash_block_size + 1)
+        stranger: dict[str, object] = {"request_id": f"stranger-{len(self.script)}"}
+        self._record(
+            "new_request", **stranger, prompt=list(prompt), hash_block_size=request.hash_block_size
+        )
         if call == "get_computed_blocks":
             self._rejected(
                 "get_computed_blocks(stranger hashed in other blocks)",
                 lambda s: model_manager.get_computed_blocks(s, request),
                 lambda t: t.get_computed_blocks(request),
+                ("get_computed_blocks", stranger),
             )
         else:
             self._rejected(
                 "allocate_slots(stranger hashed in other blocks, 1)",
                 lambda s: model_manager.allocate_slots(s, request, 1),
                 lambda t: t.allocate_slots(request, 1),
+                ("allocate_slots", {**stranger, "num_new_tokens": 1}),
             )
 
     @precondition(lambda self: bool(self.running))
@@ -620,6 +692,10 @@ class RawManagerMachine(ManagerMachine):
             f"cache_blocks({request.request_id}, {num_computed})",
             lambda s: model_manager.cache_blocks(s, request, num_computed),
             lambda t: t.cache_blocks(request, num_computed),
+            (
+                "cache_blocks",
+                {"request_id": request.request_id, "num_computed_tokens": num_computed},
+            ),
         )
 
     @rule(block_ids=st.sets(st.integers(-1, 17), min_size=1, max_size=3))
@@ -628,6 +704,7 @@ class RawManagerMachine(ManagerMachine):
             f"evict_blocks({block_ids})",
             lambda s: model_manager.evict_blocks(s, block_ids),
             lambda t: t.evict_blocks(block_ids),
+            ("evict_blocks", {"block_ids": sorted(block_ids)}),
         )
 
     def _rejected(
@@ -635,12 +712,17 @@ class RawManagerMachine(ManagerMachine):
         description: str,
         on_model: Callable[[KVCacheManagerState], object],
         on_target: Callable[[ManagerTarget], object],
+        step: tuple[str, dict[str, object]],
     ) -> None:
-        """Send the call only if the model rejects it; the target must reject it alike."""
+        """Send the call only if the model rejects it; the target must reject it alike.
+
+        ``step`` is the call as a scenario step, recorded when it is sent.
+        """
         assert self.model is not None
         try:
             on_model(self.model)
         except PoolError as error:
+            self._record(step[0], **step[1])
             self._expect_rejection(description, type(error), on_target)
 
 

@@ -225,7 +225,7 @@ def apply(world: World, op: str, args: Mapping[str, Json]) -> tuple[World, Json]
         request = rq.new_request(
             a["request_id"],
             a["prompt"],
-            world.pool.config.hash_block_size,
+            a["hash_block_size"] or world.pool.config.hash_block_size,
             lora=a["lora"],
             mm_inputs=a["mm_inputs"],
             cache_salt=a["cache_salt"],
@@ -406,6 +406,7 @@ _ARGS: dict[str, tuple[str, ...]] = {
         "mm_inputs",
         "cache_salt",
         "skip_reading_prefix_cache",
+        "hash_block_size",
     ),
     "run_model": ("request_id", "num_computed_tokens", "sampled"),
     "preempt": ("request_id",),
@@ -467,6 +468,8 @@ def decode_args(op: str, args: Mapping[str, Json]) -> dict[str, Any]:
         salt = args.get("cache_salt")
         out["cache_salt"] = None if salt is None else _text(salt, "cache_salt", MAX_ID, empty=True)
         out["skip_reading_prefix_cache"] = _flag(args, "skip_reading_prefix_cache")
+        size = args.get("hash_block_size")
+        out["hash_block_size"] = None if size is None else _count(size, "hash_block_size")
     elif op == "run_model":
         out["num_computed_tokens"] = _count(args["num_computed_tokens"], "num_computed_tokens")
         out["sampled"] = _tokens(args.get("sampled", []), "run_model: sampled")
