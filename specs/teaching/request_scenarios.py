@@ -770,8 +770,17 @@ def _check_references(steps: Sequence[Step], where: str) -> None:
     """Every request a step names arrived in an earlier step and has not finished."""
     live: set[str] = set()
     looked_up: set[str] = set()
+    sizes: dict[str, int] = {}
     for n, step in enumerate(steps, 1):
         rid = step.args.get("request_id")
+        grown = step.args.get("prompt" if step.op == "new_request" else "sampled")
+        if step.op in ("new_request", "run_model") and isinstance(grown, list):
+            before = sizes.get(str(rid), 0) if step.op == "run_model" else 0
+            sizes[str(rid)] = before + len(grown)
+            if sizes[str(rid)] > MAX_TOKENS:
+                raise ScenarioError(
+                    f"{where} step {n}: request {rid!r} exceeds {MAX_TOKENS} tokens"
+                )
         if step.op == "new_request":
             if rid in live:
                 raise ScenarioError(f"{where} step {n}: request {rid!r} is already live")

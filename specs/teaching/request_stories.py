@@ -6,13 +6,13 @@ block of two tokens holds, and is named by, a prefix such as ``ABCD``.
 ``kvpool explain NAME`` tells a story in a terminal or as HTML; the docs
 build draws every picture of the request-layer pages from them.
 
->>> outcome = list(request_scenarios.run(get("hit-stops-one-short")))[3]
+>>> from kvpool.specs.teaching.request_scenarios import run
+>>> outcome = list(run(get("hit-stops-one-short")))[3]
 >>> outcome.step.op, outcome.result["num_tokens"]
 ('get_computed_blocks', 2)
 """
 
 from kvpool.model.single_type import chunked_local, full_attention, mamba, sliding_window
-from kvpool.specs.teaching import request_scenarios
 from kvpool.specs.teaching.request_scenarios import (
     RequestScenario,
     allocate,
@@ -479,6 +479,3 @@ def get(name: str) -> RequestScenario:
         raise ScenarioError(
             f"no built-in request scenario {name!r}; built-in: {', '.join(BUILT_IN)}"
         ) from None
-
-
-__all__ = ["BUILT_IN", "get", "request_scenarios"]

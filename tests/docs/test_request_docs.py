@@ -4,6 +4,7 @@ on its own and names the model function that states it, and every page has its p
 import doctest
 import importlib
 import inspect
+import json
 import re
 from pathlib import Path
 
@@ -206,3 +207,15 @@ def test_a_picture_directive_becomes_a_relative_image_link() -> None:
 
 def test_no_generated_request_picture_is_committed() -> None:
     assert not list(Path(DOCS).rglob("*.svg"))
+
+
+def test_the_scenario_file_example_in_the_formats_page_is_a_valid_scenario() -> None:
+    from kvpool.specs.teaching import request_scenarios
+
+    page = (DOCS / "formats.md").read_text(encoding="utf-8")
+    section = page.split("## Request-layer scenario files", 1)[1]
+    example = section.split("```json\n", 1)[1].split("```", 1)[0]
+    story = request_scenarios.decode(json.loads(example))
+    outcomes = list(request_scenarios.run(story))
+    assert [o.step.op for o in outcomes] == ["new_request", "allocate_slots", "free"]
+    assert all(o.mismatch is None and o.error is None for o in outcomes)

@@ -348,3 +348,15 @@ def test_a_rejected_step_leaves_the_world_and_the_run_goes_on() -> None:
     assert [o.error for o in outcomes] == ["InvalidTokenCount", None, "NoNewTokens", None]
     assert all(o.state == o.before for o in outcomes if o.error)
     assert outcomes[-1].result == [[1, 2]]
+
+
+def test_a_request_may_not_grow_past_the_token_bound(tmp_path: Path) -> None:
+    steps = [{"op": "new_request", "args": {"request_id": "a", "prompt": [1] * 60000}}]
+    steps += [
+        {
+            "op": "run_model",
+            "args": {"request_id": "a", "num_computed_tokens": 0, "sampled": [1] * 3000},
+        }
+    ] * 2
+    with pytest.raises(ScenarioError, match="exceeds"):
+        request_scenarios.load(_write(tmp_path, _minimal(steps=steps)))
