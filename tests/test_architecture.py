@@ -128,6 +128,6 @@ def test_no_adapter_replaces_anything_in_the_runner() -> None:
         f"{path.relative_to(ROOT)}:{number}"
         for path in adapters.rglob("*.py")
         for number, line in enumerate(path.read_text().splitlines(), 1)
-        if "vars(" in line and "] =" in line or "setattr(kvpool" in line
+        if ("vars(" in line and "] =" in line) or "setattr(kvpool" in line
     ]
     assert offenders == []
