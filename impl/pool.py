@@ -53,7 +53,7 @@ from kvpool.model.events import (
     BlockStored,
     KVCacheEvent,
 )
-from kvpool.model.profiles import DEFAULT_PROFILE, FreeOrder, Profile
+from kvpool.model.profiles import DEFAULT_PROFILE, EventSemantics, FreeOrder, Profile
 from kvpool.model.state import BlockState, HashKey, PoolConfig, PoolState
 
 CacheEntry = KVCacheBlock | dict[int, KVCacheBlock]
@@ -88,6 +88,7 @@ class BlockPool:
         "_epoch",
         "_free_by_hash",
         "_hashless_first",
+        "_removal_per_copy",
         "blocks",
         "enable_caching",
         "enable_kv_cache_events",
@@ -143,6 +144,9 @@ class BlockPool:
         # Freed blocks need sorting by hash only when the rule looks at hashes
         # and hashes can exist; otherwise they all go to one end.
         self._free_by_hash = self._hashless_first and enable_caching
+        # Under the last-copy event semantics a key other blocks still carry
+        # is removed without a BlockRemoved.
+        self._removal_per_copy = profile.event_semantics is EventSemantics.MULTISET
         self._epoch = 0
 
     # ------------------------------------------------------------------
@@ -1078,12 +1082,16 @@ class BlockPool:
             self._cached[key] = {entry.block_id: entry, block.block_id: block}
 
     def _drop_keys(self, block: KVCacheBlock) -> None:
-        """Remove every key pointing at ``block`` (primary first), one BlockRemoved each."""
+        """Remove every key pointing at ``block`` (primary first), a BlockRemoved each.
+
+        Under the last-copy event semantics only keys no other block carries
+        are announced.
+        """
         key: Any = block._block_hash
         entry = self._cached.pop(key)
         if entry is not block:
             self._put_back(key, entry, block)
-        if self.enable_kv_cache_events:
+        if self.enable_kv_cache_events and (self._removal_per_copy or entry is block):
             self.kv_event_queue.append(
                 BlockRemoved(block_hashes=(key[0],), medium=self.medium, group_idx=key[1])
             )
@@ -1099,7 +1107,7 @@ class BlockPool:
         entry = self._cached.pop(key)
         if entry is not block:
             self._put_back(key, entry, block)
-        if self.enable_kv_cache_events:
+        if self.enable_kv_cache_events and (self._removal_per_copy or entry is block):
             self.kv_event_queue.append(
                 BlockRemoved(block_hashes=(key[0],), medium=self.medium, group_idx=key[1])
             )

@@ -31,6 +31,7 @@ from kvpool.model.events import (
     BlockRemoved,
     BlockStored,
     KVCacheEvent,
+    fold_events,
 )
 from kvpool.model.hashing import NONE_HASH
 from kvpool.model.pool import (
@@ -51,11 +52,15 @@ from kvpool.model.pool import (
 from kvpool.model.profiles import (
     APPEND,
     DEFAULT_PROFILE,
+    EVENT_SEMANTICS,
     HASHLESS_FIRST,
     HASHLESS_FIRST_APPEND_UNCACHED,
     PROFILES,
+    EventSemantics,
     FreeOrder,
     Profile,
+    profile_named,
+    with_event_semantics,
 )
 from kvpool.model.request import Request
 from kvpool.model.state import (
@@ -71,6 +76,7 @@ from kvpool.model.state import (
 __all__ = [
     "APPEND",
     "DEFAULT_PROFILE",
+    "EVENT_SEMANTICS",
     "HASHLESS_FIRST",
     "HASHLESS_FIRST_APPEND_UNCACHED",
     "MEDIUM_GPU",
@@ -87,6 +93,7 @@ __all__ = [
     "CacheRequest",
     "CachingDisabled",
     "DuplicateBlock",
+    "EventSemantics",
     "FreeOrder",
     "HashKey",
     "InvalidBlockCount",
@@ -109,6 +116,7 @@ __all__ = [
     "cache_full_blocks",
     "cache_partial_block",
     "evict_blocks",
+    "fold_events",
     "free_blocks",
     "get_cached_block",
     "get_new_blocks",
@@ -116,7 +124,9 @@ __all__ = [
     "get_usage",
     "hashes_at_block_size",
     "new_pool",
+    "profile_named",
     "reset_prefix_cache",
     "take_events",
     "touch",
+    "with_event_semantics",
 ]

@@ -7,7 +7,11 @@ opaque ``bytes`` (vLLM converts them to ints on the wire, which is a matter of
 the adapter, not of the semantics).
 """
 
+from collections import Counter
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+
+from kvpool.model.profiles import EventSemantics
 
 MEDIUM_GPU = "GPU"
 
@@ -42,3 +46,43 @@ class AllBlocksCleared:
 
 
 KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+def fold_events(
+    events: Iterable[KVCacheEvent],
+    semantics: EventSemantics = EventSemantics.MULTISET,
+    start: Mapping[tuple[bytes, int], int] | None = None,
+) -> Counter[tuple[bytes, int]]:
+    """The (hash, group) entries a consumer rebuilds from ``events``, continuing from ``start``.
+
+    This is what the stream *means*, the contract every consumer of it must
+    keep. Under ``MULTISET`` each stored hash adds one entry and each removed
+    hash takes one away, so two blocks under one key count 2 and need two
+    removals. Under ``LAST_COPY`` a key is present (count 1) from its first
+    store, however many blocks follow it, until one removal takes it away.
+    ``AllBlocksCleared`` empties everything. A removal of a key the fold does
+    not hold leaves a negative count, which no correct stream produces.
+    ``start`` is not changed.
+
+    >>> stored = BlockStored((b"a",), None, (1,), 1, None, MEDIUM_GPU, None, (None,), 0)
+    >>> removed = BlockRemoved((b"a",), MEDIUM_GPU, 0)
+    >>> dict(fold_events([stored, stored, removed]))
+    {(b'a', 0): 1}
+    >>> dict(+fold_events([stored, stored, removed], EventSemantics.LAST_COPY))
+    {}
+    """
+    entries: Counter[tuple[bytes, int]] = Counter(start or {})
+    per_copy = semantics is EventSemantics.MULTISET
+    for event in events:
+        if isinstance(event, BlockStored):
+            for block_hash in event.block_hashes:
+                key = (block_hash, event.group_idx)
+                entries[key] = entries[key] + 1 if per_copy else 1
+        elif isinstance(event, BlockRemoved):
+            for block_hash in event.block_hashes:
+                key = (block_hash, event.group_idx)
+                held = entries[key]
+                entries[key] = held - 1 if per_copy or held <= 0 else 0
+        elif isinstance(event, AllBlocksCleared):
+            entries.clear()
+    return entries

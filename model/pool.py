@@ -40,7 +40,7 @@ from kvpool.model.events import (
     BlockStored,
     KVCacheEvent,
 )
-from kvpool.model.profiles import DEFAULT_PROFILE, FreeOrder, Profile
+from kvpool.model.profiles import DEFAULT_PROFILE, EventSemantics, FreeOrder, Profile
 from kvpool.model.state import (
     NULL_BLOCK_ID,
     BlockHash,
@@ -562,7 +562,11 @@ def _insert_key(state: PoolState, key: HashKey, block_id: int, num_tokens: int) 
 
 
 def _drop_keys(state: PoolState, block_id: int) -> PoolState:
-    """Remove every key that points at the block, emitting one BlockRemoved per key."""
+    """Remove every key that points at the block, emitting a BlockRemoved per key.
+
+    Under the ``LAST_COPY`` event semantics a key that other blocks still
+    carry is removed silently: only the last block under a key announces it.
+    """
     keys = state.blocks[block_id].hash_keys()
     if not keys:
         return state
@@ -575,5 +579,10 @@ def _drop_keys(state: PoolState, block_id: int) -> PoolState:
             del cached[key]
     state = _set_block(state, block_id, block_hash=None, hash_num_tokens=None, partial_keys=())
     state = replace(state, cached=cached)
-    removed = [BlockRemoved(block_hashes=(h,), medium=MEDIUM_GPU, group_idx=g) for h, g in keys]
+    per_copy = state.config.profile.event_semantics is EventSemantics.MULTISET
+    removed = [
+        BlockRemoved(block_hashes=(h,), medium=MEDIUM_GPU, group_idx=g)
+        for h, g in keys
+        if per_copy or (h, g) not in cached
+    ]
     return _emit(state, *removed)

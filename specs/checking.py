@@ -18,7 +18,7 @@ and the pytest plugin both come through here.
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from kvpool.model import PROFILES
+from kvpool.model import InvalidConfig, profile_named
 from kvpool.specs.pool.check import run_conformance
 from kvpool.specs.request.check import run_request_conformance
 from kvpool.specs.request.target import ManagerTargetSpec
@@ -90,7 +90,7 @@ def check(
         _known_profiles(chosen)
         scope = ManagerTargetSpec(descriptor.factory, **descriptor.scope)
         if chosen:
-            scope = replace(scope, profiles=tuple(PROFILES[p] for p in chosen))
+            scope = replace(scope, profiles=tuple(profile_named(p) for p in chosen))
         return run_request_conformance(scope, level=level, **options)
     unknown = [d for d in chosen if d not in DISCIPLINES]
     if unknown or len(chosen) > 1:
@@ -102,6 +102,8 @@ def check(
 
 
 def _known_profiles(profiles: Sequence[str]) -> None:
-    unknown = [p for p in profiles if p not in PROFILES]
-    if unknown:
-        raise TargetSpecError(f"unknown semantics profile(s) {unknown}; known: {list(PROFILES)}")
+    for name in profiles:
+        try:
+            profile_named(name)
+        except InvalidConfig as error:
+            raise TargetSpecError(str(error)) from None

@@ -3,7 +3,7 @@
 from collections.abc import Collection, Sequence
 from typing import Unpack
 
-from kvpool.model import DEFAULT_PROFILE, PROFILES, Profile
+from kvpool.model import DEFAULT_PROFILE, InvalidConfig, Profile, profile_named
 from kvpool.specs.pool.counterexample import explain
 from kvpool.specs.pool.machine import pool_machine
 from kvpool.specs.pool.record import Recorder
@@ -87,8 +87,9 @@ def _resolve_profiles(profile: str | Profile | Sequence[str | Profile] | None) -
     for p in profile:
         if isinstance(p, Profile):
             chosen.append(p)
-        elif p in PROFILES:
-            chosen.append(PROFILES[p])
         else:
-            raise ValueError(f"unknown profile {p!r}; known: {', '.join(PROFILES)}")
+            try:
+                chosen.append(profile_named(p))
+            except InvalidConfig as error:
+                raise ValueError(str(error)) from None
     return chosen

@@ -8,22 +8,22 @@ the abstraction function into ``PoolState``.
 
 Two invariants need more than one state: LRU order needs the history of
 frees (``FreeHistory``), event-stream consistency needs the events already
-taken out of the pool.
+taken out of the pool. The fold of the events (``fold_events``) is the
+model's (``kvpool.model.events``), shared with the event-consumer layer.
 """
 
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvpool.model import (
     NULL_BLOCK_ID,
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
+    EventSemantics,
     FreeOrder,
     HashKey,
     KVCacheEvent,
     PoolState,
+    fold_events,
 )
 from kvpool.specs.errors import InvariantViolation
 
@@ -225,35 +225,26 @@ def lru_order(state: PoolState, history: FreeHistory) -> Reason:
 # --------------------------------------------------------------------------
 
 
-def fold_events(events: Iterable[KVCacheEvent]) -> Counter[HashKey]:
-    """The multiset of (hash, group) entries a consumer rebuilds from the events."""
-    entries: Counter[HashKey] = Counter()
-    for event in events:
-        if isinstance(event, BlockStored):
-            for block_hash in event.block_hashes:
-                entries[(block_hash, event.group_idx)] += 1
-        elif isinstance(event, BlockRemoved):
-            for block_hash in event.block_hashes:
-                entries[(block_hash, event.group_idx)] -= 1
-        elif isinstance(event, AllBlocksCleared):
-            entries.clear()
-    return entries
-
-
 def event_stream_consistency(state: PoolState, taken: Sequence[KVCacheEvent]) -> Reason:
     """Folding every event emitted so far gives exactly the hash map's entries.
 
     ``taken`` are the events already handed out by take_events, oldest first.
+    The fold is the profile's event semantics (``kvpool.model.fold_events``):
+    one entry per block under a key (multiset), or the keys (last-copy).
     A KV-aware router routes by this stream; if it drifts from the map, the
     router sends requests to engines that no longer hold their prefix.
     """
     if not state.config.enable_events:
         return None
-    folded = fold_events((*taken, *state.pending_events))
+    semantics = state.config.profile.event_semantics
+    folded = fold_events((*taken, *state.pending_events), semantics)
     negative = {k: n for k, n in folded.items() if n < 0}
     if negative:
         return f"events remove entries never stored: {negative}"
-    actual: Counter[HashKey] = Counter({k: len(ids) for k, ids in state.cached.items()})
+    per_copy = semantics is EventSemantics.MULTISET
+    actual: Counter[HashKey] = Counter(
+        {k: len(ids) if per_copy else 1 for k, ids in state.cached.items()}
+    )
     folded = +folded
     if folded != actual:
         return f"events describe {dict(folded)}, the map holds {dict(actual)}"

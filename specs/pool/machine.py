@@ -44,6 +44,7 @@ from kvpool.model import (
     PoolError,
     PoolState,
     Profile,
+    profile_named,
 )
 from kvpool.specs.errors import Divergence
 from kvpool.specs.pool.invariants import FreeHistory, check_all, dump_state
@@ -116,7 +117,7 @@ def _new_pool_rule(
         profile: str,
     ) -> Any:
         config = PoolConfig(
-            num_blocks, enable_caching, hash_block_size, enable_events, PROFILES[profile]
+            num_blocks, enable_caching, hash_block_size, enable_events, profile_named(profile)
         )
         return self.start(config, num_groups)
 

@@ -18,17 +18,18 @@ from typing import Any
 
 from kvpool import model
 from kvpool.model import (
-    PROFILES,
     AllBlocksCleared,
     BlockRemoved,
     BlockState,
     BlockStored,
     CacheRequest,
     HashKey,
+    InvalidConfig,
     KVCacheEvent,
     PoolConfig,
     PoolError,
     PoolState,
+    profile_named,
 )
 from kvpool.model import errors as model_errors
 from kvpool.specs.pool.target import PoolTarget, Snapshottable
@@ -178,15 +179,16 @@ def encode_config(config: PoolConfig) -> Json:
 def decode_config(value: Json) -> PoolConfig:
     """The inverse of ``encode_config``."""
     obj = _object(value, "config")
-    profile = obj.get("profile", model.DEFAULT_PROFILE.name)
-    if profile not in PROFILES:
-        raise ProtocolError(f"unknown profile {profile!r}; known: {', '.join(PROFILES)}")
+    try:
+        profile = profile_named(obj.get("profile", model.DEFAULT_PROFILE.name))
+    except InvalidConfig as error:
+        raise ProtocolError(str(error)) from None
     return PoolConfig(
         num_blocks=_int(obj.get("num_blocks"), "num_blocks"),
         enable_caching=_bool(obj.get("enable_caching", True), "enable_caching"),
         hash_block_size=_int(obj.get("hash_block_size", 1), "hash_block_size"),
         enable_events=_bool(obj.get("enable_events", False), "enable_events"),
-        profile=PROFILES[profile],
+        profile=profile,
     )
 
 

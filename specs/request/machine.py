@@ -33,7 +33,7 @@ from typing import Any, ClassVar, TypeVar
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvpool.model import PROFILES, KVCacheEvent, PoolState, Profile
+from kvpool.model import PROFILES, KVCacheEvent, PoolState, Profile, profile_named
 from kvpool.model import manager as model_manager
 from kvpool.model.errors import PoolError
 from kvpool.model.hashing import LoraAdapter, MultiModalInput
@@ -210,7 +210,7 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
         prompts: list[tuple[int, ...]],
     ) -> None:
         """Build the model and the target; the first requests arrive."""
-        chosen = PROFILES[profile]
+        chosen = profile_named(profile)
         specs = layout_specs(layout, hbs * factor, window, chunk_blocks, MAX_MODEL_LEN, hbs)
         eagle = eagle and layout in ("full", "sliding_window")
         self.setup = ManagerSetup(

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from kvpool import model
-from kvpool.model import PROFILES, PoolConfig, PoolError
+from kvpool.model import PROFILES, PoolConfig, PoolError, profile_named
 from kvpool.specs.pool.machine import request_for
 from kvpool.specs.pool.model_target import ModelTarget
 from kvpool.specs.protocol import codec as protocol
@@ -57,7 +57,7 @@ class Script:
         profile: str = model.DEFAULT_PROFILE.name,
     ) -> None:
         self.config = PoolConfig(
-            num_blocks, enable_caching, hash_block_size, enable_events, PROFILES[profile]
+            num_blocks, enable_caching, hash_block_size, enable_events, profile_named(profile)
         )
         self.id = vector_id
         self.description = description

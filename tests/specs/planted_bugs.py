@@ -62,3 +62,14 @@ def target_of(pool_class: type[BlockPool]) -> Any:
         return target
 
     return make
+
+
+class RemovesEveryCopy(BlockPool):
+    """Claims the last-copy event semantics but publishes a removal per copy, as vLLM does.
+
+    A router told the last-copy contract forgets a prefix another block still holds.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._removal_per_copy = True

@@ -6,7 +6,12 @@ from kvpool.model import PROFILES
 from kvpool.specs.conformance import run_conformance
 from kvpool.specs.pool.model_target import ModelTarget
 from kvpool.specs.targets.impl.pool import ImplTarget
-from tests.specs.planted_bugs import AppendsHashlessBlocks, KeepsStaleHashOnReuse, target_of
+from tests.specs.planted_bugs import (
+    AppendsHashlessBlocks,
+    KeepsStaleHashOnReuse,
+    RemovesEveryCopy,
+    target_of,
+)
 
 MAX_PROGRAM_LINES = 12
 
@@ -45,3 +50,19 @@ def test_planted_bug_is_found_and_shrunk_to_a_short_program(
         e in report.failure + report.program
         for e in (evidence if isinstance(evidence, tuple) else (evidence,))
     ), report.program
+
+
+@pytest.mark.parametrize("profile", ["hashless-first+last-copy", "append+last-copy"])
+def test_impl_conforms_under_the_last_copy_event_semantics(profile: str) -> None:
+    report = run_conformance(ImplTarget, level=2, profile=profile, hypothesis_profile="ci")
+    assert report.conforms, f"{report.program}\n{report.failure}"
+
+
+def test_a_pool_ignoring_the_last_copy_semantics_is_found() -> None:
+    report = run_conformance(
+        target_of(RemovesEveryCopy), level=1, profile="hashless-first+last-copy"
+    )
+    assert not report.conforms
+    assert "event_stream_consistency" in (report.failure or "") or "BlockRemoved" in (
+        report.failure or ""
+    ), report.failure
