@@ -11,14 +11,17 @@
 The target string is resolved by the registry (``kvpool.specs.targets``);
 the descriptor's factory, claimed profiles, unsupported operations, preflight
 and scope go to the layer's own check (``kvpool.specs.pool.check``,
-``kvpool.specs.request.check``, ``kvpool.specs.v0.check``). ``kvpool check``
+``kvpool.specs.request.check``, ``kvpool.specs.v0.check``,
+``kvpool.specs.events.check``). ``kvpool check``
 and the pytest plugin both come through here.
 """
 
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import Unpack
 
-from kvpool.model import InvalidConfig, profile_named
+from kvpool.model import EVENT_SEMANTICS, InvalidConfig, profile_named
+from kvpool.specs.events.check import check_events
 from kvpool.specs.pool.check import run_conformance
 from kvpool.specs.request.check import run_request_conformance
 from kvpool.specs.request.target import ManagerTargetSpec
@@ -29,7 +32,7 @@ from kvpool.specs.targets import TargetDescriptor, TargetSpecError, resolve
 from kvpool.specs.v0.check import check_v0
 from kvpool.specs.v0.machine import DISCIPLINES
 
-LEVELS = {"pool": (1, 2), "request": (1, 2), "v0": (1,)}
+LEVELS = {"pool": (1, 2), "request": (1, 2), "v0": (1,), "events": (1,)}
 """The levels each layer's machine has."""
 
 
@@ -50,8 +53,10 @@ def check(
     """Check ``target`` at ``layer`` and report whether it conforms; never raises for a target.
 
     ``profiles`` are the semantics profiles the target claims (pool and request
-    layers; default: what the target declares, else the kit's default) or, at
-    the v0 layer, the disciplines (``any``, ``engine``). Raises
+    layers; default: what the target declares, else the kit's default), at
+    the v0 layer the disciplines (``any``, ``engine``), at the events layer
+    the event semantics (``multiset``, ``last-copy``; default: run under both,
+    the verdict counting those the target claims). Raises
     ``TargetSpecError`` if the string names no target, or the options do not
     fit the layer: those are the caller's mistakes, not the target's.
     """
@@ -92,6 +97,8 @@ def check(
         if chosen:
             scope = replace(scope, profiles=tuple(profile_named(p) for p in chosen))
         return run_request_conformance(scope, level=level, **options)
+    if layer == "events":
+        return _check_events(descriptor, list(profiles or ()), **options)
     unknown = [d for d in chosen if d not in DISCIPLINES]
     if unknown or len(chosen) > 1:
         raise TargetSpecError(
@@ -107,3 +114,29 @@ def _known_profiles(profiles: Sequence[str]) -> None:
             profile_named(name)
         except InvalidConfig as error:
             raise TargetSpecError(str(error)) from None
+
+
+def _check_events(
+    descriptor: TargetDescriptor, semantics: list[str], **options: Unpack[RunOptions]
+) -> ConformanceReport:
+    """The events layer: a consumer against the model's engines, or a producer against the fold.
+
+    ``semantics`` given: run under those and count them all (the caller claims
+    them); not given: run under every event semantics, counting the ones the
+    target claims.
+    """
+    unknown = [s for s in semantics if s not in EVENT_SEMANTICS]
+    if unknown:
+        raise TargetSpecError(
+            f"unknown event semantics {unknown}; the events layer takes {list(EVENT_SEMANTICS)}"
+        )
+    assert descriptor.factory is not None
+    producer = descriptor.scope.get("role") == "producer"
+    return check_events(
+        None if producer else descriptor.factory,
+        descriptor.factory if producer else None,
+        semantics=semantics or None,
+        claimed=semantics or (None if descriptor.profiles is None else list(descriptor.profiles)),
+        preflight=descriptor.preflight,
+        **options,
+    )

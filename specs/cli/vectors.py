@@ -1,4 +1,10 @@
-"""``kvpool vectors``: export the model's corpus, validate vector files, replay them on a target."""
+"""``kvpool vectors``: export the model's corpus, validate vector files, replay them on a target.
+
+``--layer pool`` (the default) is the pool corpus (``kvpool.specs.vectors``);
+``--layer events`` the event-consumer corpus (``kvpool.specs.vectors.events``),
+replayed on a consumer (``model``, ``dynamo``, ``dynamo:raw``, ``cmd:...``,
+``module:factory``).
+"""
 
 from pathlib import Path
 from typing import Annotated
@@ -8,7 +14,9 @@ from rich.console import Console
 
 from kvpool.specs.errors import TargetAbort, TargetError
 from kvpool.specs.pool.target import TargetFactory
-from kvpool.specs.targets import TargetSpecError, resolve_target
+from kvpool.specs.targets import TargetSpecError, resolve, resolve_target
+from kvpool.specs.vectors import event_corpus
+from kvpool.specs.vectors import events as event_vectors
 from kvpool.specs.vectors.format import VectorFormatError, bundled_corpus, load
 from kvpool.specs.vectors.generate import export
 from kvpool.specs.vectors.replay import run_corpus
@@ -20,6 +28,17 @@ vectors_app = typer.Typer(
 )
 
 EXIT_OK, EXIT_MISMATCH, EXIT_ERROR = 0, 1, 2
+LAYERS = ("pool", "events")
+
+Layer = Annotated[str, typer.Option(help="pool: pool vectors; events: event-consumer vectors.")]
+
+
+def _layer(layer: str) -> str:
+    if layer not in LAYERS:
+        known = ", ".join(LAYERS)
+        Console().print(f"[red]unknown layer {layer!r}: vectors exist for {known}[/red]")
+        raise typer.Exit(EXIT_ERROR)
+    return layer
 
 
 @vectors_app.command("export")
@@ -27,9 +46,11 @@ def export_command(
     directory: Annotated[
         Path, typer.Argument(help="Where to write the .jsonl files and manifest.")
     ],
+    layer: Layer = "pool",
 ) -> None:
     """Write the model's corpus (JSON lines and manifest.json) into DIRECTORY."""
-    manifest = export(directory)
+    writer = export if _layer(layer) == "pool" else event_corpus.export
+    manifest = writer(directory)
     Console().print(
         f"wrote {manifest['count']} vectors in {len(manifest['files'])} files to {directory}"
     )
@@ -38,11 +59,13 @@ def export_command(
 @vectors_app.command("validate")
 def validate_command(
     path: Annotated[Path, typer.Argument(help="A vectors directory (with manifest) or a .jsonl.")],
+    layer: Layer = "pool",
 ) -> None:
     """Check vectors against the schema and the manifest, without running anything."""
     console = Console()
+    reader = load if _layer(layer) == "pool" else event_vectors.load
     try:
-        loaded = load(path)
+        loaded = reader(path)
     except VectorFormatError as error:
         console.print(str(error), markup=False, highlight=False)
         raise typer.Exit(EXIT_ERROR) from None
@@ -56,18 +79,35 @@ def run_command(
         typer.Argument(help="A vectors directory (with manifest) or a .jsonl; default: bundled."),
     ] = None,
     target: Annotated[
-        str, typer.Option(help="impl, model, cmd:PROGRAM ARGS, or module:factory.")
+        str,
+        typer.Option(
+            help="impl, model, cmd:PROGRAM ARGS, or module:factory "
+            "(events layer: a consumer, e.g. model, dynamo, dynamo:raw)."
+        ),
     ] = "impl",
     level: Annotated[
         list[int] | None, typer.Option(help="Run only vectors of this level (repeatable).")
     ] = None,
     profile: Annotated[
-        list[str] | None, typer.Option(help="Run only vectors of this profile (repeatable).")
+        list[str] | None,
+        typer.Option(
+            help="Run only vectors of this profile (repeatable; events layer: event semantics)."
+        ),
     ] = None,
     fail_fast: Annotated[bool, typer.Option(help="Stop at the first mismatch.")] = False,
+    layer: Layer = "pool",
+    against_known: Annotated[
+        bool,
+        typer.Option(
+            help="Events layer: pass when each outcome is the one the vector records for "
+            "this target (known findings stay findings), instead of requiring every match."
+        ),
+    ] = False,
 ) -> None:
     """Replay vectors against a target. Exit 0: all match; 1: a mismatch; 2: cannot run."""
     console = Console()
+    if _layer(layer) == "events":
+        _run_events(console, path, target, profile, fail_fast, against_known)
     source = path or bundled_corpus()
     try:
         vectors = load(source)
@@ -116,3 +156,54 @@ def _supported(
     if declared_profiles is not None:
         profiles = [p for p in (profiles or declared_profiles) if p in declared_profiles]
     return levels, profiles
+
+
+def _run_events(
+    console: Console,
+    path: Path | None,
+    target: str,
+    semantics: list[str] | None,
+    fail_fast: bool,
+    against_known: bool,
+) -> None:
+    """``kvpool vectors run --layer events``: replay event vectors on a consumer; always exits."""
+    source = path or event_vectors.bundled_event_corpus()
+    target = "model" if target == "impl" else target
+    try:
+        vectors = event_vectors.load(source)
+        descriptor = resolve("events", target)
+        if descriptor.scope.get("role") != "consumer" or descriptor.factory is None:
+            raise TargetSpecError(f"{target} is an engine; vectors replay on consumers")
+        if descriptor.preflight is not None:
+            descriptor.preflight(1, semantics or ())
+    except VectorFormatError as error:
+        console.print(f"[red]invalid vectors[/red] in {source}:")
+        console.print(str(error), markup=False, highlight=False)
+        raise typer.Exit(EXIT_ERROR) from None
+    except (TargetSpecError, TargetError, TargetAbort) as error:
+        console.print(f"[red]cannot run target {target!r}:[/red]")
+        console.print(str(error), markup=False, highlight=False)
+        raise typer.Exit(EXIT_ERROR) from None
+    result = event_vectors.run_corpus(descriptor.factory, vectors, target, semantics, fail_fast)
+    close = getattr(descriptor.factory, "close", None)
+    if close is not None:
+        close()
+    for mismatch in result.mismatches[:10]:
+        console.print(mismatch.describe(), markup=False, highlight=False)
+    for problem in result.target_errors[:5]:
+        console.rule("[red]target error[/red]")
+        console.print(problem, markup=False, highlight=False)
+    for line in result.unexpected:
+        console.print(f"[yellow]not as recorded:[/yellow] {line}", highlight=False)
+    failed = len(result.mismatches)
+    console.print(
+        f"{target}: {result.passed} passed, {failed} mismatched, "
+        f"{len(result.target_errors)} target error(s), {result.skipped} skipped "
+        f"({result.run} run from {source})",
+        highlight=False,
+    )
+    if against_known:
+        raise typer.Exit(EXIT_MISMATCH if result.unexpected else EXIT_OK)
+    if result.target_errors:
+        raise typer.Exit(EXIT_ERROR)
+    raise typer.Exit(EXIT_MISMATCH if failed else EXIT_OK)

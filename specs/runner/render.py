@@ -34,10 +34,16 @@ def print_terminal(console: Console, report: ConformanceReport) -> None:
         else:
             console.print(f"[bold]What went wrong ({report.failure_kind}):[/bold]")
             console.print(report.failure or "", markup=False, highlight=False)
+    if report.verdicts:
+        for note in report.notes:
+            console.print(note, markup=False, highlight=False)
     table = Table(title="kvpool check", show_header=False)
     table.add_row("target", report.target)
     table.add_row("level", str(report.level))
     table.add_row("semantics profile(s)", ", ".join(report.profiles))
+    for profile, verdict in report.verdicts.items():
+        claim = "claimed" if profile in report.claimed else "not claimed"
+        table.add_row(f"verdict under {profile} ({claim})", verdict)
     table.add_row("Hypothesis profile", report.hypothesis_profile)
     table.add_row("programs run", str(report.examples_run))
     table.add_row("time", f"{report.seconds:.1f} s")
@@ -124,9 +130,10 @@ def print_counterexample(console: Console, counterexample: Counterexample) -> No
     console.print(f"[bold]Regression test[/bold]{where}:")
     console.print(Syntax(c.regression_test, "python", theme="ansi_dark", word_wrap=True))
     if c.vector_file:
+        layer = "" if c.layer == "pool" else f" --layer {c.layer}"
         console.print(
             f"[bold]The same program as a conformance vector:[/bold] {c.vector_file}\n"
-            f"  kvpool vectors run {c.vector_file} --target ...",
+            f"  kvpool vectors run {c.vector_file}{layer} --target ...",
             highlight=False,
         )
 

@@ -37,6 +37,8 @@ class Counterexample:
     vector: str = ""
     test_file: str | None = None
     vector_file: str | None = None
+    layer: str = "pool"
+    """The layer whose vector format ``vector`` is in (``kvpool vectors run --layer``)."""
 
 
 @dataclass
@@ -58,6 +60,11 @@ class ConformanceReport:
     notes: list[str] = field(default_factory=list)
     counterexample: Counterexample | None = None
     """Where target and model part, side by side, and a regression test (divergences only)."""
+    verdicts: dict[str, str] = field(default_factory=dict)
+    """Layers run once per profile (events): ``conforms``, ``diverges`` or ``target error``
+    for each profile run, claimed or not."""
+    claimed: tuple[str, ...] = ()
+    """Of ``profiles``, those the target claims: only their verdicts decide ``conforms``."""
 
     def fail(self, kind: str, failure: BaseException) -> None:
         """Record that the run ended with ``failure``, of ``kind``."""

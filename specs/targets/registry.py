@@ -2,17 +2,20 @@
 
 Target strings, and the layers each works at:
 
-=========================  ====  =======  ==
-string                     pool  request  v0
-=========================  ====  =======  ==
-``impl``                   yes   yes      no
-``model``                  yes   yes      yes
-``module:factory``         yes   yes      yes
-``cmd:PROGRAM ARGS``       yes   no       no
-``vllm``                   yes   yes      yes
-``vllm:module:Class``      yes   no       no
-``vllm==X.Y.Z``            yes   no       no
-=========================  ====  =======  ==
+=========================  ====  =======  ==  ======
+string                     pool  request  v0  events
+=========================  ====  =======  ==  ======
+``impl``                   yes   yes      no  yes (a producer)
+``model``                  yes   yes      yes yes (the reference consumer)
+``module:factory``         yes   yes      yes yes (a consumer)
+``cmd:PROGRAM ARGS``       yes   no       no  yes (a consumer)
+``vllm``                   yes   yes      yes yes (a producer)
+``vllm:module:Class``      yes   no       no  yes (a producer)
+``vllm==X.Y.Z``            yes   no       no  no
+``dynamo``                 no    no       no  yes (a consumer, as deployed)
+``dynamo:raw``             no    no       no  yes (a consumer, the bare index)
+``pool:SPEC``              no    no       no  yes (the pool SPEC names, a producer)
+=========================  ====  =======  ==  ======
 
 * ``impl``: kvpool's own fast implementation (the default);
 * ``model``: the model itself (a self-check of the harness);
@@ -23,7 +26,13 @@ string                     pool  request  v0
 * ``vllm``: the installed vLLM (its ``BlockPool``, ``KVCacheManager`` or v0 allocator);
 * ``vllm:package.module:Class``: a ``BlockPool`` subclass or fork;
 * ``vllm==X.Y.Z``: a vLLM release, checked by ``kvpool check`` in a child
-  interpreter (``kvpool.specs.targets.vllm.releases``).
+  interpreter (``kvpool.specs.targets.vllm.releases``);
+* ``dynamo``, ``dynamo:raw``: NVIDIA Dynamo's router index, with and without
+  the publisher's duplicate filter (``kvpool.specs.targets.dynamo``).
+
+At the events layer a target is a KV-event *consumer* (checked against the
+model's engines) or a *producer* (a pool whose events the reference consumer
+folds); ``scope["role"]`` says which.
 
 The registry resolves a string once; the descriptor says everything the
 check needs: the factory, the profiles the target claims, the operations it
@@ -35,6 +44,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpool.specs.events import target as events_target
 from kvpool.specs.pool import target as pool_target
 from kvpool.specs.pool.target import TargetFactory
 from kvpool.specs.request import target as request_target
@@ -50,14 +60,16 @@ from kvpool.specs.targets.vllm.releases import (
 )
 from kvpool.specs.v0 import target as v0_target
 
-LAYERS = ("pool", "request", "v0")
+LAYERS = ("pool", "request", "v0", "events")
 """The layers a target can be checked at: vLLM's v1 block pool, the request layer
-over it (a KV cache manager), and vLLM's v0 allocator."""
+over it (a KV cache manager), vLLM's v0 allocator, and the KV events between
+engines and a router (consumers and producers)."""
 
 OPERATIONS: Mapping[str, tuple[str, ...]] = {
     "pool": (*pool_target.OPERATIONS, *pool_target.FEATURES),
     "request": request_target.OPERATIONS,
     "v0": v0_target.OPERATIONS,
+    "events": events_target.OPERATIONS,
 }
 """What a target of each layer may support: its operations, and the pool's features."""
 
@@ -77,7 +89,8 @@ class TargetDescriptor:
     """Builds a fresh target per program from the layer's setup; None when the
     target runs in a child interpreter (``release``)."""
     profiles: tuple[str, ...] | None = None
-    """The semantics profiles the target claims; None: the user's choice or the default."""
+    """The semantics profiles the target claims; None: the user's choice or the default.
+    At the events layer: the event semantics (``multiset``, ``last-copy``)."""
     unsupported: frozenset[str] = frozenset()
     """Operations and features of the layer (``OPERATIONS``) the target lacks."""
     preflight: Callable[[int, Sequence[str]], None] | None = None
@@ -106,7 +119,7 @@ def resolve(layer: str, spec: str) -> TargetDescriptor:
         raise TargetSpecError(f"unknown layer {layer!r}: use {', '.join(LAYERS)}")
     if not isinstance(spec, str) or not spec.strip():
         raise TargetSpecError("the target string is empty")
-    resolver = {"pool": _pool, "request": _request, "v0": _v0}[layer]
+    resolver = {"pool": _pool, "request": _request, "v0": _v0, "events": _events}[layer]
     return resolver(spec)
 
 
@@ -249,6 +262,96 @@ def _v0(spec: str) -> TargetDescriptor:
             "or module:factory (a callable taking a V0Config)"
         )
     return _module_factory("v0", spec)
+
+
+# --------------------------------------------------------------------------
+# The events layer
+# --------------------------------------------------------------------------
+
+CONSUMER, PRODUCER = "consumer", "producer"
+
+
+def _events(spec: str) -> TargetDescriptor:
+    if spec == "model":
+        from kvpool.specs.events.model_target import ReferenceConsumer
+
+        return _consumer(spec, ReferenceConsumer)
+    if spec in ("dynamo", "dynamo:raw"):
+        from kvpool.specs.targets.dynamo.radix_tree import DynamoConsumerFactory
+
+        factory = DynamoConsumerFactory("raw" if spec.endswith(":raw") else "deployed")
+        return _consumer(spec, factory, preflight=factory.preflight)
+    if spec.startswith("cmd:"):
+        from kvpool.specs.targets.cmd.consumer import CmdConsumerFactory
+
+        try:
+            cmd = CmdConsumerFactory.from_spec(spec)
+        except ValueError as error:
+            raise TargetSpecError(f"bad cmd: target {spec!r}: {error}") from error
+        return _consumer(spec, cmd, preflight=cmd.preflight, claims=None)
+    if spec.startswith("pool:") or spec == "impl" or is_vllm_target(spec):
+        pool_spec = spec[len("pool:") :] if spec.startswith("pool:") else spec
+        return _producer(spec, pool_spec)
+    descriptor = _module_factory("events", spec)
+    from kvpool.specs.events.target import claimed_semantics
+
+    return TargetDescriptor(
+        "events",
+        spec,
+        descriptor.factory,
+        profiles=claimed_semantics(descriptor.factory),
+        unsupported=descriptor.unsupported,
+        preflight=descriptor.preflight,
+        scope={"role": CONSUMER},
+    )
+
+
+def _consumer(
+    spec: str,
+    factory: Callable[[Any], Any],
+    preflight: Callable[[int, Sequence[str]], None] | None = None,
+    claims: tuple[str, ...] | None = (),
+) -> TargetDescriptor:
+    from kvpool.specs.events.target import claimed_semantics
+
+    return TargetDescriptor(
+        "events",
+        spec,
+        factory,
+        profiles=claimed_semantics(factory) if claims == () else claims,
+        preflight=preflight,
+        scope={"role": CONSUMER},
+    )
+
+
+def _producer(spec: str, pool_spec: str) -> TargetDescriptor:
+    """A pool target as an engine publishing events (``kvpool.specs.events.engine``)."""
+    from kvpool.model import EVENT_SEMANTICS, profile_named
+    from kvpool.specs.events.engine import PoolEngineFactory
+
+    try:
+        pool = _pool(pool_spec)
+    except TargetSpecError as error:
+        raise TargetSpecError(f"{spec}: {error}") from error
+    if pool.factory is None:
+        raise TargetSpecError(f"{spec}: a vLLM release is checked at the events layer installed")
+    if "events" in pool.unsupported:
+        raise TargetSpecError(f"{spec}: this pool publishes no events")
+    # A pool claims the event semantics of the profiles it claims; a pool that
+    # names none publishes what every vLLM release does.
+    named = [profile_named(p).event_semantics.value for p in pool.profiles or ()]
+    claims = tuple(s for s in EVENT_SEMANTICS if s in named) or ("multiset",)
+    if pool_spec == "impl":
+        claims = tuple(EVENT_SEMANTICS)
+    pool_preflight = pool.preflight
+    return TargetDescriptor(
+        "events",
+        spec,
+        PoolEngineFactory(pool.factory, pool_spec),
+        profiles=claims,
+        preflight=None if pool_preflight is None else lambda level, _: pool_preflight(level, ()),
+        scope={"role": PRODUCER},
+    )
 
 
 # --------------------------------------------------------------------------

@@ -57,7 +57,12 @@ class LoadedVector:
         return f"{self.source}:{self.line}"
 
 
-SCHEMAS = {"protocol-v1.json": "kvpool.specs.protocol", "vectors-v1.json": "kvpool.specs.vectors"}
+SCHEMAS = {
+    "protocol-v1.json": "kvpool.specs.protocol",
+    "vectors-v1.json": "kvpool.specs.vectors",
+    "consumer-v1.json": "kvpool.specs.protocol",
+    "event-vectors-v1.json": "kvpool.specs.vectors",
+}
 """Each JSON Schema kvpool ships, and the package it sits beside (in ``schemas/``)."""
 
 
