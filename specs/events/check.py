@@ -154,15 +154,22 @@ def counterexample(failure: BaseException, target: str, semantics: str) -> Count
     digest = hashlib.sha256(json.dumps(vector, sort_keys=True).encode()).hexdigest()[:10]
     vector["id"] = f"counterexample/{semantics}/{digest}"
     line = json.dumps(vector, separators=(",", ":"))
-    expect = last.get("expect") if isinstance(last, dict) else None
+    expect = last.get("expect") if last.get("op") == "scores" else None
+    said = program.get("said")
+    if isinstance(expect, list) and isinstance(said, list):
+        model_side = "\n".join(f"worker {w}: holds {n} block(s)" for w, n in enumerate(expect))
+        target_side = "\n".join(f"worker {w}: scored {n}" for w, n in enumerate(said))
+    else:
+        model_side = "the last step is accepted"
+        target_side = str(failure).splitlines()[0]
     return Counterexample(
         step=len(steps),
         steps=len(steps),
         operation=json.dumps(last.get("query", last), separators=(",", ":"))[:300],
         problem=str(failure).splitlines()[0],
         compared="result",
-        model_side=f"the engines hold {expect}",
-        target_side=str(failure).splitlines()[0],
+        model_side=model_side,
+        target_side=target_side,
         regression_test=regression_test(digest, target),
         vector=line,
         layer="events",

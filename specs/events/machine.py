@@ -256,7 +256,6 @@ class EventsMachine(LockStep[list[Engine], Consumer], RuleBasedStateMachine):
         events = tuple(self._on_engine("take_events()", engine.take_events))
         if events:
             self.taken[worker].extend(events)
-            self._check_stream(worker)
             self.trace.append((f"apply_events(worker={worker}, {show_events(events)})", None))
             self.steps.append(
                 {
@@ -266,6 +265,7 @@ class EventsMachine(LockStep[list[Engine], Consumer], RuleBasedStateMachine):
                     "comment": self.last_action,
                 }
             )
+            self._check_stream(worker)
             consumer = self.target
             assert consumer is not None
             self._on_consumer(
@@ -303,9 +303,11 @@ class EventsMachine(LockStep[list[Engine], Consumer], RuleBasedStateMachine):
         )
         self.steps.append({"op": "scores", "query": encode_query(query), "expect": expected})
         name, reason, rationale = problems[0]
-        raise self._with_program(
-            InvariantViolation(name, f"scores({list(tokens)}): {reason}", rationale, self._dump())
+        violation = InvariantViolation(
+            name, f"scores({list(tokens)}): {reason}", rationale, self._dump()
         )
+        said_list = [said.get(w, 0) for w in range(self.config.num_workers)]
+        raise self._with_program(violation, said=said_list)
 
     def _valid_scores(
         self, scores: object, query: Query, tokens: tuple[int, ...]
@@ -363,14 +365,18 @@ class EventsMachine(LockStep[list[Engine], Consumer], RuleBasedStateMachine):
             TargetError(f"the {self.under_test} answers garbage: {what}\n\n{self._dump()}")
         )
 
-    def _with_program(self, error: E) -> E:
-        """``error``, carrying this program as consumer-vector data (``events_program``)."""
+    def _with_program(self, error: E, said: list[int] | None = None) -> E:
+        """``error``, carrying this program as consumer-vector data (``events_program``).
+
+        ``said``: the consumer's scores of the failing query, one per worker.
+        """
         program = {
             "config": {
                 "num_workers": self.config.num_workers,
                 "block_size": self.config.block_size,
             },
             "steps": list(self.steps),
+            "said": said,
         }
         setattr(error, "events_program", program)  # noqa: B010  (exceptions take attributes)
         return error
