@@ -13,6 +13,8 @@ import hashlib
 import json
 from collections.abc import Callable, Collection, Sequence
 
+from hypothesis import Phase
+
 from kvpool.model import EVENT_SEMANTICS
 from kvpool.specs.errors import TargetAbort, TargetError
 from kvpool.specs.events.engine import model_engines
@@ -42,6 +44,7 @@ def check_events(
     program_timeout: float | None = DEFAULT_PROGRAM_TIMEOUT,
     preflight: Callable[[int, Sequence[str]], None] | None = None,
     without: Collection[str] = (),
+    shrink: bool = True,
 ) -> ConformanceReport:
     """Check a consumer (``make_consumer``) or a producer (``make_engine``); never raises for it.
 
@@ -51,6 +54,7 @@ def check_events(
     ``claimed`` those the verdict counts (default: ``semantics`` when given,
     else what the factory declares in ``event_semantics``, else all).
     ``without`` leaves engine steps out of every program (``ENGINE_STEPS``).
+    ``shrink=False`` reports the first failing program as found (faster).
 
     >>> check_events(ReferenceConsumer, max_examples=5, steps=10).verdicts
     {'multiset': 'conforms', 'last-copy': 'conforms'}
@@ -105,6 +109,7 @@ def check_events(
                 failure, target_name if under_test == "consumer" else "model", s
             ),
             traced_program=True,
+            overrides=None if shrink else {"phases": [Phase.explicit, Phase.reuse, Phase.generate]},
         )
         _merge(report, part, name, name in claims)
     return report

@@ -130,6 +130,19 @@ class PoolEngine:
         self.pool.evict_blocks({block})
         return block
 
+    def evict_held(self, request: int, position: int) -> int:
+        """Evict the block at ``position`` of a running request: a KV load that failed.
+
+        vLLM's connectors report such blocks (``kv_cache_manager.py``); the
+        request keeps running, so its next block is stored under a parent the
+        engine no longer caches, and a block in the middle of a chain leaves
+        the blocks after it cached behind a gap.
+        """
+        blocks = self.requests[request].block_ids
+        block = blocks[position % len(blocks)]
+        self.pool.evict_blocks({block})
+        return block
+
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
 

@@ -53,8 +53,10 @@ class RejectsDuplicateStores(ReferenceConsumer):
 
 
 class AnswersNegativeScores(ReferenceConsumer):
+    """Says -1 for "unknown" instead of 0."""
+
     def scores(self, query: Query) -> Mapping[int, int]:
-        return {w: n - 1 for w, n in super().scores(query).items()}
+        return {w: n or -1 for w, n in super().scores(query).items()}
 
 
 class AnswersAList(ReferenceConsumer):
