@@ -31,7 +31,6 @@ from kvpool.model.events import (
     BlockRemoved,
     BlockStored,
     KVCacheEvent,
-    fold_events,
 )
 from kvpool.model.hashing import NONE_HASH
 from kvpool.model.pool import (
@@ -59,8 +58,6 @@ from kvpool.model.profiles import (
     EventSemantics,
     FreeOrder,
     Profile,
-    profile_named,
-    with_event_semantics,
 )
 from kvpool.model.request import Request
 from kvpool.model.state import (
@@ -116,7 +113,6 @@ __all__ = [
     "cache_full_blocks",
     "cache_partial_block",
     "evict_blocks",
-    "fold_events",
     "free_blocks",
     "get_cached_block",
     "get_new_blocks",
@@ -124,9 +120,7 @@ __all__ = [
     "get_usage",
     "hashes_at_block_size",
     "new_pool",
-    "profile_named",
     "reset_prefix_cache",
     "take_events",
     "touch",
-    "with_event_semantics",
 ]

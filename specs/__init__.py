@@ -8,11 +8,14 @@ The public face, for projects that check their own implementation::
 * ``run_conformance(make_target)``: a Python block pool, built by a factory;
 * ``run_request_conformance(ManagerTargetSpec(make_manager))``: a KV cache manager;
 * ``check_v0(make_allocator)``: a v0 allocator;
-* the target protocols ``PoolTarget``, ``ManagerTarget`` and ``V0Target``;
+* ``check_events(make_consumer)``: a KV-event consumer (a router's index), or
+  ``check_events(None, make_engine)`` an engine's stream;
+* the target protocols ``PoolTarget``, ``ManagerTarget``, ``V0Target`` and
+  ``Consumer``;
 * ``ConformanceReport``, and ``TargetError`` for a target that cannot be run.
 
 The layers are packages with the same file names (``pool/``, ``request/``,
-``v0/``: ``target``, ``machine``, ``invariants``, ``check``) over one runner
+``v0/``, ``events/``: ``target``, ``machine``, ``invariants``, ``check``) over one runner
 (``runner/``) and one target registry (``targets/``); docs/architecture.md
 draws the floors.
 """
@@ -23,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from kvpool.specs.checking import check
     from kvpool.specs.errors import Divergence, InvariantViolation, TargetError
+    from kvpool.specs.events.check import check_events
+    from kvpool.specs.events.target import Consumer, ConsumerConfig
     from kvpool.specs.pool.check import run_conformance
     from kvpool.specs.pool.target import PoolTarget, Snapshottable, TargetFactory
     from kvpool.specs.request.check import run_request_conformance
@@ -40,6 +45,9 @@ _PUBLIC = {
     "Divergence": "kvpool.specs.errors",
     "InvariantViolation": "kvpool.specs.errors",
     "TargetError": "kvpool.specs.errors",
+    "check_events": "kvpool.specs.events.check",
+    "Consumer": "kvpool.specs.events.target",
+    "ConsumerConfig": "kvpool.specs.events.target",
     "run_conformance": "kvpool.specs.pool.check",
     "PoolTarget": "kvpool.specs.pool.target",
     "Snapshottable": "kvpool.specs.pool.target",
@@ -59,6 +67,8 @@ _PUBLIC = {
 
 __all__ = [
     "ConformanceReport",
+    "Consumer",
+    "ConsumerConfig",
     "Counterexample",
     "Divergence",
     "InvariantViolation",
@@ -73,6 +83,7 @@ __all__ = [
     "TargetSpecError",
     "V0Target",
     "check",
+    "check_events",
     "check_v0",
     "resolve",
     "run_conformance",

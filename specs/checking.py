@@ -20,7 +20,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Unpack
 
-from kvpool.model import EVENT_SEMANTICS, InvalidConfig, profile_named
+from kvpool.model import EVENT_SEMANTICS, InvalidConfig
+from kvpool.model.profiles import profile_named
 from kvpool.specs.events.check import check_events
 from kvpool.specs.pool.check import run_conformance
 from kvpool.specs.request.check import run_request_conformance

@@ -267,7 +267,36 @@ def expand_profiles() -> str:
             f"| `{p.name}`{default} | `{p.free_order.value}` | "
             f"`{p.free_order_without_caching.value}` | {p.releases} |"
         )
+    rows += ["", "| event semantics (`+name`) | when a removal is published |", "| --- | --- |"]
+    for semantics in model.EventSemantics:
+        default = " (default)" if semantics is model.DEFAULT_PROFILE.event_semantics else ""
+        doc = re.sub(r"``([^`]+)``", r"`\1`", " ".join(event_semantics_doc(semantics).split()))
+        rows.append(f"| `{semantics.value}`{default} | {doc} |")
     return "\n".join(rows)
+
+
+def event_semantics_doc(semantics: Any) -> str:
+    """The docstring of an ``EventSemantics`` member, read from the model's source."""
+    import ast
+    import inspect
+
+    from kvpool.model import profiles
+
+    tree = ast.parse(inspect.getsource(profiles))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.name == "EventSemantics":
+            body = node.body
+            for i, item in enumerate(body[:-1]):
+                target = getattr(item, "targets", [None])[0]
+                following = body[i + 1]
+                if (
+                    isinstance(target, ast.Name)
+                    and target.id == semantics.name
+                    and isinstance(following, ast.Expr)
+                    and isinstance(following.value, ast.Constant)
+                ):
+                    return str(following.value.value)
+    return ""
 
 
 # --------------------------------------------------------------------------

@@ -181,11 +181,16 @@ def _run_with_progress(
 
 @app.command()
 def profiles() -> None:
-    """List the semantics profiles and the vLLM releases that follow each."""
+    """List the semantics profiles, the vLLM releases that follow each, and the event semantics."""
     table = Table("profile", "free order (caching on)", "free order (caching off)", "releases")
     for p in PROFILES.values():
         table.add_row(p.name, p.free_order.value, p.free_order_without_caching.value, p.releases)
-    Console().print(table)
+    console = Console()
+    console.print(table)
+    semantics = Table("event semantics (profile+name)", "a BlockRemoved is published")
+    semantics.add_row("multiset (default)", "per block that loses a key (every vLLM release)")
+    semantics.add_row("last-copy", "when the last block under a key loses it (vllm#55092)")
+    console.print(semantics)
 
 
 app.command(name="explain")(explain)

@@ -26,8 +26,8 @@ What it does is what vLLM 0.33 does with a pool (``vllm/v1/core/``
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvpool.model import KVCacheEvent, PoolConfig, PoolState, with_event_semantics
-from kvpool.model.profiles import DEFAULT_PROFILE
+from kvpool.model import KVCacheEvent, PoolConfig, PoolState
+from kvpool.model.profiles import DEFAULT_PROFILE, with_event_semantics
 from kvpool.specs.events.target import MAIN_GROUP, EngineConfig, Query
 from kvpool.specs.pool.machine import request_for
 from kvpool.specs.pool.target import PoolTarget, Snapshottable, TargetFactory

@@ -10,7 +10,8 @@ is held. docs/explanation/events.md says why the fold must count.
 from collections import Counter
 from collections.abc import Mapping, Sequence
 
-from kvpool.model import EventSemantics, HashKey, KVCacheEvent, fold_events
+from kvpool.model import EventSemantics, HashKey, KVCacheEvent
+from kvpool.model.events import fold_events
 from kvpool.specs.events.target import MAIN_GROUP, ConsumerConfig, Query
 
 

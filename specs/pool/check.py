@@ -3,7 +3,8 @@
 from collections.abc import Collection, Sequence
 from typing import Unpack
 
-from kvpool.model import DEFAULT_PROFILE, InvalidConfig, Profile, profile_named
+from kvpool.model import DEFAULT_PROFILE, InvalidConfig, Profile
+from kvpool.model.profiles import profile_named
 from kvpool.specs.pool.counterexample import explain
 from kvpool.specs.pool.machine import pool_machine
 from kvpool.specs.pool.record import Recorder

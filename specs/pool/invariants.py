@@ -23,8 +23,8 @@ from kvpool.model import (
     HashKey,
     KVCacheEvent,
     PoolState,
-    fold_events,
 )
+from kvpool.model.events import fold_events
 from kvpool.specs.errors import InvariantViolation
 
 Reason = str | None

@@ -44,8 +44,8 @@ from kvpool.model import (
     PoolError,
     PoolState,
     Profile,
-    profile_named,
 )
+from kvpool.model.profiles import profile_named
 from kvpool.specs.errors import Divergence
 from kvpool.specs.pool.invariants import FreeHistory, check_all, dump_state
 from kvpool.specs.pool.target import (

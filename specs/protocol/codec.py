@@ -29,9 +29,9 @@ from kvpool.model import (
     PoolConfig,
     PoolError,
     PoolState,
-    profile_named,
 )
 from kvpool.model import errors as model_errors
+from kvpool.model.profiles import profile_named
 from kvpool.specs.pool.target import PoolTarget, Snapshottable
 
 PROTOCOL_VERSION = 1

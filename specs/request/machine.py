@@ -33,11 +33,12 @@ from typing import Any, ClassVar, TypeVar
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvpool.model import PROFILES, KVCacheEvent, PoolState, Profile, profile_named
+from kvpool.model import PROFILES, KVCacheEvent, PoolState, Profile
 from kvpool.model import manager as model_manager
 from kvpool.model.errors import PoolError
 from kvpool.model.hashing import LoraAdapter, MultiModalInput
 from kvpool.model.manager import Blocks, KVCacheManagerState
+from kvpool.model.profiles import profile_named
 from kvpool.model.request import Request, append_tokens, new_request, preempted, with_computed
 from kvpool.model.single_type import (
     KVCacheSpec,

@@ -326,7 +326,8 @@ def _consumer(
 
 def _producer(spec: str, pool_spec: str) -> TargetDescriptor:
     """A pool target as an engine publishing events (``kvpool.specs.events.engine``)."""
-    from kvpool.model import EVENT_SEMANTICS, profile_named
+    from kvpool.model import EVENT_SEMANTICS
+    from kvpool.model.profiles import profile_named
     from kvpool.specs.events.engine import PoolEngineFactory
 
     try:

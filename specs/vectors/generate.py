@@ -14,7 +14,8 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from kvpool import model
-from kvpool.model import PROFILES, PoolConfig, PoolError, profile_named
+from kvpool.model import PROFILES, PoolConfig, PoolError
+from kvpool.model.profiles import profile_named
 from kvpool.specs.pool.machine import request_for
 from kvpool.specs.pool.model_target import ModelTarget
 from kvpool.specs.protocol import codec as protocol

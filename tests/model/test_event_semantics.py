@@ -24,14 +24,13 @@ from kvpool.model import (
     cache_full_blocks,
     cache_partial_block,
     evict_blocks,
-    fold_events,
     free_blocks,
     get_new_blocks,
     new_pool,
-    profile_named,
     take_events,
-    with_event_semantics,
 )
+from kvpool.model.events import fold_events
+from kvpool.model.profiles import profile_named, with_event_semantics
 from kvpool.specs.pool.invariants import event_stream_consistency
 
 LAST_COPY = with_event_semantics(HASHLESS_FIRST, EventSemantics.LAST_COPY)
