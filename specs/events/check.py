@@ -12,6 +12,7 @@ its shrunk program), not as a failure: it says which contract the target is
 import hashlib
 import json
 from collections.abc import Callable, Collection, Sequence
+from typing import Unpack
 
 from hypothesis import Phase
 
@@ -23,8 +24,7 @@ from kvpool.specs.events.model_target import ReferenceConsumer
 from kvpool.specs.events.target import ConsumerFactory, EngineFactory, claimed_semantics
 from kvpool.specs.protocol.codec import Json
 from kvpool.specs.runner.report import ConformanceReport, Counterexample
-from kvpool.specs.runner.run import run_machine
-from kvpool.specs.runner.watchdog import DEFAULT_PROGRAM_TIMEOUT
+from kvpool.specs.runner.run import RunOptions, run_machine
 
 VERDICTS = ("conforms", "diverges", "target error")
 
@@ -35,16 +35,10 @@ def check_events(
     *,
     semantics: Sequence[str] | None = None,
     claimed: Sequence[str] | None = None,
-    hypothesis_profile: str = "ci",
-    max_examples: int | None = None,
-    steps: int | None = None,
-    seed: int | None = None,
-    target_name: str = "target",
-    on_example: Callable[[int], None] | None = None,
-    program_timeout: float | None = DEFAULT_PROGRAM_TIMEOUT,
     preflight: Callable[[int, Sequence[str]], None] | None = None,
     without: Collection[str] = (),
     shrink: bool = True,
+    **options: Unpack[RunOptions],
 ) -> ConformanceReport:
     """Check a consumer (``make_consumer``) or a producer (``make_engine``); never raises for it.
 
@@ -55,6 +49,7 @@ def check_events(
     else what the factory declares in ``event_semantics``, else all).
     ``without`` leaves engine steps out of every program (``ENGINE_STEPS``).
     ``shrink=False`` reports the first failing program as found (faster).
+    ``options`` are the runner's (``kvpool.specs.runner.run.RunOptions``).
 
     >>> check_events(ReferenceConsumer, max_examples=5, steps=10).verdicts
     {'multiset': 'conforms', 'last-copy': 'conforms'}
@@ -67,8 +62,12 @@ def check_events(
     unknown = [s for s in chosen if s not in EVENT_SEMANTICS]
     if unknown:
         raise ValueError(f"unknown event semantics {unknown}; known: {list(EVENT_SEMANTICS)}")
+    target_name = options.get("target_name", "target")
     report = ConformanceReport(
-        target=target_name, level=1, profiles=tuple(chosen), hypothesis_profile=hypothesis_profile
+        target=target_name,
+        level=1,
+        profiles=tuple(chosen),
+        hypothesis_profile=options.get("hypothesis_profile", "ci"),
     )
     try:
         if preflight is not None:
@@ -89,27 +88,20 @@ def check_events(
     )
     consumer = make_consumer if make_consumer is not None else ReferenceConsumer
     engines = make_engine if make_engine is not None else model_engines()
+    replay_on = target_name if under_test == "consumer" else "model"
+    overrides = None if shrink else {"phases": [Phase.explicit, Phase.reuse, Phase.generate]}
     for name in chosen:
         machine = events_machine(
             consumer, engines, EVENT_SEMANTICS[name], under_test, without=without
         )
-        part = ConformanceReport(
-            target=target_name, level=1, profiles=(name,), hypothesis_profile=hypothesis_profile
-        )
-        run_machine(
+        part = run_machine(
             machine,
-            part,
-            hypothesis_profile=hypothesis_profile,
-            max_examples=max_examples,
-            steps=steps,
-            seed=seed,
-            program_timeout=program_timeout,
-            on_example=on_example,
-            explain=lambda failure, s=name: counterexample(  # type: ignore[misc]
-                failure, target_name if under_test == "consumer" else "model", s
-            ),
+            level=1,
+            profiles=(name,),
+            explain=lambda failure, s=name: counterexample(failure, replay_on, s),  # type: ignore[misc]
             traced_program=True,
-            overrides=None if shrink else {"phases": [Phase.explicit, Phase.reuse, Phase.generate]},
+            overrides=overrides,
+            **options,
         )
         _merge(report, part, name, name in claims)
     return report

@@ -19,13 +19,12 @@ op                 args                                        ok
 
 Events are the pool protocol's (``codec.encode_event``); a consumer has no
 rejections, so any ``error`` answer is a target error. The JSON Schema is
-``schemas/consumer-v1.json``. ``python -m kvpool.specs.protocol.consumer
+``schemas/consumer-v1.json``. ``python -m kvpool.specs.protocol --consumer
 model`` serves the reference consumer (or any ``module:factory``).
 """
 
 import json
-import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import IO
 
 from kvpool.model import EVENT_SEMANTICS, EventSemantics
@@ -213,19 +212,3 @@ def _int(value: Json, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ProtocolError(f"{what} must be an integer, got {value!r}")
     return value
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m kvpool.specs.protocol.consumer [TARGET]``: serve a consumer (default: model)."""
-    from kvpool.specs.targets import resolve
-
-    args = list(sys.argv[1:] if argv is None else argv)
-    spec = args[0] if args else "model"
-    descriptor = resolve("events", spec)
-    if descriptor.scope.get("role") != "consumer" or descriptor.factory is None:
-        raise SystemExit(f"{spec} is not a consumer")
-    serve_consumer(descriptor.factory, sys.stdin, sys.stdout, name=spec)
-
-
-if __name__ == "__main__":
-    main()

@@ -20,7 +20,7 @@ from kvpool.specs.vectors.format import load_schema
 from tests.kit.helpers import ROOT, assert_no_traceback, run_kvpool
 
 PROGRAM = Path(__file__).resolve().parent / "programs" / "misbehaving_consumer.py"
-SERVED = f"cmd:{sys.executable} -m kvpool.specs.protocol.consumer model"
+SERVED = f"cmd:{sys.executable} -m kvpool.specs.protocol --consumer model"
 
 
 @pytest.fixture(scope="module")

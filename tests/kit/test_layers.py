@@ -42,6 +42,7 @@ def invoke(*args: str) -> tuple[int, str]:
         ("pool", "tests.kit.test_layers:pool_factory"),
         ("request", "tests.kit.test_layers:manager_factory"),
         ("v0", "tests.kit.test_layers:v0_factory"),
+        ("events", "kvpool.specs.events.model_target:ReferenceConsumer"),
     ],
 )
 def test_a_module_factory_is_a_target_of_every_layer(layer: str, factory: str) -> None:
@@ -103,4 +104,5 @@ def test_every_layer_resolves_the_model() -> None:
     for layer in LAYERS:
         descriptor = resolve(layer, "model")
         assert descriptor.factory is not None and not descriptor.in_child
-        assert "snapshot" in descriptor.operations
+        # The events layer's model is the reference consumer: scores, not states.
+        assert ("scores" if layer == "events" else "snapshot") in descriptor.operations
