@@ -3,11 +3,14 @@
 The findings these pin are written up in docs/explanation/routers.md.
 """
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kvpool.model import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, EventSemantics
+from kvpool.specs.events.check import check_events
 from kvpool.specs.events.engine import query_for
 from kvpool.specs.events.target import ConsumerConfig
 from kvpool.specs.targets import resolve
@@ -126,18 +129,19 @@ VERDICTS: dict[str, dict[str, str]] = {
 
 
 @pytest.mark.parametrize("target", sorted(VERDICTS))
-def test_kvpool_check_gives_a_verdict_per_event_semantics(target: str) -> None:
+def test_kvpool_check_gives_a_verdict_per_event_semantics(target: str, tmp_path: Path) -> None:
     result = run_kvpool(
         "check", "--layer", "events", "--target", target, "--hypothesis-profile", "ci",
-        "--examples", "40", "--format", "json", timeout=600,
+        "--examples", "40", "--format", "json", "--regression-dir", str(tmp_path), timeout=600,
     )  # fmt: skip
     assert result.returncode == 1, result.stdout + result.stderr
     assert_no_traceback(result)
-    import json
-
     report: dict[str, Any] = json.loads(result.stdout)
     assert report["verdicts"] == VERDICTS[target]
     assert report["claimed"] == (["multiset"] if target == "dynamo" else ["last-copy"])
+    saved = list(tmp_path.glob("kvpool_regression_*.jsonl"))
+    assert len(saved) == 1
+    assert event_vectors.load(saved[0])[0].data["known"] == {target: "mismatch"}
 
 
 SURVEY: dict[tuple[str, str], tuple[str, ...]] = {
@@ -153,8 +157,6 @@ def test_without_evictions_of_chosen_blocks_each_mode_holds_its_claim(
 ) -> None:
     """Evicting a block (a failed KV load) is behind findings F1 and F2; without it the
     duplicate filter makes Dynamo right under multiset, and the bare tree under last-copy."""
-    from kvpool.specs.events.check import check_events
-
     factory = resolve("events", target).factory
     report = check_events(factory, semantics=[semantics], without=SURVEY[(target, semantics)])
     assert report.conforms, report.program
