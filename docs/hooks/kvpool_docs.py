@@ -11,6 +11,7 @@
   ``<!-- kvpool:operation NAME -->``        signature, docstring and rejections of a
                                             ``kvpool.model`` operation
   ``<!-- kvpool:invariants -->``            every named invariant with its rationale
+  ``<!-- kvpool:event-invariants -->``      the events layer's invariants, likewise
   ``<!-- kvpool:profiles -->``              the semantics profiles as a table
   ``<!-- kvpool:errors -->``                the rejections (``kvpool.model.errors``)
   ``<!-- kvpool:cli COMMAND... -->``        usage and options of a ``kvpool`` command
@@ -240,9 +241,16 @@ def all_invariants() -> list[Callable[..., Any]]:
     return [*invariants.STATE_INVARIANTS, invariants.lru_order, invariants.event_stream_consistency]
 
 
-def expand_invariants() -> str:
+def event_invariants() -> list[Callable[..., Any]]:
+    """The events layer's invariants over one query's scores."""
+    from kvpool.specs.events.invariants import SCORE_INVARIANTS
+
+    return list(SCORE_INVARIANTS)
+
+
+def expand_invariants(checks: list[Callable[..., Any]] | None = None) -> str:
     lines: list[str] = []
-    for check in all_invariants():
+    for check in all_invariants() if checks is None else checks:
         doc = inspect.cleandoc(check.__doc__ or "")
         first, _, rest = doc.partition("\n")
         lines += [
@@ -403,6 +411,8 @@ def expand(markdown: str, page_src: str) -> str:
             return expand_operation(*args)
         if kind == "invariants":
             return expand_invariants()
+        if kind == "event-invariants":
+            return expand_invariants(event_invariants())
         if kind == "profiles":
             return expand_profiles()
         if kind == "errors":

@@ -1,6 +1,6 @@
 """The reference consumer: each worker's stream folded as the model says, scored by the fold.
 
-It is the model of a router's index: the fold is ``kvpool.model.fold_events``
+It is the model of a router's index: the fold is ``kvpool.model.events.fold_events``
 (the same one the pool invariant ``event_stream_consistency`` checks every
 pool's stream with), under the event semantics the consumer is told. A
 query scores, per worker, the leading blocks whose (hash, main group) entry

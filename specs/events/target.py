@@ -109,6 +109,12 @@ class Engine(Protocol):
     Requests are named by the handles ``serve`` returns. Whatever the engine
     is (a block pool, a radix cache), ``cached_prefix`` is its own answer to
     "how many leading blocks of this query would a request hit here".
+
+    Optional: ``evict_held(request, position) -> block id`` evicts a block a
+    running request holds (a failed KV load; the machine aims at it when the
+    engine has it), ``tokens_of(request)`` the tokens a request has so far,
+    and ``snapshot() -> PoolState | None`` the whole state of a block pool,
+    which holds the producer to ``event_stream_consistency`` too.
     """
 
     def serve(self, token_ids: Sequence[int]) -> int | None:

@@ -229,7 +229,7 @@ def event_stream_consistency(state: PoolState, taken: Sequence[KVCacheEvent]) ->
     """Folding every event emitted so far gives exactly the hash map's entries.
 
     ``taken`` are the events already handed out by take_events, oldest first.
-    The fold is the profile's event semantics (``kvpool.model.fold_events``):
+    The fold is the profile's event semantics (``kvpool.model.events.fold_events``):
     one entry per block under a key (multiset), or the keys (last-copy).
     A KV-aware router routes by this stream; if it drifts from the map, the
     router sends requests to engines that no longer hold their prefix.
