@@ -335,7 +335,10 @@ def _producer(spec: str, pool_spec: str) -> TargetDescriptor:
     except TargetSpecError as error:
         raise TargetSpecError(f"{spec}: {error}") from error
     if pool.factory is None:
-        raise TargetSpecError(f"{spec}: a vLLM release is checked at the events layer installed")
+        raise TargetSpecError(
+            f"{spec} runs in its own interpreter; at the events layer use the installed "
+            "vLLM (--target vllm)"
+        )
     if "events" in pool.unsupported:
         raise TargetSpecError(f"{spec}: this pool publishes no events")
     # A pool claims the event semantics of the profiles it claims; a pool that

@@ -72,7 +72,7 @@ def test_a_last_copy_profile_is_named_after_both_axes_and_keeps_the_free_order()
 
 
 @pytest.mark.parametrize(
-    "name", ["", "append+", "append+set", "unknown", "unknown+last-copy", "+last-copy"]
+    "name", ["", "append+", "append+set", "unknown", "unknown+last-copy", "+last-copy", None, 3]
 )
 def test_invalid_unknown_profile_name(name):
     with pytest.raises(InvalidConfig):
