@@ -306,7 +306,7 @@ class EventsMachine(LockStep[list[Engine], Consumer], RuleBasedStateMachine):
             self._ask(tokens)
 
     def _ask(self, tokens: tuple[int, ...]) -> None:
-        query = query_for(tokens, self.config.block_size)
+        query = self._query_for(tokens)
         if not query.block_hashes:
             return
         truth = {
@@ -335,6 +335,14 @@ class EventsMachine(LockStep[list[Engine], Consumer], RuleBasedStateMachine):
         )
         said_list = [said.get(w, 0) for w in range(self.config.num_workers)]
         raise self._with_program(violation, said=said_list)
+
+    def _query_for(self, tokens: tuple[int, ...]) -> Query:
+        """The query a router makes of ``tokens``, hashed as the engines hash (``Engine.query``)."""
+        own = getattr(self.engine(0), "query", None)
+        if own is None:
+            return query_for(tokens, self.config.block_size)
+        query: Query = self._on_engine(f"query({list(tokens)})", lambda: own(tokens))
+        return query
 
     def _valid_scores(
         self, scores: object, query: Query, tokens: tuple[int, ...]

@@ -113,8 +113,12 @@ class Engine(Protocol):
     Optional: ``evict_held(request, position) -> block id`` evicts a block a
     running request holds (a failed KV load; the machine aims at it when the
     engine has it), ``tokens_of(request)`` the tokens a request has so far,
-    and ``snapshot() -> PoolState | None`` the whole state of a block pool,
-    which holds the producer to ``event_stream_consistency`` too.
+    ``snapshot() -> PoolState | None`` the whole state of a block pool,
+    which holds the producer to ``event_stream_consistency`` too, and
+    ``query(token_ids) -> Query`` for an engine whose events carry hashes of
+    its own: the query with its hash of each full block (without it, blocks
+    are hashed as ``kvpool.specs.events.engine.query_for`` does, the kit's
+    hashes every pool adapter maps back to).
     """
 
     def serve(self, token_ids: Sequence[int]) -> int | None:

@@ -166,3 +166,48 @@ def test_events_read_as_a_stream() -> None:
     stored = BlockStored((b"\x01", b"\x01\x02"), None, (1, 2), 1, None, "GPU", None, None, 1)
     assert show_event(stored) == "stored 01 0102 under root (group 1)"
     assert show_event(AllBlocksCleared()) == "cleared"
+
+
+class OwnHashes:
+    """An engine whose events carry hashes of its own (as SGLang's do): it gives the queries."""
+
+    def __init__(self, config: EngineConfig, with_query: bool = True) -> None:
+        self.inner = PoolEngineFactory(ImplTarget)(config)
+        self.config = config
+        if with_query:
+            self.query = self._query
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def snapshot(self) -> None:
+        """Its state is in the kit's hashes, its events are not: no state check."""
+
+    def cached_prefix(self, query: Any) -> int:
+        """Its own lookup, by tokens (SGLang's ``match_prefix``)."""
+        return self.inner.cached_prefix(query_for(query.token_ids, self.config.block_size))
+
+    def take_events(self) -> Any:
+        from dataclasses import replace
+
+        from kvpool.model import BlockRemoved, BlockStored
+
+        out = []
+        for event in self.inner.take_events():
+            if isinstance(event, BlockStored | BlockRemoved):
+                event = replace(event, block_hashes=tuple(b"own" + h for h in event.block_hashes))
+            out.append(event)
+        return out
+
+    def _query(self, tokens: Any) -> Any:
+        plain = query_for(tokens, self.config.block_size)
+        return type(plain)(plain.token_ids, tuple(b"own" + h for h in plain.block_hashes))
+
+
+def test_an_engine_with_hashes_of_its_own_gives_the_queries() -> None:
+    report = check_events(None, OwnHashes, semantics=["multiset"], max_examples=40)
+    assert report.conforms, report.failure
+    report = check_events(
+        None, lambda c: OwnHashes(c, with_query=False), semantics=["multiset"], max_examples=40
+    )
+    assert not report.conforms
