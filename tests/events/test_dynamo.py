@@ -128,7 +128,13 @@ VERDICTS: dict[str, dict[str, str]] = {
 }
 
 
-@pytest.mark.parametrize("target", sorted(VERDICTS))
+def test_the_bare_tree_diverges_under_both_semantics() -> None:
+    report = check_events(resolve("events", "dynamo:raw").factory, shrink=False, max_examples=40)
+    assert report.verdicts == VERDICTS["dynamo:raw"]
+    assert report.claimed == ("last-copy",)
+
+
+@pytest.mark.parametrize("target", ["dynamo"])
 def test_kvpool_check_gives_a_verdict_per_event_semantics(target: str, tmp_path: Path) -> None:
     result = run_kvpool(
         "check", "--layer", "events", "--target", target, "--hypothesis-profile", "ci",

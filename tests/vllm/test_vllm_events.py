@@ -14,7 +14,7 @@ pytestmark = pytest.mark.usefixtures("require_vllm")
 
 def test_vllm_s_stream_rebuilds_vllm_under_multiset_and_not_under_last_copy() -> None:
     """vLLM 0.33 publishes a removal per copy; vllm-project/vllm#55092 is not merged."""
-    report = check("events", "vllm", hypothesis_profile="ci")
+    report = check("events", "vllm", hypothesis_profile="ci", max_examples=60)
     assert report.claimed == ("multiset",)
     assert report.verdicts == {"multiset": "conforms", "last-copy": "diverges"}, report.failure
     assert report.conforms
