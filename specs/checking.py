@@ -12,7 +12,7 @@ The target string is resolved by the registry (``kvpool.specs.targets``);
 the descriptor's factory, claimed profiles, unsupported operations, preflight
 and scope go to the layer's own check (``kvpool.specs.pool.check``,
 ``kvpool.specs.request.check``, ``kvpool.specs.v0.check``,
-``kvpool.specs.events.check``). ``kvpool check``
+``kvpool.specs.events.check``, ``kvpool.specs.radix.check``). ``kvpool check``
 and the pytest plugin both come through here.
 """
 
@@ -22,8 +22,10 @@ from typing import Unpack
 
 from kvpool.model import EVENT_SEMANTICS, InvalidConfig
 from kvpool.model.profiles import profile_named
+from kvpool.model.radix import POLICIES
 from kvpool.specs.events.check import check_events
 from kvpool.specs.pool.check import run_conformance
+from kvpool.specs.radix.check import check_radix
 from kvpool.specs.request.check import run_request_conformance
 from kvpool.specs.request.target import ManagerTargetSpec
 from kvpool.specs.runner.report import ConformanceReport
@@ -33,7 +35,7 @@ from kvpool.specs.targets import TargetDescriptor, TargetSpecError, resolve
 from kvpool.specs.v0.check import check_v0
 from kvpool.specs.v0.machine import DISCIPLINES
 
-LEVELS = {"pool": (1, 2), "request": (1, 2), "v0": (1,), "events": (1,)}
+LEVELS = {"pool": (1, 2), "request": (1, 2), "v0": (1,), "events": (1,), "radix": (1, 2)}
 """The levels each layer's machine has."""
 
 
@@ -57,7 +59,8 @@ def check(
     layers; default: what the target declares, else the kit's default), at
     the v0 layer the disciplines (``any``, ``engine``), at the events layer
     the event semantics (``multiset``, ``last-copy``; default: run under both,
-    the verdict counting those the target claims). Raises
+    the verdict counting those the target claims), at the radix layer the
+    eviction policy (default ``lru``). Raises
     ``TargetSpecError`` if the string names no target, or the options do not
     fit the layer: those are the caller's mistakes, not the target's.
     """
@@ -100,6 +103,8 @@ def check(
         return run_request_conformance(scope, level=level, **options)
     if layer == "events":
         return _check_events(descriptor, list(profiles or ()), **options)
+    if layer == "radix":
+        return _check_radix(descriptor, chosen, level, options)
     unknown = [d for d in chosen if d not in DISCIPLINES]
     if unknown or len(chosen) > 1:
         raise TargetSpecError(
@@ -107,6 +112,26 @@ def check(
         )
     discipline = chosen[0] if chosen else "any"
     return check_v0(descriptor.factory, discipline, **options)
+
+
+def _check_radix(
+    descriptor: TargetDescriptor, chosen: Sequence[str], level: int, options: RunOptions
+) -> ConformanceReport:
+    """The radix layer: its profile is the eviction policy the target is built with."""
+    if len(chosen) > 1 or any(p not in POLICIES for p in chosen):
+        raise TargetSpecError(
+            f"the radix layer takes one eviction policy as its profile: {', '.join(POLICIES)}"
+        )
+    assert descriptor.factory is not None
+    preflight = descriptor.preflight
+    return check_radix(
+        descriptor.factory,
+        chosen[0] if chosen else "lru",
+        level,
+        events=descriptor.scope.get("events", (True, False)),
+        preflight=None if preflight is None else (lambda: preflight(level, list(chosen))),
+        **options,
+    )
 
 
 def _known_profiles(profiles: Sequence[str]) -> None:

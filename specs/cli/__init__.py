@@ -36,7 +36,13 @@ EXIT_CONFORMS, EXIT_DIVERGES, EXIT_ERROR = 0, 1, 2
 LAYER_ALIASES = {"manager": "request"}
 """Earlier names of layers, still accepted: ``--layer manager`` is the request layer."""
 
-DEFAULT_TARGETS = {"pool": "impl", "request": "impl", "v0": "model", "events": "model"}
+DEFAULT_TARGETS = {
+    "pool": "impl",
+    "request": "impl",
+    "v0": "model",
+    "events": "model",
+    "radix": "model",
+}
 
 app.add_typer(vectors_app, name="vectors")
 
@@ -56,7 +62,8 @@ def check(
             help="impl, model, module:factory (a callable taking the layer's setup), "
             "cmd:PROGRAM ARGS (any language, docs/formats.md), "
             "vllm, vllm:module:Class or vllm==X.Y.Z; events layer also dynamo, dynamo:raw, "
-            "pool:SPEC. Default: impl (v0 and events layers: model).",
+            "pool:SPEC; radix layer sglang, sglang:rust|python|legacy, sglang:module:Class, "
+            "sglang==X.Y.Z. Default: impl (v0, events and radix layers: model).",
             show_default=False,
         ),
     ] = None,
@@ -68,7 +75,8 @@ def check(
         typer.Option(
             help=f"Semantics profile the target claims: {', '.join(PROFILES)}, "
             "each optionally +last-copy (v0 layer: the discipline, any or engine; "
-            "events layer: the event semantics, multiset or last-copy, default both)."
+            "events layer: the event semantics, multiset or last-copy, default both; "
+            "radix layer: the eviction policy, lru by default)."
         ),
     ] = None,
     examples: Annotated[int | None, typer.Option(min=1, help="Number of programs to run.")] = None,
@@ -93,7 +101,8 @@ def check(
         str,
         typer.Option(
             help="pool: the block pool; request: the KV cache manager over it; "
-            "v0: vLLM's v0 allocator; events: a KV-event consumer (router index) or producer."
+            "v0: vLLM's v0 allocator; events: a KV-event consumer (router index) or producer; "
+            "radix: SGLang's radix prefix cache."
         ),
     ] = "pool",
 ) -> None:

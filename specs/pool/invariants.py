@@ -25,6 +25,7 @@ from kvpool.model import (
     PoolState,
 )
 from kvpool.model.events import fold_events
+from kvpool.specs import prefix_cache
 from kvpool.specs.errors import InvariantViolation
 
 Reason = str | None
@@ -132,11 +133,11 @@ def hash_map_consistency(state: PoolState) -> Reason:
 def no_events_when_disabled(state: PoolState) -> Reason:
     """A pool built without events never queues one.
 
-    Events nobody takes grow without bound: a memory leak in a long-lived server.
+    Events nobody takes grow without bound: a memory leak in a long-lived
+    server. (``kvpool.specs.prefix_cache.no_events_when_disabled``, applied
+    to the pool.)
     """
-    if not state.config.enable_events and state.pending_events:
-        return f"{len(state.pending_events)} event(s) queued with events disabled"
-    return None
+    return prefix_cache.no_events_when_disabled(state.config.enable_events, state.pending_events)
 
 
 STATE_INVARIANTS: tuple[Callable[[PoolState], Reason], ...] = (
@@ -232,23 +233,19 @@ def event_stream_consistency(state: PoolState, taken: Sequence[KVCacheEvent]) ->
     The fold is the profile's event semantics (``kvpool.model.events.fold_events``):
     one entry per block under a key (multiset), or the keys (last-copy).
     A KV-aware router routes by this stream; if it drifts from the map, the
-    router sends requests to engines that no longer hold their prefix.
+    router sends requests to engines that no longer hold their prefix. (The
+    property is ``kvpool.specs.prefix_cache.event_stream_consistency``, the
+    same for every prefix cache; here it is applied to the hash map.)
     """
     if not state.config.enable_events:
         return None
     semantics = state.config.profile.event_semantics
-    folded = fold_events((*taken, *state.pending_events), semantics)
-    negative = {k: n for k, n in folded.items() if n < 0}
-    if negative:
-        return f"events remove entries never stored: {negative}"
     per_copy = semantics is EventSemantics.MULTISET
     actual: Counter[HashKey] = Counter(
         {k: len(ids) if per_copy else 1 for k, ids in state.cached.items()}
     )
-    folded = +folded
-    if folded != actual:
-        return f"events describe {dict(folded)}, the map holds {dict(actual)}"
-    return None
+    events = (*taken, *state.pending_events)
+    return prefix_cache.event_stream_consistency(events, actual, semantics, holder="the map")
 
 
 # --------------------------------------------------------------------------

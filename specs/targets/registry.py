@@ -2,20 +2,28 @@
 
 Target strings, and the layers each works at:
 
-=========================  ====  =======  ==  ======
-string                     pool  request  v0  events
-=========================  ====  =======  ==  ======
-``impl``                   yes   yes      no  yes (a producer)
-``model``                  yes   yes      yes yes (the reference consumer)
-``module:factory``         yes   yes      yes yes (a consumer)
-``cmd:PROGRAM ARGS``       yes   no       no  yes (a consumer)
-``vllm``                   yes   yes      yes yes (a producer)
-``vllm:module:Class``      yes   no       no  yes (a producer)
-``vllm==X.Y.Z``            yes   no       no  no
-``dynamo``                 no    no       no  yes (a consumer, as deployed)
-``dynamo:raw``             no    no       no  yes (a consumer, the bare index)
-``pool:SPEC``              no    no       no  yes (the pool SPEC names, a producer)
-=========================  ====  =======  ==  ======
+=========================  ====  =======  ==  ======  =====
+string                     pool  request  v0  events  radix
+=========================  ====  =======  ==  ======  =====
+``impl``                   yes   yes      no  yes     no
+``model``                  yes   yes      yes yes     yes
+``module:factory``         yes   yes      yes yes     yes
+``cmd:PROGRAM ARGS``       yes   no       no  yes     no
+``vllm``                   yes   yes      yes yes     no
+``vllm:module:Class``      yes   no       no  yes     no
+``vllm==X.Y.Z``            yes   no       no  no      no
+``dynamo``                 no    no       no  yes     no
+``dynamo:raw``             no    no       no  yes     no
+``pool:SPEC``              no    no       no  yes     no
+``sglang``                 no    no       no  no      yes
+``sglang:CORE``            no    no       no  no      yes
+``sglang:module:Class``    no    no       no  no      yes
+``sglang==X.Y.Z``          no    no       no  no      yes
+=========================  ====  =======  ==  ======  =====
+
+At the events layer ``impl``, ``vllm`` and ``pool:SPEC`` are producers,
+``model`` is the reference consumer, the others consumers (``dynamo``: as
+deployed; ``dynamo:raw``: the bare index).
 
 * ``impl``: kvpool's own fast implementation (the default);
 * ``model``: the model itself (a self-check of the harness);
@@ -28,7 +36,12 @@ string                     pool  request  v0  events
 * ``vllm==X.Y.Z``: a vLLM release, checked by ``kvpool check`` in a child
   interpreter (``kvpool.specs.targets.vllm.releases``);
 * ``dynamo``, ``dynamo:raw``: NVIDIA Dynamo's router index, with and without
-  the publisher's duplicate filter (``kvpool.specs.targets.dynamo``).
+  the publisher's duplicate filter (``kvpool.specs.targets.dynamo``);
+* ``sglang``: the installed SGLang's radix cache as its server builds it
+  (``UnifiedRadixCache``, Rust tree core by default); ``sglang:rust``,
+  ``sglang:python`` and ``sglang:legacy`` (``RadixCache``) choose the core;
+  ``sglang:package.module:Class`` a subclass of either cache; ``sglang==X.Y.Z``
+  the installed SGLang if it is release X.Y.Z (``kvpool.specs.targets.sglang``).
 
 At the events layer a target is a KV-event *consumer* (checked against the
 model's engines) or a *producer* (a pool whose events the reference consumer
@@ -47,8 +60,14 @@ from typing import Any
 from kvpool.specs.events import target as events_target
 from kvpool.specs.pool import target as pool_target
 from kvpool.specs.pool.target import TargetFactory
+from kvpool.specs.radix import target as radix_target
 from kvpool.specs.request import target as request_target
 from kvpool.specs.targets.importing import import_from_here
+from kvpool.specs.targets.sglang.loading import INSTALL_HINT as SGLANG_INSTALL_HINT
+from kvpool.specs.targets.sglang.loading import RELEASE_PREFIX as RELEASE_PREFIX_SGLANG
+from kvpool.specs.targets.sglang.loading import SGLANG
+from kvpool.specs.targets.sglang.loading import installed_version as sglang_installed_version
+from kvpool.specs.targets.sglang.loading import release_of as sglang_release_of
 from kvpool.specs.targets.vllm.releases import (
     RELEASE_ENV,
     VLLM,
@@ -60,16 +79,17 @@ from kvpool.specs.targets.vllm.releases import (
 )
 from kvpool.specs.v0 import target as v0_target
 
-LAYERS = ("pool", "request", "v0", "events")
+LAYERS = ("pool", "request", "v0", "events", "radix")
 """The layers a target can be checked at: vLLM's v1 block pool, the request layer
-over it (a KV cache manager), vLLM's v0 allocator, and the KV events between
-engines and a router (consumers and producers)."""
+over it (a KV cache manager), vLLM's v0 allocator, the KV events between
+engines and a router (consumers and producers), and SGLang's radix prefix cache."""
 
 OPERATIONS: Mapping[str, tuple[str, ...]] = {
     "pool": (*pool_target.OPERATIONS, *pool_target.FEATURES),
     "request": request_target.OPERATIONS,
     "v0": v0_target.OPERATIONS,
     "events": events_target.OPERATIONS,
+    "radix": radix_target.OPERATIONS,
 }
 """What a target of each layer may support: its operations, and the pool's features."""
 
@@ -98,7 +118,8 @@ class TargetDescriptor:
     checked at this level and these profiles."""
     scope: Mapping[str, Any] = field(default_factory=dict)
     """The part of the layer's space the target is checked on (request layer:
-    ``layouts``, ``events``, ``block_factors``, ``min_window``)."""
+    ``layouts``, ``events``, ``block_factors``, ``min_window``; radix layer:
+    ``events``)."""
     release: str | None = None
     """A vLLM release to check in a child interpreter that imports it."""
 
@@ -119,8 +140,12 @@ def resolve(layer: str, spec: str) -> TargetDescriptor:
         raise TargetSpecError(f"unknown layer {layer!r}: use {', '.join(LAYERS)}")
     if not isinstance(spec, str) or not spec.strip():
         raise TargetSpecError("the target string is empty")
-    resolver = {"pool": _pool, "request": _request, "v0": _v0, "events": _events}[layer]
-    return resolver(spec)
+    if layer != "radix" and is_sglang_target(spec):
+        raise TargetSpecError(
+            f"{spec!r} is an SGLang radix cache: check it at the radix layer (--layer radix)"
+        )
+    resolvers = {"pool": _pool, "request": _request, "v0": _v0, "events": _events}
+    return {**resolvers, "radix": _radix}[layer](spec)
 
 
 def resolve_target(spec: str) -> TargetFactory:
@@ -359,6 +384,86 @@ def _producer(spec: str, pool_spec: str) -> TargetDescriptor:
 
 
 # --------------------------------------------------------------------------
+# The radix layer
+# --------------------------------------------------------------------------
+
+
+def is_sglang_target(spec: str) -> bool:
+    """Whether ``spec`` names an SGLang target (``sglang``, ``sglang:...``, ``sglang==X``)."""
+    return spec == SGLANG or spec.startswith((f"{SGLANG}:", RELEASE_PREFIX_SGLANG))
+
+
+def _radix(spec: str) -> TargetDescriptor:
+    if spec == "model":
+        from kvpool.specs.radix.model_target import ModelRadixTarget
+
+        return TargetDescriptor("radix", spec, ModelRadixTarget)
+    if is_sglang_target(spec):
+        return _sglang(spec)
+    if spec == "impl" or spec.startswith("cmd:") or is_vllm_target(spec):
+        raise TargetSpecError(
+            f"{spec!r} cannot be checked at the radix layer: use model, sglang, sglang:CORE, "
+            "sglang:module:Class, sglang==X.Y.Z or module:factory (a callable taking a "
+            "RadixConfig)"
+        )
+    return _module_factory("radix", spec)
+
+
+def _sglang(spec: str) -> TargetDescriptor:
+    from kvpool.specs.targets.sglang.radix import CORES, SglangRadixFactory
+
+    try:
+        release = sglang_release_of(spec)
+    except ValueError as error:
+        raise TargetSpecError(str(error)) from error
+    installed = sglang_installed_version()
+    if installed is None:
+        raise TargetSpecError(f"SGLang is not installed: {SGLANG_INSTALL_HINT}")
+    if release is not None and release != installed:
+        raise TargetSpecError(
+            f"{spec}: SGLang {installed} is installed here, not {release}; install "
+            f"sglang=={release} (docs/sglang-conformance.md) or check --target sglang"
+        )
+    rest = "" if release is not None or spec == SGLANG else spec[len(SGLANG) + 1 :]
+    if rest in CORES or not rest:
+        factory = SglangRadixFactory(rest or "default")
+    else:
+        cache_class = _sglang_class(rest)
+        factory = SglangRadixFactory(cache_class=cache_class[1], core=cache_class[0])
+    return TargetDescriptor(
+        "radix", spec, factory, preflight=factory.preflight, scope={"events": (True, False)}
+    )
+
+
+def _sglang_class(spec: str) -> tuple[str, Any]:
+    """The core and class ``package.module:Class`` names: a subclass of one of SGLang's caches."""
+    from kvpool.specs.errors import TargetError
+    from kvpool.specs.targets.sglang.loading import load_sglang
+
+    module_name, _, attribute = spec.partition(":")
+    if not attribute:
+        raise TargetSpecError(
+            f"unknown SGLang target sglang:{spec}: use a core (default, rust, python, legacy) "
+            "or package.module:Class"
+        )
+    try:
+        api = load_sglang()
+        module = import_from_here(module_name)
+    except TargetError as error:
+        raise TargetSpecError(str(error)) from error
+    except ImportError as error:
+        raise TargetSpecError(f"cannot import {module_name!r}: {error}") from error
+    cls = getattr(module, attribute, None)
+    if isinstance(cls, type) and issubclass(cls, api.unified_radix_cache):
+        return "default", cls
+    if isinstance(cls, type) and issubclass(cls, api.radix_cache):
+        return "legacy", cls
+    raise TargetSpecError(
+        f"{module_name}:{attribute} is not a subclass of SGLang's RadixCache or UnifiedRadixCache"
+    )
+
+
+# --------------------------------------------------------------------------
 # Any layer
 # --------------------------------------------------------------------------
 
@@ -367,7 +472,7 @@ def _module_factory(layer: str, spec: str) -> TargetDescriptor:
     if ":" not in spec:
         raise TargetSpecError(
             f"unknown target {spec!r}: use impl, model, module:factory, cmd:PROGRAM ARGS, "
-            "vllm, vllm:module:Class or vllm==X.Y.Z"
+            "vllm, vllm:module:Class, vllm==X.Y.Z or (radix layer) sglang"
         )
     module_name, _, attribute = spec.partition(":")
     try:

@@ -14,6 +14,7 @@ from collections import Counter
 from collections.abc import Callable
 
 from kvpool.model.v0 import NEVER_ACCESSED, ContentHash, V0State, eviction_order
+from kvpool.specs import prefix_cache
 from kvpool.specs.errors import InvariantViolation
 
 Reason = str | None
@@ -201,17 +202,13 @@ def cached_prefix_closed(state: V0State) -> Reason:
     includes its whole prefix) and the evictor's tie-break (deepest block
     first) protects it, but eviction is by access time, so a caller who
     frees or touches the front of a sequence before its end can break it;
-    then the search may skip cached blocks or count an evicted one.
+    then the search may skip cached blocks or count an evicted one. (The
+    property is ``kvpool.specs.prefix_cache.cached_prefix_closed``, applied
+    to the cache's contents.)
     """
     size = state.config.block_size
-    for content_hash in sorted(state.cached, key=len):
-        for end in range(size, len(content_hash), size):
-            if content_hash[:end] not in state.cached:
-                return (
-                    f"{content_hash} is cached on block {state.cached[content_hash]} "
-                    f"but its prefix {content_hash[:end]} is not"
-                )
-    return None
+    parents = {h: (h[:-size] if len(h) > size else None) for h in state.cached}
+    return prefix_cache.cached_prefix_closed(parents)
 
 
 # --------------------------------------------------------------------------
