@@ -168,7 +168,13 @@ def _raise(name: str, reason: Reason, dump: str) -> None:
     if reason is None:
         return
     function = globals().get(name) or getattr(prefix_cache, name)
-    raise RadixInvariantViolation(name, reason, (function.__doc__ or "").strip(), dump)
+    raise RadixInvariantViolation(name, reason, rationale(function), dump)
+
+
+def rationale(function: Callable[..., object]) -> str:
+    """A predicate's docstring without its examples: what breaks in a server when it fails."""
+    doc = (function.__doc__ or "").split(">>>")[0]
+    return doc.strip()
 
 
 def check_all(state: RadixState, taken: Sequence[KVCacheEvent] = ()) -> None:

@@ -55,6 +55,7 @@ from kvpool.specs.radix.invariants import (
     check_all,
     check_tree,
     dump_tree,
+    rationale,
 )
 from kvpool.specs.radix.target import RadixTarget, RadixTargetFactory
 from kvpool.specs.runner.lockstep import LockStep
@@ -174,6 +175,30 @@ class RadixMachine(LockStep[RadixState, RadixTarget], RuleBasedStateMachine):
         if fresh is not None:
             self._insert(tokens, [*hit.slots[:prev], *fresh], prev, priority, inserted, fresh)
 
+    @precondition(ready)
+    @rule(tokens=TOKENS, priority=PRIORITY)
+    def request_checkpoint(self, tokens: list[int], priority: int) -> None:
+        """A request as SGLang's scheduler runs it (``RadixCache.checkpoint``).
+
+        It matches its key and locks the hit, writes the rest, inserts the
+        key sharing the hit, then moves its lock from the hit's node to the
+        key's node. The lock stays held (``unlock`` releases it later).
+        """
+        hit = self._match(tokens)
+        if hit is None or not self._lock(hit.path):
+            return
+        fresh = self.take_slots(self.aligned(tokens) - hit.prefix_len, tokens, hit.prefix_len)
+        if fresh is None:
+            return
+        prev = hit.prefix_len
+        self._insert(tokens, [*hit.slots, *fresh], prev, priority, prev, fresh)
+        if self.last_node is None or self.last_node == hit.path:
+            return
+        node = self.last_node
+        self.held.remove(next(h for h in self.held if h[0] == hit.path))
+        self._unlock(hit.path)
+        self._lock(node)
+
     def _insert(
         self,
         tokens: list[int],
@@ -248,19 +273,25 @@ class RadixMachine(LockStep[RadixState, RadixTarget], RuleBasedStateMachine):
     @rule()
     def lock_last(self) -> None:
         """Lock the node the latest match or insert returned, as a request does."""
-        assert self.model is not None and self.last_node is not None
-        path = self.last_node
+        assert self.last_node is not None
+        self._lock(self.last_node)
+
+    def _lock(self, path: Path) -> bool:
         applied, _ = self._step(
             f"lock({list(path)})", lambda s: model.lock(s, path), lambda t: t.lock(path)
         )
         if applied:
             assert self.model is not None
             self.held.append((path, model.path_slots(self.model, path)))
+        return applied
 
     @precondition(lambda self: self.model is not None and bool(self.held))
     @rule(pick=PICK)
     def unlock(self, pick: int) -> None:
         path, _ = self.held.pop(pick % len(self.held))
+        self._unlock(path)
+
+    def _unlock(self, path: Path) -> None:
         self._step(
             f"unlock({list(path)})",
             lambda s: _unlocked(s, path),
@@ -321,9 +352,11 @@ class RadixMachine(LockStep[RadixState, RadixTarget], RuleBasedStateMachine):
     @precondition(lambda self: self.level >= 2 and self.last_node not in (None, ROOT))
     @rule()
     def unlock_unlocked(self) -> None:
-        """Unlock the node just returned, whether or not a lock holds it."""
-        assert self.last_node is not None
+        """Unlock the node just returned when no lock holds it."""
+        assert self.model is not None and self.last_node is not None
         path = self.last_node
+        if path not in self.model.nodes or self.model.nodes[path].lock_ref:
+            return
         self._step(
             f"unlock({list(path)})",
             lambda s: _unlocked(s, path),
@@ -419,11 +452,9 @@ class RadixMachine(LockStep[RadixState, RadixTarget], RuleBasedStateMachine):
             self._violated("locked_data_never_freed", reason)
 
     def _violated(self, name: str, reason: str) -> NoReturn:
-        doc = getattr(prefix_cache, name, None)
-        rationale = (doc.__doc__ or "") if doc is not None else SLOT_CONSERVATION
-        raise RadixInvariantViolation(
-            name, reason, rationale.strip(), self._history("the calls so far")
-        )
+        function = getattr(prefix_cache, name, None)
+        why = rationale(function) if function is not None else SLOT_CONSERVATION.strip()
+        raise RadixInvariantViolation(name, reason, why, self._history("the calls so far"))
 
     # ------------------------------------------------------------------
     # Lock-step machinery (the rest is kvpool.specs.runner.lockstep)
