@@ -176,13 +176,18 @@ class RadixMachine(LockStep[RadixState, RadixTarget], RuleBasedStateMachine):
             self._insert(tokens, [*hit.slots[:prev], *fresh], prev, priority, inserted, fresh)
 
     @precondition(ready)
-    @rule(tokens=TOKENS, priority=PRIORITY)
-    def request_checkpoint(self, tokens: list[int], priority: int) -> None:
+    @rule(tokens=TOKENS, priority=PRIORITY, earlier=st.integers(0, MAX_KEY), finish=st.booleans())
+    def request_checkpoint(
+        self, tokens: list[int], priority: int, earlier: int, finish: bool
+    ) -> None:
         """A request as SGLang's scheduler runs it (``RadixCache.checkpoint``).
 
         It matches its key and locks the hit, writes the rest, inserts the
-        key sharing the hit, then moves its lock from the hit's node to the
-        key's node. The lock stays held (``unlock`` releases it later).
+        key sharing the hit (``earlier`` of its tokens counted as inserted by
+        an earlier chunk), then moves its lock from the hit's node to the
+        key's node; a request that ``finish`` es releases it at once, the
+        others keep it (``unlock`` releases it later). Four arguments, so
+        that shrinking prefers the one-call rules to this one.
         """
         hit = self._match(tokens)
         if hit is None or not self._lock(hit.path):
@@ -191,13 +196,14 @@ class RadixMachine(LockStep[RadixState, RadixTarget], RuleBasedStateMachine):
         if fresh is None:
             return
         prev = hit.prefix_len
-        self._insert(tokens, [*hit.slots, *fresh], prev, priority, prev, fresh)
-        if self.last_node is None or self.last_node == hit.path:
-            return
+        self._insert(tokens, [*hit.slots, *fresh], prev, priority, min(earlier, prev), fresh)
         node = self.last_node
-        self.held.remove(next(h for h in self.held if h[0] == hit.path))
-        self._unlock(hit.path)
-        self._lock(node)
+        if node is not None and node != hit.path:
+            self.held.remove(next(h for h in self.held if h[0] == hit.path))
+            self._unlock(hit.path)
+            self._lock(node)
+        if finish and self.held:
+            self._unlock(self.held.pop()[0])
 
     def _insert(
         self,

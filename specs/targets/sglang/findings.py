@@ -60,16 +60,17 @@ KNOWN_FINDINGS: dict[str, KnownFinding] = {
             "insert",
             "TooFewSlots",
             "legacy python",
-            "the node keeps fewer slots than tokens: the evictable size counts the tokens, "
-            "the tree the slots, and they disagree from then on (the Rust core refuses it)",
+            "the node keeps fewer tokens' slots than it has tokens: a hit on it claims tokens "
+            "it serves no KV for; RadixCache also counts the tokens as evictable, so its size "
+            "and the tree disagree from then on (the Rust core refuses the call)",
         ),
         _finding(
             "negative-prev-prefix-len",
             "insert",
             "InvalidPrefixLength",
-            "legacy python rust",
-            "the unified caches free every duplicate as with 0; RadixCache's request layer "
-            "frees row[-1:prefix_len]",
+            "legacy python",
+            "the Python core frees every duplicate as with 0; RadixCache's request layer frees "
+            "row[-1:prefix_len], the last slot only (the Rust core refuses the call)",
         ),
         _finding(
             "evict-negative",

@@ -70,7 +70,7 @@ from kvpool.model.radix import (
     Path,
     RadixConfig,
 )
-from kvpool.model.radix_errors import NotLocked, TooFewSlots, UnknownNode
+from kvpool.model.radix_errors import InvalidPrefixLength, NotLocked, TooFewSlots, UnknownNode
 from kvpool.specs.errors import TargetError
 from kvpool.specs.radix.target import TreeView
 from kvpool.specs.targets.sglang.loading import SglangApi, load_sglang, native_hash_reason
@@ -82,7 +82,8 @@ REFUSALS: dict[str, dict[str, dict[type[BaseException], type[PoolError]]]] = {
     "rust": {
         "lock": {KeyError: UnknownNode},
         "unlock": {KeyError: UnknownNode, RuntimeError: NotLocked},
-        "insert": {ValueError: TooFewSlots},
+        # both raised while building the call, before the tree is touched
+        "insert": {ValueError: TooFewSlots, OverflowError: InvalidPrefixLength},
     },
     "python": {
         "lock": {KeyError: UnknownNode},
