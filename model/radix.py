@@ -708,8 +708,8 @@ def _enqueue(events: tuple[KVCacheEvent, ...], event: KVCacheEvent) -> tuple[KVC
             and isinstance(event, BlockRemoved)
             and tail.medium == event.medium
         ):
-            merged = replace(tail, block_hashes=tail.block_hashes + event.block_hashes)
-            return (*events[:-1], merged)
+            removed = replace(tail, block_hashes=tail.block_hashes + event.block_hashes)
+            return (*events[:-1], removed)
         if (
             isinstance(tail, BlockStored)
             and isinstance(event, BlockStored)
@@ -718,10 +718,10 @@ def _enqueue(events: tuple[KVCacheEvent, ...], event: KVCacheEvent) -> tuple[KVC
             and tail.block_hashes
             and event.parent_block_hash == tail.block_hashes[-1]
         ):
-            merged = replace(
+            stored = replace(
                 tail,
                 block_hashes=tail.block_hashes + event.block_hashes,
                 token_ids=tail.token_ids + event.token_ids,
             )
-            return (*events[:-1], merged)
+            return (*events[:-1], stored)
     return (*events, event)

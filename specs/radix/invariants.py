@@ -204,7 +204,9 @@ def check_all(state: RadixState, taken: Sequence[KVCacheEvent] = ()) -> None:
     _raise("cached_prefix_closed", prefix_cache.cached_prefix_closed(node_parents(view)), dump)
     _raise(
         "size_accounting",
-        prefix_cache.size_accounting(evictable_size(state), protected_size(state), total_size(state)),
+        prefix_cache.size_accounting(
+            evictable_size(state), protected_size(state), total_size(state)
+        ),
         dump,
     )
 

@@ -224,7 +224,7 @@ class RadixMachine(LockStep[RadixState, RadixTarget], RuleBasedStateMachine):
             self.give_back(fresh)
             return
         assert seen is not None
-        prefix_len, path, duplicates = seen
+        _, path, duplicates = seen
         self._check_freed(duplicates)
         self.give_back(duplicates)
         self.returned(path)

@@ -1,4 +1,4 @@
-"""Every radix invariant, and every engine-neutral property it applies, fails on a corrupted state."""
+"""Every radix invariant, and every engine-neutral property it applies, fails when broken."""
 
 from collections import Counter
 from collections.abc import Callable
@@ -36,11 +36,11 @@ def test_a_valid_state_passes_every_invariant() -> None:
     check_tree(r.tree_view(s), 2, evictable=2, protected=4, truth=TRUTH)
 
 
-TRUTH = {
-    10: (1,), 11: (1, 2), 12: (1, 2, 3), 13: (1, 2, 3, 4), 22: (1, 2, 5), 23: (1, 2, 5, 6)
-}
+TRUTH = {10: (1,), 11: (1, 2), 12: (1, 2, 3), 13: (1, 2, 3, 4), 22: (1, 2, 5), 23: (1, 2, 5, 6)}
 
-CORRUPTIONS: list[tuple[Callable[[RadixState], object], str, Callable[[RadixState], RadixState]]] = [
+CORRUPTIONS: list[
+    tuple[Callable[[RadixState], object], str, Callable[[RadixState], RadixState]]
+] = [
     (inv.tree_well_formed, "an orphan", lambda s: node(s, (1, 2, 3, 4), parent=(7, 7))),
     (inv.tree_well_formed, "a parent that is no prefix", lambda s: node(s, (1, 2), parent=(1, 2))),
     (inv.tree_well_formed, "half a page", lambda s: node(s, (1, 2), parent=(1,))),
@@ -52,9 +52,21 @@ CORRUPTIONS: list[tuple[Callable[[RadixState], object], str, Callable[[RadixStat
             s, nodes={**s.nodes, (1, 2, 3, 4, 7, 7): r.RadixNode((1, 2), (30, 31, 32, 33))}
         ),
     ),
-    (inv.lock_refs_cover_descendants, "a negative count", lambda s: node(s, (1, 2, 3, 4), lock_ref=-1)),
-    (inv.lock_refs_cover_descendants, "a parent below its child", lambda s: node(s, (1, 2), lock_ref=0)),
-    (inv.stamps_from_the_past, "a stamp from the future", lambda s: node(s, (1, 2), last_access=99)),
+    (
+        inv.lock_refs_cover_descendants,
+        "a negative count",
+        lambda s: node(s, (1, 2, 3, 4), lock_ref=-1),
+    ),
+    (
+        inv.lock_refs_cover_descendants,
+        "a parent below its child",
+        lambda s: node(s, (1, 2), lock_ref=0),
+    ),
+    (
+        inv.stamps_from_the_past,
+        "a stamp from the future",
+        lambda s: node(s, (1, 2), last_access=99),
+    ),
     (inv.stamps_from_the_past, "accessed before created", lambda s: node(s, (1, 2), created=4)),
 ]
 
@@ -63,7 +75,9 @@ CORRUPTIONS: list[tuple[Callable[[RadixState], object], str, Callable[[RadixStat
     ("invariant", "what", "corrupt"), CORRUPTIONS, ids=[what for _, what, _ in CORRUPTIONS]
 )
 def test_each_tree_invariant_catches_its_corruption(
-    invariant: Callable[[RadixState], object], what: str, corrupt: Callable[[RadixState], RadixState]
+    invariant: Callable[[RadixState], object],
+    what: str,
+    corrupt: Callable[[RadixState], RadixState],
 ) -> None:
     bad = corrupt(state())
     assert invariant(bad) is not None
@@ -83,7 +97,9 @@ def test_a_stored_page_whose_parent_is_gone_fails_cached_prefix_closed() -> None
     stale = BlockRemoved(parent_pages, "GPU", 0)
     stored = BlockStored(parent_pages, None, (1, 2), 2, None, "GPU", None, None, 0)
     # remove the shared page, store it again: the fold is right, the link is gone
-    s = replace(s, pending_events=(*s.pending_events, stale, replace(stored, parent_block_hash=b"x")))
+    s = replace(
+        s, pending_events=(*s.pending_events, stale, replace(stored, parent_block_hash=b"x"))
+    )
     parents = prefix_cache.stored_parents(s.pending_events)
     assert prefix_cache.cached_prefix_closed(parents) is not None
     with pytest.raises(RadixInvariantViolation, match="cached_prefix_closed"):

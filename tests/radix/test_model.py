@@ -7,9 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool.model import AllBlocksCleared, BlockRemoved, BlockStored, InvalidConfig
+from kvpool.model import AllBlocksCleared, BlockRemoved, BlockStored, InvalidConfig, v0
 from kvpool.model import radix as r
-from kvpool.model import v0
 from kvpool.model.radix import RadixState
 from kvpool.model.radix_errors import (
     InvalidPrefixLength,
@@ -96,7 +95,12 @@ def test_invalid_too_few_slots_counts_the_page_aligned_key_only() -> None:
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"prev_prefix_len": -1}, {"inserted_len": -2}, {"prev_prefix_len": 1.5}, {"inserted_len": "1"}],
+    [
+        {"prev_prefix_len": -1},
+        {"inserted_len": -2},
+        {"prev_prefix_len": 1.5},
+        {"inserted_len": "1"},
+    ],
 )
 def test_invalid_prefix_length(kwargs: dict[str, Any]) -> None:
     def op(state: RadixState) -> Any:

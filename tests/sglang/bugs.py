@@ -260,7 +260,7 @@ class LockSkipsNodeUnifiedRadixCache(UnifiedRadixCache):
 
 
 class KeepSuffixTimeRadixCache(RadixCache):
-    """sgl-project/sglang#24892 (proposed, closed unmerged): a split leaves the suffix's recency alone.
+    """sgl-project/sglang#24892 (proposed, closed unmerged): a split keeps the suffix's recency.
 
     The PR argued that a partial match should not make the unmatched part
     of a node recently used; mini-sglang merged the same idea (#124).

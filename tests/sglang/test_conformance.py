@@ -42,7 +42,9 @@ def test_each_core_conforms_at_level_2_past_its_known_findings(
 
 
 def test_a_level_2_divergence_of_the_rust_core_is_a_known_finding() -> None:
-    report = check_radix(SglangRadixFactory("rust"), "lru", 2, hypothesis_profile="ci", shrink=False)
+    report = check_radix(
+        SglangRadixFactory("rust"), "lru", 2, hypothesis_profile="ci", shrink=False
+    )
     assert not report.conforms and report.failure_kind == "divergence"
     findings = [f for f in for_core("rust") if f"{f.operation}(" in (report.failure or "")]
     assert any(f.model_error in (report.failure or "") for f in findings), report.failure
@@ -125,7 +127,7 @@ def test_the_rust_core_refuses_every_call_after_a_panic() -> None:
 
 
 def test_legacy_fifo_ages_a_split_node_like_a_new_one() -> None:
-    """RadixCache gives the upper part of a split a fresh creation time; the unified cores copy it."""
+    """RadixCache gives the upper part of a split a fresh creation time; unified cores copy it."""
     freed = {}
     for core in CORES:
         target = SglangRadixTarget(RadixConfig(1, "fifo", False), core)

@@ -15,11 +15,11 @@ import importlib
 import logging
 import os
 import re
+import warnings
 from dataclasses import dataclass
 from importlib import metadata
 from types import ModuleType
 from typing import Any
-import warnings
 
 from kvpool.specs.errors import TargetError
 

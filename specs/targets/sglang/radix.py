@@ -56,8 +56,8 @@ import contextlib
 import os
 import tempfile
 import types
-from collections.abc import Callable, Iterator, Sequence
 from array import array
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from kvpool.model import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
@@ -126,7 +126,7 @@ _CLOCK: list[float] = [0.0]
 
 def install_logical_clock(api: SglangApi) -> None:
     """Make ``RadixCache``'s recency a counter: its module reads time only through ``time``."""
-    module = api.radix_module
+    module: Any = api.radix_module
     if getattr(module.time, "kvpool_logical", False):
         return
     import time as real_time
@@ -284,7 +284,7 @@ class SglangRadixTarget:
         self.allocator.freed.clear()
 
     def _sglang(self, operation: str, args: tuple[Any, ...], call: Callable[[], Any]) -> Any:
-        """Run one SGLang call: a refusal becomes the model's rejection, accepted calls are logged."""
+        """One SGLang call: a refusal becomes the model's rejection; accepted calls are logged."""
         quiet = quiet_stderr() if self.core == "rust" else contextlib.nullcontext()
         try:
             with quiet:
@@ -377,7 +377,9 @@ class SglangRadixTarget:
 
     def match_prefix(self, tokens: Sequence[int]) -> MatchResult:
         params = self.api.match_prefix_params(key=self._key(tokens))
-        result = self._sglang("match_prefix", (tuple(tokens),), lambda: self.cache.match_prefix(params))
+        result = self._sglang(
+            "match_prefix", (tuple(tokens),), lambda: self.cache.match_prefix(params)
+        )
         node = result.last_device_node
         slots = tuple(int(s) for s in self.cache.path_device_indices(node).tolist())
         path = self._path(node, tokens)
@@ -399,11 +401,8 @@ class SglangRadixTarget:
             self._sglang("unlock", (path,), lambda: self.cache.dec_lock_ref(handle))
             return
         held = self.receipts.get(path)
-        if held:
-            params = held[-1].to_dec_params()
-        else:
-            # No lock was taken: the receipt a lock would have given, for a level-2 call.
-            params = self.api.dec_lock_ref_params(node_id=handle)
+        # Without a lock taken (a level-2 call): the receipt a lock would have given.
+        params = held[-1].to_dec_params() if held else self.api.dec_lock_ref_params(node_id=handle)
         self._sglang("unlock", (path,), lambda: self.cache.dec_lock_ref(handle, params))
         if held:
             held.pop()
