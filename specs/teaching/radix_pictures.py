@@ -443,9 +443,7 @@ def side_by_side_pictures() -> dict[str, str]:
             engines.v0, caption=f"vLLM v0 after step {index}: {step.v0_calls}"
         )
         changed = [
-            p
-            for p, n in engines.radix.nodes.items()
-            if before is None or before.nodes.get(p) != n
+            p for p, n in engines.radix.nodes.items() if before is None or before.nodes.get(p) != n
         ]
         pictures[picture_path("radix", index)] = render_radix_svg(
             engines.radix,
