@@ -27,8 +27,7 @@ from dataclasses import dataclass
 from xml.sax.saxutils import escape
 
 from kvpool import model
-from kvpool.model import AllBlocksCleared, BlockRemoved, BlockStored, CacheRequest, PoolState
-from kvpool.model import radix
+from kvpool.model import AllBlocksCleared, BlockRemoved, BlockStored, CacheRequest, PoolState, radix
 from kvpool.model import v0 as v0model
 from kvpool.model.radix import ROOT, Path, RadixState
 from kvpool.model.v0 import V0State
@@ -77,7 +76,7 @@ def event_label(event: object) -> str:
         return f"stored {tokens_label(event.token_ids, 24)}"
     if isinstance(event, BlockRemoved):
         return f"removed {len(event.block_hashes)} page(s)"
-    return "cleared"
+    return "cleared" if isinstance(event, AllBlocksCleared) else repr(event)
 
 
 def render_radix_svg(state: RadixState, caption: str = "", highlight: Iterable[Path] = ()) -> str:
@@ -298,7 +297,7 @@ def _v0_prompt_computed(state: V0State, text: str) -> V0State:
 def _radix_request(state: RadixState, text: str, slots: Sequence[int], share: bool) -> RadixState:
     """Match (if ``share``), lock the node, insert the rest with the shared slots."""
     tokens = _t(text)
-    prev, shared = 0, ()
+    prev, shared = 0, tuple[int, ...]()
     if share:
         state, hit = radix.match_prefix(state, tokens)
         prev, shared = hit.prefix_len, hit.slots
@@ -369,7 +368,7 @@ SIDE_BY_SIDE: tuple[StoryStep, ...] = (
     StoryStep(
         say="Request C computed ABCD itself (it started before A was cached) and caches it.",
         v1_calls="get_new_blocks(2) → [4, 5]; cache_full_blocks(C, [4, 5], 0, 2)",
-        v0_calls="allocate_mutable_block, append_token_ids × 2: each full block is "
+        v0_calls="allocate_mutable_block, append_token_ids x 2: each full block is "
         "de-duplicated onto blocks 0 and 1",
         radix_calls="insert(ABCD, slots 6-9) → prefix 4, duplicates 6 7, 8 9; lock(ABCD)",
         play=lambda e: Engines(
@@ -396,7 +395,7 @@ SIDE_BY_SIDE: tuple[StoryStep, ...] = (
     StoryStep(
         say="Memory is needed for two blocks (four tokens).",
         v1_calls="get_new_blocks(2): the front of the free queue, hashes dropped",
-        v0_calls="allocate_mutable_block() × 2: a hash-less block, then an evicted one",
+        v0_calls="allocate_mutable_block() x 2: a hash-less block, then an evicted one",
         radix_calls="evict(4) → leaves in LRU order, whole nodes, until 4 tokens are gone",
         play=_need_memory,
         note="**The unit of eviction**: vLLM evicts one block at a time (v0 only once no "
