@@ -297,7 +297,8 @@ def _v0_prompt_computed(state: V0State, text: str) -> V0State:
 def _radix_request(state: RadixState, text: str, slots: Sequence[int], share: bool) -> RadixState:
     """Match (if ``share``), lock the node, insert the rest with the shared slots."""
     tokens = _t(text)
-    prev, shared = 0, tuple[int, ...]()
+    shared: tuple[int, ...]
+    prev, shared = 0, ()
     if share:
         state, hit = radix.match_prefix(state, tokens)
         prev, shared = hit.prefix_len, hit.slots
