@@ -10,12 +10,14 @@ The public face, for projects that check their own implementation::
 * ``check_v0(make_allocator)``: a v0 allocator;
 * ``check_events(make_consumer)``: a KV-event consumer (a router's index), or
   ``check_events(None, make_engine)`` an engine's stream;
-* the target protocols ``PoolTarget``, ``ManagerTarget``, ``V0Target`` and
-  ``Consumer``;
+* ``check_radix(make_cache)``: a radix prefix cache (SGLang's design);
+* the target protocols ``PoolTarget``, ``ManagerTarget``, ``V0Target``,
+  ``Consumer`` and ``RadixTarget``;
 * ``ConformanceReport``, and ``TargetError`` for a target that cannot be run.
 
 The layers are packages with the same file names (``pool/``, ``request/``,
-``v0/``, ``events/``: ``target``, ``machine``, ``invariants``, ``check``) over one runner
+``v0/``, ``events/``, ``radix/``: ``target``, ``machine``, ``invariants``,
+``check``) over one runner
 (``runner/``) and one target registry (``targets/``); docs/architecture.md
 draws the floors.
 """
@@ -30,6 +32,8 @@ if TYPE_CHECKING:
     from kvpool.specs.events.target import Consumer, ConsumerConfig
     from kvpool.specs.pool.check import run_conformance
     from kvpool.specs.pool.target import PoolTarget, Snapshottable, TargetFactory
+    from kvpool.specs.radix.check import check_radix
+    from kvpool.specs.radix.target import RadixTarget
     from kvpool.specs.request.check import run_request_conformance
     from kvpool.specs.request.target import ManagerSetup, ManagerTarget, ManagerTargetSpec
     from kvpool.specs.runner.report import ConformanceReport, Counterexample
@@ -52,6 +56,8 @@ _PUBLIC = {
     "PoolTarget": "kvpool.specs.pool.target",
     "Snapshottable": "kvpool.specs.pool.target",
     "TargetFactory": "kvpool.specs.pool.target",
+    "check_radix": "kvpool.specs.radix.check",
+    "RadixTarget": "kvpool.specs.radix.target",
     "run_request_conformance": "kvpool.specs.request.check",
     "ManagerSetup": "kvpool.specs.request.target",
     "ManagerTarget": "kvpool.specs.request.target",
@@ -76,6 +82,7 @@ __all__ = [
     "ManagerTarget",
     "ManagerTargetSpec",
     "PoolTarget",
+    "RadixTarget",
     "Snapshottable",
     "TargetDescriptor",
     "TargetError",
@@ -84,6 +91,7 @@ __all__ = [
     "V0Target",
     "check",
     "check_events",
+    "check_radix",
     "check_v0",
     "resolve",
     "run_conformance",

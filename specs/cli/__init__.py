@@ -22,6 +22,7 @@ from kvpool.specs.runner.render import print_terminal, save, to_json, to_junit
 from kvpool.specs.runner.report import ConformanceReport
 from kvpool.specs.runner.settings import PROFILE_NAMES, default_profile_name
 from kvpool.specs.targets import LAYERS, TargetDescriptor, TargetSpecError, resolve
+from kvpool.specs.targets.registry import is_sglang_target
 from kvpool.specs.targets.vllm.releases import forwarded_options, run_check_in_release
 from kvpool.specs.teaching.command import explain
 
@@ -98,13 +99,14 @@ def check(
         Path, typer.Option(help="Where a divergence's regression test and vector are written.")
     ] = Path("kvpool-regression"),
     layer: Annotated[
-        str,
+        str | None,
         typer.Option(
             help="pool: the block pool; request: the KV cache manager over it; "
             "v0: vLLM's v0 allocator; events: a KV-event consumer (router index) or producer; "
-            "radix: SGLang's radix prefix cache."
+            "radix: SGLang's radix prefix cache. Default: radix for an SGLang target, else pool.",
+            show_default=False,
         ),
-    ] = "pool",
+    ] = None,
 ) -> None:
     """Run the lock-step state machine against a target and report conformance."""
     console = Console(stderr=report_format is not ReportFormat.terminal)
@@ -112,6 +114,8 @@ def check(
     if chosen_profile not in PROFILE_NAMES:
         console.print(f"[red]unknown Hypothesis profile {chosen_profile!r}[/red]")
         raise typer.Exit(EXIT_ERROR)
+    if layer is None:
+        layer = "radix" if target is not None and is_sglang_target(target) else "pool"
     layer = LAYER_ALIASES.get(layer, layer)
     if layer not in LAYERS:
         console.print(f"[red]unknown layer {layer!r}: use {', '.join(LAYERS)}[/red]")

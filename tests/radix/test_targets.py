@@ -70,6 +70,15 @@ def test_a_broken_sglang_exits_2_with_the_reason(tmp_path: Path) -> None:
     assert_no_traceback(result)
 
 
+def test_an_sglang_target_needs_no_layer_option(tmp_path: Path) -> None:
+    """``kvpool check --target sglang`` checks the radix layer (here: a broken SGLang, exit 2)."""
+    shadow = _broken_sglang(tmp_path)
+    root = str(Path(__file__).resolve().parents[2])
+    result = run_kvpool("check", "--target", "sglang", env={"PYTHONPATH": f"{shadow}:{root}"})
+    assert result.returncode == 2
+    assert "broken on purpose" in result.stdout + result.stderr
+
+
 def test_a_release_that_is_not_installed_exits_2(tmp_path: Path) -> None:
     shadow = _broken_sglang(tmp_path)
     root = str(Path(__file__).resolve().parents[2])

@@ -16,9 +16,7 @@ CI = ("--hypothesis-profile", "ci")
 
 def test_the_installed_sglang_conforms() -> None:
     """The full ``ci`` run of the same target is test_conformance's; here the command line."""
-    result = run_kvpool(
-        "check", "--layer", "radix", "--target", "sglang", "--examples", "30", *CI, timeout=300
-    )
+    result = run_kvpool("check", "--target", "sglang", "--examples", "30", *CI, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "conforms" in result.stdout
     assert_no_traceback(result)
