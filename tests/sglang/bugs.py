@@ -407,7 +407,7 @@ BUGS: tuple[SglangBug, ...] = (
     SglangBug(
         "evict-ignores-budget",
         "sglang#4987",
-        "0.4.5",
+        "PR #4989",
         {
             "legacy": (GreedyEvictRadixCache, None),
             "python": (GreedyEvictUnifiedRadixCache, None),
