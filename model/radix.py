@@ -217,6 +217,7 @@ def insert(
     >>> r.prefix_len, r.duplicates, sorted(cache.nodes)
     (2, ((20, 21),), [(1, 2), (1, 2, 3), (1, 2, 4)])
     """
+    # Verify that the tokens are integers in 0..2**32-1
     key = _verify_tokens(tokens)
     # Verify that the slots are non-negative integers, enough for the page-aligned key
     values = _verify_slots(slots)
@@ -291,6 +292,7 @@ def match_prefix(state: RadixState, tokens: Sequence[int]) -> tuple[RadixState, 
     >>> hit, sorted(cache.nodes)
     (MatchResult(prefix_len=2, path=(1, 2), slots=(10, 11)), [(1, 2), (1, 2, 3, 4)])
     """
+    # Verify that the tokens are integers in 0..2**32-1
     key = _aligned(state, _verify_tokens(tokens))
     if not key:
         return state, MatchResult(0, ROOT, ())
