@@ -24,7 +24,6 @@ from kvpool.model import (
     KVCacheEvent,
     PoolState,
 )
-from kvpool.model.events import fold_events
 from kvpool.specs import prefix_cache
 from kvpool.specs.errors import InvariantViolation
 
