@@ -49,6 +49,8 @@ class Content:
     salt: str | None
     tokens: tuple[int, ...]
     mm: tuple[tuple[str, int], ...] = ()
+    embeds: tuple[bytes, ...] | None = None
+    """The prompt embeddings of a request sent as embeddings (None otherwise)."""
 
     def prefix(self, num_tokens: int) -> "Content":
         """The content of the first ``num_tokens`` tokens."""
@@ -57,6 +59,7 @@ class Content:
             self.salt,
             self.tokens[:num_tokens],
             tuple(m for m in self.mm if m[1] < num_tokens),
+            None if self.embeds is None else self.embeds[:num_tokens],
         )
 
 
@@ -68,6 +71,7 @@ def request_content(request: Request, extra_tokens: Sequence[int] = ()) -> Conte
         salt=request.cache_salt or None,
         tokens=request.all_token_ids + tuple(extra_tokens),
         mm=tuple((m.identifier, m.offset) for m in request.mm_inputs),
+        embeds=request.prompt_embeds or None,
     )
 
 
