@@ -213,6 +213,25 @@ def hash_block_tokens(
     >>> len(h), h == hash_block_tokens(None, (1, 2)), h == hash_block_tokens(h, [1, 2])
     (32, True, False)
     """
+    return hashlib.sha256(
+        block_preimage(parent_block_hash, token_ids, extra_keys, seed_hash=seed_hash)
+    ).digest()
+
+
+def block_preimage(
+    parent_block_hash: BlockHash | None,
+    token_ids: Sequence[int],
+    extra_keys: Sequence[ExtraKey] = (),
+    *,
+    seed_hash: BlockHash = NONE_HASH,
+) -> bytes:
+    """The bytes ``hash_block_tokens`` hashes: the canonical encoding of the block's value.
+
+    Complexity: O(len(token_ids) + len(extra_keys)).
+
+    >>> block_preimage(None, [1])[:1]
+    b'T'
+    """
     parent = seed_hash if parent_block_hash is None else parent_block_hash
     payload = (
         _DOMAIN,
@@ -220,7 +239,7 @@ def hash_block_tokens(
         tuple(int(t) for t in token_ids),
         tuple(encode_extra_key(k) for k in extra_keys),
     )
-    return hashlib.sha256(encode(payload)).digest()
+    return encode(payload)
 
 
 def block_extra_keys(

@@ -66,7 +66,12 @@ ATTENTION_NAMES = {
 """A group spec's ``attention`` in JSON."""
 
 HASHER_OPERATIONS = ("block_hashes", "none_hash")
-"""The hasher's own operations: optional, announced by ``"hasher": true`` in hello."""
+"""The hasher's own operations: optional, announced by ``"hasher"`` in hello."""
+
+HASHERS = ("none", "own", "kvpool")
+"""What a target's hello may say of its hasher: it takes the hashes the requests
+carry (``none``), hashes them with its own function (``own``: checked against the
+token ground truth), or with kvpool's (``kvpool``: the hash vectors apply too)."""
 
 OPERATIONS = (
     "get_computed_blocks",

@@ -32,7 +32,7 @@ def request_hello_result(
     levels: Sequence[int] = (1, 2),
     profiles: Sequence[str] = tuple(PROFILES),
     snapshot: bool = True,
-    hasher: bool = False,
+    hasher: str = "none",
 ) -> dict[str, Json]:
     """What a request-layer target answers to ``hello``."""
     return {
@@ -65,7 +65,9 @@ class RequestServer:
                 reply["ok"] = request_hello_result(
                     self.name,
                     snapshot=isinstance(probe, ManagerSnapshottable),
-                    hasher=callable(getattr(probe, "block_hashes", None)),
+                    hasher=str(getattr(probe, "hash_function", "own"))
+                    if callable(getattr(probe, "block_hashes", None))
+                    else "none",
                 )
             elif op == "new_manager":
                 self.target = None

@@ -51,8 +51,9 @@ def run_request_conformance(
             preflight(level, names)
         declared = getattr(target.factory, "declared_scope", None)
         if declared is not None:
-            target = narrowed(target, declared())
-            hybrids = False
+            claimed = declared()
+            target = narrowed(target, claimed)
+            hybrids = "layouts" not in claimed
     except (TargetError, TargetAbort) as error:
         failed = error
     machine = manager_machine(

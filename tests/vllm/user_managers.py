@@ -1,4 +1,4 @@
-"""A user's own vLLM ``KVCacheManager`` subclasses, for ``kvpool check --layer request --target vllm:...``.
+"""A user's own vLLM ``KVCacheManager`` subclasses, for ``kvpool check --layer request``.
 
 Importing this module imports vLLM. Each class is what a fork or a user
 might write: one wraps the constructor and changes nothing, one leaks, two

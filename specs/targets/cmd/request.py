@@ -6,8 +6,10 @@ dialect is the request layer's (``kvpool.specs.protocol.request_codec``,
 docs/formats.md): the kit says ``hello`` with ``"layer": "request"``, and
 the program answers with the levels, profiles and layouts it supports,
 whether it has a ``snapshot``, and whether it hashes requests itself
-(``"hasher": true``: then the kit asks for its hashes and checks them
-against the token ground truth, ``kvpool.specs.request.invariants``).
+(``"hasher": "own"`` or ``"kvpool"``: then the kit asks for its hashes and
+checks them against the token ground truth,
+``kvpool.specs.request.invariants``; ``"kvpool"`` also says it is kvpool's
+hash function, so the hash vectors apply).
 
 A program that crashes, hangs, prints garbage or answers out of turn is a
 ``TargetError`` naming the operation, exactly as at the pool layer: the
@@ -25,7 +27,7 @@ from kvpool.model.manager import Blocks, KVCacheManagerState, PrefixCacheStats
 from kvpool.model.request import Request
 from kvpool.specs.protocol import request_codec as codec
 from kvpool.specs.protocol.codec import Json, ProtocolError
-from kvpool.specs.request.target import LAYOUTS, ManagerSetup
+from kvpool.specs.request.target import HYBRID_LAYOUTS, LAYOUTS, ManagerSetup
 from kvpool.specs.targets.cmd.interim_session import Dialect, Session, SessionFailure
 
 QUERIES = frozenset({"get_block_ids", "usage", "num_free_blocks", "snapshot", "block_hashes"})
@@ -46,12 +48,18 @@ def _check_hello(hello: dict[str, Json]) -> dict[str, Json]:
         raise SessionFailure(f"hello: levels must be a list of 1 and/or 2, got {levels!r}")
     if not isinstance(profiles, list) or not all(isinstance(p, str) for p in profiles):
         raise SessionFailure(f"hello: profiles must be a list of profile names, got {profiles!r}")
-    for flag in ("snapshot", "hasher"):
-        if not isinstance(hello.get(flag, False), bool):
-            raise SessionFailure(f"hello: {flag} must be true or false, got {hello[flag]!r}")
+    if not isinstance(hello.get("snapshot", False), bool):
+        raise SessionFailure(f"hello: snapshot must be true or false, got {hello['snapshot']!r}")
+    if hello.get("hasher", "none") not in codec.HASHERS:
+        raise SessionFailure(
+            f"hello: hasher must be one of {', '.join(codec.HASHERS)}, got {hello['hasher']!r}"
+        )
     layouts = hello.get("layouts", list(LAYOUTS))
-    if not isinstance(layouts, list) or not layouts or not all(isinstance(x, str) for x in layouts):
-        raise SessionFailure(f"hello: layouts must be a list of layout names, got {layouts!r}")
+    known = (*LAYOUTS, *HYBRID_LAYOUTS)
+    if not isinstance(layouts, list) or not layouts or not all(x in known for x in layouts):
+        raise SessionFailure(
+            f"hello: layouts must be a list of layout names ({', '.join(known)}), got {layouts!r}"
+        )
     events = hello.get("events", [False, True])
     if not isinstance(events, list) or not events or not all(isinstance(e, bool) for e in events):
         raise SessionFailure(f"hello: events must be a list of true and/or false, got {events!r}")
@@ -116,18 +124,37 @@ class CmdManagerFactory:
         return bool(self.session.hello_answer().get("snapshot", False))
 
     @property
+    def hasher_kind(self) -> str:
+        """``none``, ``own`` (its own hash function) or ``kvpool`` (kvpool's), from hello."""
+        return str(self.session.hello_answer().get("hasher", "none"))
+
+    @property
     def has_hasher(self) -> bool:
-        return bool(self.session.hello_answer().get("hasher", False))
+        return self.hasher_kind != "none"
+
+    def block_hashes(self, request: Request) -> Sequence[bytes]:
+        """The program's own hashes of ``request`` (outside any manager)."""
+        value = self.request("block_hashes", codec.encode_args("block_hashes", request))
+        result: Sequence[bytes] = codec.decode_result("block_hashes", value)
+        return result
+
+    def none_hash(self, seed: str) -> bytes:
+        """The program's root hash for ``seed``."""
+        value = self.request("none_hash", codec.encode_args("none_hash", seed))
+        result: bytes = codec.decode_result("none_hash", value)
+        return result
 
     def declared_scope(self) -> dict[str, Any]:
-        """The part of the machine's space the program's hello claims (``ManagerTargetSpec``)."""
+        """What the program's hello claims of the machine's space (``ManagerTargetSpec``
+        fields); a field the hello leaves out is not there: everything is claimed."""
         hello = self.session.hello_answer()
-        return {
-            "layouts": tuple(hello.get("layouts", LAYOUTS)),
-            "events": tuple(hello.get("events", (False, True))),
-            "block_factors": tuple(hello.get("block_factors", (1, 2))),
-            "min_window": int(hello.get("min_window", 1)),
-        }
+        claimed: dict[str, Any] = {}
+        for name in ("layouts", "events", "block_factors"):
+            if name in hello:
+                claimed[name] = tuple(hello[name])
+        if "min_window" in hello:
+            claimed["min_window"] = int(hello["min_window"])
+        return claimed
 
     def preflight(self, level: int, profiles: Sequence[str]) -> None:
         """Start the program; raise TargetError if it cannot run ``level`` and ``profiles``."""

@@ -42,6 +42,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvpool.model.errors import PoolError
 from kvpool.model.events import KVCacheEvent
 from kvpool.model.manager import Blocks, PrefixCacheStats
 from kvpool.model.request import Request
@@ -51,6 +52,7 @@ from kvpool.specs.request.target import ManagerSetup, ManagerTargetSpec
 from kvpool.specs.targets.importing import import_from_here
 from kvpool.specs.targets.vllm import eras
 from kvpool.specs.targets.vllm.hasher import VllmRequests, find_hasher
+from kvpool.specs.targets.vllm.pool import rejection
 
 HASHER_ENV = "KVPOOL_VLLM_HASHER"
 """``vllm`` (default): vLLM's own request block hasher; ``kvpool``: kvpool's hashes."""
@@ -179,7 +181,7 @@ class VllmManagerTarget:
             kwargs["hash_block_size"] = setup.hash_block_size
         cls = self.api.manager_class
         try:
-            self.manager = cls(config, **kwargs)
+            self.manager = Translating(cls(config, **kwargs), self.api.version)
         except Exception as error:
             shown = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
             raise TargetError(
@@ -274,6 +276,40 @@ def _ids(blocks: Any) -> Blocks:
     return tuple(tuple(b.block_id for b in group) for group in blocks.blocks)
 
 
+class Translating:
+    """The manager, every method call on it translating vLLM's exceptions as the pool adapter does.
+
+    A rejection of the model's stays one; ``AttributeError`` and ``TypeError``
+    mean the adapter and the release disagree on the API (``TargetError``);
+    anything else vLLM raises (an ``AssertionError``, say) becomes a
+    ``VllmRejection`` named after it, which the checks report as a divergence.
+    Attributes that are not methods (``block_pool``, ``usage``) pass through.
+    """
+
+    def __init__(self, manager: Any, version: str) -> None:
+        self._manager = manager
+        self._version = version
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._manager, name)
+        if not callable(value):
+            return value
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return value(*args, **kwargs)
+            except (PoolError, TargetError):
+                raise
+            except (AttributeError, TypeError) as error:
+                raise TargetError(
+                    f"the adapter and vLLM {self._version} disagree ({name}): {error!r}"
+                ) from error
+            except Exception as error:
+                raise rejection(error) from error
+
+        return call
+
+
 class VllmHashingManagerTarget(VllmManagerTarget):
     """The adapter with vLLM's own hasher: the machine asks for its hashes and checks them."""
 
@@ -298,9 +334,12 @@ class VllmManagerFactory:
     environment's ``KVPOOL_VLLM_HASHER``, else ``vllm``).
     """
 
+    levels = (1,)
+    """Level 2 is not claimed: vLLM asserts, or accepts, where the model rejects (findings)."""
+
     def __init__(self, manager_class: Any = None, hasher: str | None = None) -> None:
         self._manager_class = manager_class
-        self.hasher = hasher
+        self.hash_mode = hasher
 
     def manager_class(self) -> Any:
         """The class to instantiate (None: vLLM's own), imported on first use."""
@@ -317,13 +356,13 @@ class VllmManagerFactory:
         return self._manager_class
 
     def __call__(self, setup: ManagerSetup) -> VllmManagerTarget:
-        hasher = chosen_hasher(self.hasher)
+        hasher = chosen_hasher(self.hash_mode)
         cls = VllmHashingManagerTarget if hasher == "vllm" else VllmManagerTarget
         return cls(setup, self.manager_class(), hasher)
 
     def preflight(self, level: int, profiles: Sequence[str]) -> None:
         """Fail fast, before any program runs, if this manager cannot be checked here."""
-        chosen_hasher(self.hasher)
+        chosen_hasher(self.hash_mode)
         api = load_manager_api(self.manager_class())
         base = importlib.import_module("vllm.v1.core.kv_cache_manager").KVCacheManager
         cls = api.manager_class
