@@ -4,7 +4,9 @@ from dataclasses import replace
 from typing import Any, Unpack
 
 from kvpool.specs.errors import TargetAbort, TargetError
+from kvpool.specs.request.counterexample import explain
 from kvpool.specs.request.machine import manager_machine
+from kvpool.specs.request.record import ManagerRecorder
 from kvpool.specs.request.target import HYBRID_LAYOUTS, ManagerTargetSpec
 from kvpool.specs.runner.report import ConformanceReport
 from kvpool.specs.runner.run import RunOptions, run_machine
@@ -56,8 +58,9 @@ def run_request_conformance(
             hybrids = "layouts" not in claimed
     except (TargetError, TargetAbort) as error:
         failed = error
+    recorder = ManagerRecorder(target.factory)
     machine = manager_machine(
-        target.factory,
+        recorder,
         layouts=target.layouts,
         profiles=target.profiles,
         name="KVPoolManagerConformance",
@@ -72,7 +75,15 @@ def run_request_conformance(
         if failed is not None:
             raise failed
 
-    return run_machine(machine, level=level, profiles=names, preflight=stop, **options)
+    name = options.get("target_name", "target")
+    return run_machine(
+        machine,
+        level=level,
+        profiles=names,
+        preflight=stop,
+        explain=lambda failure: explain(recorder, name, failure),
+        **options,
+    )
 
 
 def narrowed(target: ManagerTargetSpec, claimed: dict[str, Any]) -> ManagerTargetSpec:

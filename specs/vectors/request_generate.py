@@ -407,9 +407,7 @@ def hybrid_scenarios() -> Iterator[ManagerScript]:
             f"hybrid/{name}",
             description,
             ["hybrid", *sorted({spec.attention.value for spec in specs})],
-            setup_of(
-                specs, num_blocks=14, hash_block_size=hbs, enable_events="chunked" in name
-            ),
+            setup_of(specs, num_blocks=14, hash_block_size=hbs, enable_events="chunked" in name),
         )
         a = Run(s, new_request("a", [1, 2, 1, 1, 2, 2], hbs))
         a.admit()
