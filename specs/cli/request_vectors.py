@@ -6,11 +6,12 @@ from typing import Any
 import typer
 from rich.console import Console
 
+from kvpool.specs.checking import replay_request_vectors
 from kvpool.specs.errors import TargetAbort, TargetError
 from kvpool.specs.targets import TargetSpecError, resolve
 from kvpool.specs.vectors.format import VectorFormatError, bundled_corpus, load
 from kvpool.specs.vectors.request_generate import export_request_corpus
-from kvpool.specs.vectors.request_replay import RequestRunResult, run_request_corpus
+from kvpool.specs.vectors.request_replay import RequestRunResult
 
 EXIT_OK, EXIT_MISMATCH, EXIT_ERROR = 0, 1, 2
 
@@ -56,20 +57,9 @@ def run_request(
         vectors = load(source, layer="request")
         descriptor = resolve("request", target)
         factory = descriptor.factory
-        if factory is None:
-            raise TargetSpecError(
-                f"{target} runs in its own interpreter: replay vectors on it there "
-                "(kvpool vectors run --layer request --target vllm, with that release installed)"
-            )
-        scope = dict(descriptor.scope)
-        declared = getattr(factory, "declared_scope", None)
-        if declared is not None:
-            scope.update(declared())
-        levels = _within(level, getattr(factory, "levels", None))
-        claimed = getattr(factory, "profiles", None) or descriptor.profiles
-        profiles = _within(profile, claimed)
-        hasher = _hasher(factory)
-        result = run_request_corpus(factory, vectors, levels, profiles, scope, hasher, fail_fast)
+        result = replay_request_vectors(
+            descriptor, vectors, levels=level, profiles=profile, fail_fast=fail_fast
+        )
     except VectorFormatError as error:
         console.print(f"[red]invalid vectors[/red] in {source}:")
         console.print(str(error), markup=False, highlight=False)
@@ -84,24 +74,6 @@ def run_request(
         if close is not None:
             close()
     _report(console, result, target, source)
-
-
-def _within(chosen: list[Any] | None, declared: Any) -> list[Any] | None:
-    """The chosen values (or all), within what the target declares (if it declares any)."""
-    values = list(chosen) if chosen else None
-    if declared is None:
-        return values
-    return [x for x in (values or declared) if x in declared]
-
-
-def _hasher(factory: Any) -> Any:
-    """What hash vectors run on: a ``cmd:`` program hashing with kvpool's function, or a
-    factory's ``hasher``; None otherwise."""
-    kind = getattr(factory, "hasher_kind", None)
-    if kind is not None:
-        return factory if kind == "kvpool" else None
-    hasher = getattr(factory, "hasher", None)
-    return hasher if callable(getattr(hasher, "block_hashes", None)) else None
 
 
 def _report(console: Console, result: RequestRunResult, target: str, source: Path) -> None:
