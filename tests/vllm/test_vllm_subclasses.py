@@ -19,6 +19,7 @@ from kvpool.specs.request.check import run_request_conformance
 from kvpool.specs.request.invariants import KVTruth, target_hashes_name_prefixes
 from kvpool.specs.request.target import ManagerSetup
 from kvpool.specs.targets.vllm import eras
+from kvpool.specs.targets.vllm.releases import release_dir
 
 pytestmark = pytest.mark.usefixtures("require_vllm")
 
@@ -257,3 +258,38 @@ def test_the_manager_adapter_reads_vllm_033s_era_through_any_wrapper(manager: st
     cls = VllmManagerFactory(f"tests.vllm.user_managers:{manager}").manager_class()
     api = load_manager_api(cls)
     assert api.hash_block_size_arg and api.scheduler_block_size_arg
+
+
+@pytest.mark.skipif(
+    not (release_dir("0.33.0") / ".kvpool-complete").is_file(),
+    reason="vLLM 0.33.0 is not in the kvpool cache (kvpool check --target vllm==0.33.0 fetches it)",
+)
+def test_a_cached_release_is_checked_at_the_request_layer_in_a_child(tmp_path: Any) -> None:
+    import json
+
+    report = tmp_path / "report.json"
+    code, output = check(
+        "--layer",
+        "request",
+        "--target",
+        "vllm==0.33.0",
+        "--examples",
+        "30",
+        "--format",
+        "json",
+        "--output",
+        str(report),
+    )
+    assert code == 0, output
+    data = json.loads(report.read_text())
+    assert data["conforms"] and data["target"] == "vllm==0.33.0"
+    assert data["profiles"] == ["hashless-first"]
+
+
+def test_the_request_layer_vectors_replay_on_vllm_in_its_scope() -> None:
+    result = CliRunner().invoke(app(), ["vectors", "run", "--layer", "request", "--target", "vllm"])
+    output = " ".join(result.output.split())
+    assert result.exit_code == 0, result.output
+    passed = int(output.split(" passed,")[0].rsplit(" ", 1)[-1])
+    assert passed >= 15 and " 0 failed" in output
+    assert "hash vectors: the target does not hash with kvpool's function" in output
