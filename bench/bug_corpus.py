@@ -174,8 +174,11 @@ def cli_check(target: str) -> tuple[int, float]:
     with tempfile.TemporaryDirectory() as regression:
         started = time.perf_counter()
         result = subprocess.run(
-            [str(kvpool), "check", "--layer", "request", "--target", target]
-            + ["--hypothesis-profile", "ci", "--regression-dir", regression],
+            [
+                str(kvpool),
+                *("check", "--layer", "request", "--target", target),
+                *("--hypothesis-profile", "ci", "--regression-dir", regression),
+            ],
             cwd=ROOT,
             env={**os.environ, "PYTHONPATH": str(ROOT)},
             capture_output=True,
