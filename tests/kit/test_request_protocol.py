@@ -197,3 +197,19 @@ def test_a_malformed_manager_state_is_a_protocol_error(corpus: list[Any], state:
     setup = codec.decode_setup(vector.data["setup"])
     with pytest.raises(codec.ProtocolError):
         codec.decode_manager_state(state, setup)
+
+
+@pytest.mark.parametrize("args", [["--layer", "request", "nonsense"], ["--layer", "kv", "impl"]])
+def test_serving_a_bad_target_exits_2_naming_it(args: list[str]) -> None:
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "kvpool.specs.protocol", *args],
+        input="",
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr and args[-1] in done.stderr or args[1] in done.stderr
