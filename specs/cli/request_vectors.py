@@ -15,6 +15,7 @@ from kvpool.specs.vectors.request_replay import RequestRunResult
 
 EXIT_OK, EXIT_MISMATCH, EXIT_ERROR = 0, 1, 2
 
+
 def export_request(directory: Path) -> None:
     """Write the request layer's corpus into ``directory``."""
     console = Console()

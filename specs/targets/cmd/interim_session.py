@@ -3,9 +3,10 @@
 The seam between the request layer's ``cmd:`` adapter and the process
 handling: ``Session`` and ``Dialect`` have the names and the methods of the
 layer-neutral session being built for every layer (issue #20), and run on
-the pool adapter's process code (``kvpool.specs.targets.cmd.pool``) until
-it lands; then ``kvpool.specs.targets.cmd.request`` imports them from there
-and this module goes.
+the shared process code (``kvpool.specs.targets.cmd.process``, which the
+pool and consumer adapters use) until it lands; then
+``kvpool.specs.targets.cmd.request`` imports them from there and this
+module goes.
 
 The exchange is the pool's: one request per line, ``{"id": n, "op": ...,
 "args": ...}``, each answered in turn with ``{"id": n, "ok": value}`` or
@@ -28,19 +29,21 @@ from hypothesis import currently_in_test_context
 
 from kvpool.specs.errors import TargetAbort, TargetError
 from kvpool.specs.protocol.codec import Json, ProtocolError
-from kvpool.specs.targets.cmd.pool import (
-    RECENT_REQUESTS,
-    _clip,
-    _Failure,
-    _Process,
-    _reply_problem,
-    _show,
-    _signal_name,
+from kvpool.specs.targets.cmd.process import (
+    Failure,
+    Process,
+    clip,
     default_timeout,
+    reply_problem,
+    show,
+    signal_name,
 )
 
+RECENT_REQUESTS = 12
+"""Operations before the failing one that a report lists."""
 
-class SessionFailure(_Failure):
+
+class SessionFailure(Failure):
     """One exchange went wrong; the text is the whole report."""
 
 
@@ -78,7 +81,7 @@ class Session:
         self.dialect = dialect
         self.timeout = default_timeout() if timeout is None else timeout
         self.cwd = cwd
-        self.process: _Process | None = None
+        self.process: Process | None = None
         self.hello: dict[str, Json] | None = None
         self.broken: str | None = None
         self.next_id = 0
@@ -102,7 +105,7 @@ class Session:
         if self.process is not None or self.broken is not None:
             return
         try:
-            self.process = _Process(self.argv, self.cwd)
+            self.process = Process(self.argv, self.cwd)
             args = {"protocol": self.dialect.version, **self.dialect.hello_args, "kit": "kvpool"}
             reply = self._exchange("hello", args, starting=True)
             if "error" in reply:
@@ -118,7 +121,7 @@ class Session:
                     f"this kit speaks {self.dialect.version}"
                 )
             self.hello = self.dialect.check_hello(hello)
-        except _Failure as failure:
+        except Failure as failure:
             self.broken = str(failure)
             self.close()
 
@@ -128,7 +131,7 @@ class Session:
         if self.broken is None:
             try:
                 reply = self._exchange(op, args)
-            except _Failure as failure:
+            except Failure as failure:
                 self.broken = str(failure)
                 self.close()
         if reply is None:
@@ -165,7 +168,7 @@ class Session:
         request_id = self.next_id
         self.next_id += 1
         line = json.dumps({"id": request_id, "op": op, "args": args}, separators=(",", ":"))
-        what = f"{op} {_show(args)}" if args else op
+        what = f"{op} {show(args)}" if args else op
         if self.last is not None and self.last[0] not in self.dialect.queries:
             self.recent.append(self.last[1])
         self.last = (op, what)
@@ -186,7 +189,7 @@ class Session:
             raise SessionFailure(
                 self._report(process, what, f"the target stopped reading its input ({error})")
             ) from None
-        except _Failure as failure:
+        except Failure as failure:
             raise SessionFailure(self._report(process, what, str(failure), alive=True)) from None
         if raw is None:
             raise SessionFailure(
@@ -199,11 +202,11 @@ class Session:
                 self._report(
                     process,
                     what,
-                    f"the target printed something that is not JSON: {_clip(raw)}",
+                    f"the target printed something that is not JSON: {clip(raw)}",
                     alive=True,
                 )
             ) from None
-        problem = _reply_problem(reply, request_id)
+        problem = reply_problem(reply, request_id)
         if problem is None:
             assert isinstance(reply, dict)
             problem = self._content_problem(op, reply)
@@ -231,13 +234,13 @@ class Session:
             return f"malformed result: {error}"
         return None
 
-    def _report(self, process: _Process, what: str, problem: str, alive: bool = False) -> str:
+    def _report(self, process: Process, what: str, problem: str, alive: bool = False) -> str:
         lines = [f"target error during {what}: {problem}."]
         if alive:
             process.popen.kill()
         code = process.exit_code(2.0)
         if not alive and code is not None:
-            lines.append(f"exit code: {code}{_signal_name(code)}")
+            lines.append(f"exit code: {code}{signal_name(code)}")
         tail = process.stderr_tail()
         if tail:
             lines.append("last lines of its stderr:")
