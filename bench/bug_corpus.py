@@ -21,15 +21,21 @@ For each bug it prints:
   ``max_examples`` raised to ``--budget`` and a seed each, so they stop at the
   first failure; ``found`` counts the seeds that found it within the budget;
 * ``black-box``: whether ``ci`` still finds it when the target hides its
-  ``snapshot()``, so only results, counts, usage and events can show the bug.
+  ``snapshot()``, so only results, counts, usage and events can show the bug;
+* ``CLI`` (request layer): the exit code and wall time of ``kvpool check --layer
+  request --target tests.corpus.request_bugs:NAME --hypothesis-profile ci`` in a
+  fresh process (1: it diverges; the time includes starting the interpreter).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -43,7 +49,7 @@ from kvpool.specs.request.check import run_request_conformance
 from kvpool.specs.request.target import LAYOUTS, ManagerSetup
 from kvpool.specs.request.target import OPERATIONS as REQUEST_OPERATIONS
 from tests.corpus.bugs import BUGS, Bug, target_of
-from tests.corpus.request_bugs import CACHING, REQUEST_BUGS, RequestBug, spec_of
+from tests.corpus.request_bugs import CACHING, REQUEST_BUGS, RequestBug, cli_target, spec_of
 from tests.corpus.request_bugs import target_of as manager_target_of
 
 # Steps count the pool operations that change or read the pool's state, not its
@@ -159,7 +165,30 @@ def summary(runs: list[tuple[bool, float, int, int]]) -> dict[str, Any]:
     }
 
 
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def cli_check(target: str) -> tuple[int, float]:
+    """``kvpool check --layer request --target TARGET`` with ``ci``: (exit code, seconds)."""
+    kvpool = Path(sys.executable).with_name("kvpool")
+    with tempfile.TemporaryDirectory() as regression:
+        started = time.perf_counter()
+        result = subprocess.run(
+            [
+                str(kvpool),
+                *("check", "--layer", "request", "--target", target),
+                *("--hypothesis-profile", "ci", "--regression-dir", regression),
+            ],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            capture_output=True,
+            check=False,
+        )
+        return result.returncode, time.perf_counter() - started
+
+
 def measure_request(bug: RequestBug, seeds: int, budget: int) -> dict[str, Any]:
+    cli_exit, cli_seconds = cli_check(cli_target(bug))
     started = time.perf_counter()
     ci = run_request_conformance(spec_of(bug), hypothesis_profile="ci")
     ci_seconds = time.perf_counter() - started
@@ -175,6 +204,7 @@ def measure_request(bug: RequestBug, seeds: int, budget: int) -> dict[str, Any]:
         "ci_seconds": ci_seconds,
         **summary(runs),
         "black_box": not blind.conforms,
+        "cli": f"{cli_exit}, {cli_seconds:.1f} s",
     }
 
 
@@ -209,10 +239,11 @@ def measure(bug: Bug, seeds: int, budget: int) -> dict[str, Any]:
 
 def table(rows: list[dict[str, Any]], seeds: int, scope: str = "level") -> str:
     """The markdown table; ``scope`` is the second column (``level`` or ``layouts``)."""
+    cli = any("cli" in r for r in rows)
     lines = [
         f"| bug | {scope} | upstream | ci finds | ci s | found/{seeds} | median s | "
-        "median steps | median programs | black-box ci |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "median steps | median programs | black-box ci |" + (" CLI exit, time |" if cli else ""),
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if cli else ""),
     ]
     for r in rows:
 
@@ -223,7 +254,7 @@ def table(rows: list[dict[str, Any]], seeds: int, scope: str = "level") -> str:
             f"| {r['bug']} | {r[scope]} | {r['upstream']} | {'yes' if r['ci'] else 'NO'} | "
             f"{r['ci_seconds']:.1f} | {r['found']} | {num(r['seconds'], '.2f')} | "
             f"{num(r['steps'], '.0f')} | {num(r['programs'], '.0f')} | "
-            f"{'yes' if r['black_box'] else 'no'} |"
+            f"{'yes' if r['black_box'] else 'no'} |" + (f" {r['cli']} |" if cli else "")
         )
     return "\n".join(lines)
 

@@ -270,7 +270,7 @@ if bug in ("", "unpatched") or not bug.startswith("request:"):
 else:
     import vllm_corpus_patches
     from kvpool.specs.targets.vllm.request import VLLM_SCOPE
-    from kvpool.specs.request.machine import run_manager_conformance
+    from kvpool.specs.request.check import run_request_conformance as run_manager_conformance
     from tests.corpus.request_bugs import REQUEST_BUGS
     name = bug.split(":", 1)[1]
     layouts = next(b.layouts for b in REQUEST_BUGS if b.name == name)
@@ -314,8 +314,6 @@ def kvpool_not_applicable(vllm: str, patch: Any) -> str:
         return ""
     if vllm != "installed":
         return "kvpool's vLLM manager adapter speaks 0.33's API"
-    if patch.owner.endswith("kv_cache_utils"):
-        return "the manager adapter hands vLLM kvpool's block hashes: vLLM's hasher never runs"
     from kvpool.specs.targets.vllm.request import VLLM_SCOPE
 
     layouts = REQUEST_LAYOUTS.get(patch.bug, ())

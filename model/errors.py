@@ -108,6 +108,10 @@ class InvalidHashBlockSize(PoolError, ValueError):
     """A hash block size is not positive."""
 
 
+class InvalidPromptEmbeds(PoolError, ValueError):
+    """Prompt embeddings are not one bytes value per prompt position."""
+
+
 class InvalidBlockHashes(PoolError, ValueError):
     """A request's hashes cover more tokens than the request has."""
 

@@ -24,7 +24,12 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvpool.model.errors import InvalidBlockHashes, InvalidHashBlockSize, InvalidMultiModalInputs
+from kvpool.model.errors import (
+    InvalidBlockHashes,
+    InvalidHashBlockSize,
+    InvalidMultiModalInputs,
+    InvalidPromptEmbeds,
+)
 from kvpool.model.state import BlockHash
 
 # --------------------------------------------------------------------------
@@ -59,7 +64,18 @@ class SaltKey:
     salt: str
 
 
-ExtraKey = LoraKey | MultiModalKey | SaltKey
+@dataclass(frozen=True)
+class PromptEmbedsKey:
+    """The prompt embeddings of the block's positions, for a request sent as embeddings.
+
+    One opaque value per position (the embedding's bytes); empty for a block
+    past the prompt of such a request.
+    """
+
+    embeddings: tuple[bytes, ...]
+
+
+ExtraKey = LoraKey | MultiModalKey | SaltKey | PromptEmbedsKey
 
 
 @dataclass(frozen=True)
@@ -139,16 +155,20 @@ def decode(data: bytes) -> Encodable:
     return value
 
 
-def encode_extra_key(key: ExtraKey) -> tuple[str | int, ...]:
+def encode_extra_key(key: ExtraKey) -> tuple[Encodable, ...]:
     """An extra key as a tuple whose first element names its kind.
 
     >>> encode_extra_key(SaltKey("s")), encode_extra_key(LoraKey("s"))
     (('cache_salt', 's'), ('lora', 's', ''))
+    >>> encode_extra_key(PromptEmbedsKey((b"e1", b"e2")))
+    ('prompt_embeds', (b'e1', b'e2'))
     """
     if isinstance(key, LoraKey):
         return ("lora", key.name, key.path)
     if isinstance(key, MultiModalKey):
         return ("mm", key.identifier, key.offset)
+    if isinstance(key, PromptEmbedsKey):
+        return ("prompt_embeds", key.embeddings)
     return ("cache_salt", key.salt)
 
 
@@ -193,6 +213,25 @@ def hash_block_tokens(
     >>> len(h), h == hash_block_tokens(None, (1, 2)), h == hash_block_tokens(h, [1, 2])
     (32, True, False)
     """
+    return hashlib.sha256(
+        block_preimage(parent_block_hash, token_ids, extra_keys, seed_hash=seed_hash)
+    ).digest()
+
+
+def block_preimage(
+    parent_block_hash: BlockHash | None,
+    token_ids: Sequence[int],
+    extra_keys: Sequence[ExtraKey] = (),
+    *,
+    seed_hash: BlockHash = NONE_HASH,
+) -> bytes:
+    """The bytes ``hash_block_tokens`` hashes: the canonical encoding of the block's value.
+
+    Complexity: O(len(token_ids) + len(extra_keys)).
+
+    >>> block_preimage(None, [1])[:1]
+    b'T'
+    """
     parent = seed_hash if parent_block_hash is None else parent_block_hash
     payload = (
         _DOMAIN,
@@ -200,7 +239,7 @@ def hash_block_tokens(
         tuple(int(t) for t in token_ids),
         tuple(encode_extra_key(k) for k in extra_keys),
     )
-    return hashlib.sha256(encode(payload)).digest()
+    return encode(payload)
 
 
 def block_extra_keys(
@@ -209,15 +248,17 @@ def block_extra_keys(
     lora: LoraAdapter | None = None,
     mm_inputs: Sequence[MultiModalInput] = (),
     cache_salt: str | None = None,
+    prompt_embeds: Sequence[bytes] = (),
 ) -> tuple[ExtraKey, ...]:
     """The extra keys of the hash block covering tokens ``[start, end)``.
 
     In this order: the LoRA adapter (every block); each multimodal input
     overlapping the block, in input order, with its offset relative to
     ``start``; the cache salt (the block starting at token 0 only, and only a
-    non-empty salt).
+    non-empty salt); the prompt embeddings of the block's positions (every
+    block of a request that has them, empty past the prompt).
 
-    Complexity: O(len(mm_inputs)).
+    Complexity: O(len(mm_inputs) + end - start).
 
     >>> block_extra_keys(0, 4, cache_salt="s", mm_inputs=[MultiModalInput("img", 2, 5)])
     (MultiModalKey(identifier='img', offset=2), SaltKey(salt='s'))
@@ -234,6 +275,8 @@ def block_extra_keys(
     )
     if start == 0 and cache_salt:
         keys.append(SaltKey(cache_salt))
+    if prompt_embeds:
+        keys.append(PromptEmbedsKey(tuple(prompt_embeds[start:end])))
     return tuple(keys)
 
 
@@ -246,6 +289,7 @@ def extend_block_hashes(
     cache_salt: str | None = None,
     *,
     seed_hash: BlockHash = NONE_HASH,
+    prompt_embeds: Sequence[bytes] = (),
 ) -> tuple[BlockHash, ...]:
     """The request hasher: ``block_hashes`` extended over every new *full* hash block.
 
@@ -265,6 +309,8 @@ def extend_block_hashes(
         raise InvalidHashBlockSize(f"hash_block_size must be at least 1, got {hash_block_size}")
     # Verify that the multimodal inputs are in order, disjoint and non-empty
     verify_mm_inputs(mm_inputs)
+    # Verify that prompt embeddings are bytes and cover no more than the tokens
+    verify_prompt_embeds(prompt_embeds, len(token_ids))
     # Verify that the hashes already computed cover whole blocks of these tokens
     if len(block_hashes) * hash_block_size > len(token_ids):
         raise InvalidBlockHashes(
@@ -276,7 +322,7 @@ def extend_block_hashes(
     start = len(hashes) * hash_block_size
     while start + hash_block_size <= len(token_ids):
         end = start + hash_block_size
-        extra = block_extra_keys(start, end, lora, mm_inputs, cache_salt)
+        extra = block_extra_keys(start, end, lora, mm_inputs, cache_salt, prompt_embeds)
         parent = hash_block_tokens(parent, token_ids[start:end], extra, seed_hash=seed_hash)
         hashes.append(parent)
         start = end
@@ -295,6 +341,17 @@ def verify_mm_inputs(mm_inputs: Sequence[MultiModalInput]) -> None:
         if m.offset < previous_end:
             raise InvalidMultiModalInputs(f"{m} overlaps or precedes the input before it")
         previous_end = m.offset + m.length
+
+
+def verify_prompt_embeds(prompt_embeds: Sequence[bytes], num_tokens: int) -> None:
+    """Raise InvalidPromptEmbeds unless there is one bytes value per position, at most.
+
+    >>> verify_prompt_embeds([b"e1", b"e2"], 3)
+    """
+    if len(prompt_embeds) > num_tokens or not all(isinstance(e, bytes) for e in prompt_embeds):
+        raise InvalidPromptEmbeds(
+            f"{len(prompt_embeds)} prompt embeddings for {num_tokens} tokens, each must be bytes"
+        )
 
 
 # --------------------------------------------------------------------------

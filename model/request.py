@@ -14,7 +14,7 @@ precondition has its own class.
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from kvpool.model.errors import HashBlockSizeMismatch, InvalidTokenCount
+from kvpool.model.errors import HashBlockSizeMismatch, InvalidPromptEmbeds, InvalidTokenCount
 from kvpool.model.hashing import (
     NONE_HASH,
     LoraAdapter,
@@ -48,6 +48,9 @@ class Request:
     skip_reading_prefix_cache: bool = False
     block_hashes: tuple[BlockHash, ...] = ()
     seed_hash: BlockHash = NONE_HASH
+    prompt_embeds: tuple[bytes, ...] = ()
+    """Empty, or one opaque value (the embedding's bytes) per prompt token: a prompt
+    sent as embeddings, whose KV depends on them rather than on the token ids."""
 
     @property
     def all_token_ids(self) -> tuple[int, ...]:
@@ -79,6 +82,7 @@ def new_request(
     cache_salt: str | None = None,
     skip_reading_prefix_cache: bool = False,
     seed_hash: BlockHash = NONE_HASH,
+    prompt_embeds: Sequence[bytes] = (),
 ) -> Request:
     """A request that has computed nothing yet, with the hashes of its full prompt blocks.
 
@@ -92,9 +96,21 @@ def new_request(
     # Verify that the prompt has at least one token
     if not prompt:
         raise InvalidTokenCount(f"request {request_id!r} has an empty prompt")
-    # Verify that the hash block size and multimodal inputs are valid (the hasher checks)
+    # Verify that prompt embeddings, if any, give one value per prompt token
+    if prompt_embeds and len(prompt_embeds) != len(prompt):
+        raise InvalidPromptEmbeds(
+            f"{len(prompt_embeds)} prompt embeddings for a prompt of {len(prompt)} tokens"
+        )
+    # Verify that the hash block size, multimodal inputs and embeddings are valid (the hasher)
     hashes = extend_block_hashes(
-        (), prompt, hash_block_size, lora, mm_inputs, cache_salt, seed_hash=seed_hash
+        (),
+        prompt,
+        hash_block_size,
+        lora,
+        mm_inputs,
+        cache_salt,
+        seed_hash=seed_hash,
+        prompt_embeds=prompt_embeds,
     )
     return Request(
         request_id=request_id,
@@ -106,6 +122,7 @@ def new_request(
         skip_reading_prefix_cache=skip_reading_prefix_cache,
         block_hashes=hashes,
         seed_hash=seed_hash,
+        prompt_embeds=tuple(prompt_embeds),
     )
 
 
@@ -127,6 +144,7 @@ def append_tokens(request: Request, token_ids: Sequence[int]) -> Request:
         request.mm_inputs,
         request.cache_salt,
         seed_hash=request.seed_hash,
+        prompt_embeds=request.prompt_embeds,
     )
     return replace(request, output_token_ids=output, block_hashes=hashes)
 

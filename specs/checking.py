@@ -18,7 +18,7 @@ and the pytest plugin both come through here.
 
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Unpack
+from typing import Any, Unpack
 
 from kvpool.model import EVENT_SEMANTICS, InvalidConfig
 from kvpool.model.profiles import profile_named
@@ -34,6 +34,8 @@ from kvpool.specs.runner.watchdog import DEFAULT_PROGRAM_TIMEOUT
 from kvpool.specs.targets import TargetDescriptor, TargetSpecError, resolve
 from kvpool.specs.v0.check import check_v0
 from kvpool.specs.v0.machine import DISCIPLINES
+from kvpool.specs.vectors.format import LoadedVector
+from kvpool.specs.vectors.request_replay import RequestRunResult, run_request_corpus
 
 LEVELS = {"pool": (1, 2), "request": (1, 2), "v0": (1,), "events": (1,), "radix": (1, 2)}
 """The levels each layer's machine has."""
@@ -166,3 +168,53 @@ def _check_events(
         preflight=descriptor.preflight,
         **options,
     )
+
+
+def replay_request_vectors(
+    target: str | TargetDescriptor,
+    vectors: Sequence[LoadedVector],
+    *,
+    levels: Sequence[int] | None = None,
+    profiles: Sequence[str] | None = None,
+    fail_fast: bool = False,
+) -> RequestRunResult:
+    """Replay request-layer vectors on a target, within what it claims; never raises for it.
+
+    Manager vectors run where the target's scope, levels and profiles reach
+    (its descriptor's and, for a ``cmd:`` program, its hello's); hash vectors
+    run on a target that hashes with kvpool's function (a program whose hello
+    says ``"hasher": "kvpool"``, or a factory with a ``hasher``). Raises
+    ``TargetSpecError`` if the string names no request-layer target; a target
+    that cannot be run is ``TargetError`` (or ``TargetAbort``).
+    """
+    descriptor = target if isinstance(target, TargetDescriptor) else resolve("request", target)
+    factory = descriptor.factory
+    if descriptor.layer != "request" or factory is None:
+        raise TargetSpecError(
+            f"{descriptor.spec} is not a request-layer target of this interpreter: "
+            "replay vectors on it where it is installed"
+        )
+    scope = dict(descriptor.scope)
+    declared = getattr(factory, "declared_scope", None)
+    if declared is not None:
+        scope.update(declared())
+    chosen_levels = _within(levels, getattr(factory, "levels", None))
+    claimed = getattr(factory, "profiles", None) or descriptor.profiles
+    chosen_profiles = _within(profiles, claimed)
+    kind = getattr(factory, "hasher_kind", None)
+    hasher = getattr(factory, "hasher", None)
+    if kind is not None:
+        hasher = factory if kind == "kvpool" else None
+    elif not callable(getattr(hasher, "block_hashes", None)):
+        hasher = None
+    return run_request_corpus(
+        factory, vectors, chosen_levels, chosen_profiles, scope, hasher, fail_fast
+    )
+
+
+def _within(chosen: Sequence[Any] | None, declared: Any) -> list[Any] | None:
+    """The chosen values (or all), within what the target declares, if it declares any."""
+    values = list(chosen) if chosen else None
+    if declared is None:
+        return values
+    return [x for x in (values or declared) if x in declared]

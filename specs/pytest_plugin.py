@@ -4,12 +4,15 @@ Installed with kvpool (entry point ``pytest11``); it does nothing unless asked::
 
     pytest --kvpool-target=mypackage.adapter:make_target --kvpool-level=2
     pytest --kvpool-target="cmd:node pool.js" --kvpool-vectors
+    pytest --kvpool-layer=request --kvpool-target=vllm:mypackage.fork:MyKVCacheManager
 
 ``--kvpool-target`` adds one test item, ``kvpool-conformance[TARGET]``, that
 runs the lock-step machine (``run_conformance``) and fails with the report:
 the minimal program, where the target parts from the model, and a
 regression test. ``--kvpool-vectors`` (optionally a directory) adds a second
 item replaying the conformance vectors (the bundled corpus by default).
+``--kvpool-layer`` picks the layer (``pool``, the default; ``request``, a KV
+cache manager; ``v0``), as ``kvpool check --layer`` does.
 """
 
 from pathlib import Path
@@ -31,6 +34,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=None,
         help="Check this target against the kvpool model: impl, model, cmd:PROGRAM ARGS, "
         "or module:factory.",
+    )
+    group.addoption(
+        "--kvpool-layer",
+        default="pool",
+        choices=("pool", "request", "v0", "manager"),
+        help="The layer the target is checked at: pool (default), request (a KV cache "
+        "manager; manager is its earlier name) or v0.",
     )
     group.addoption(
         "--kvpool-level",
@@ -94,13 +104,14 @@ class ConformanceItem(pytest.Item):
         from kvpool.specs.targets import TargetSpecError, resolve
 
         options = self.config.option
+        layer = _layer(options)
         try:
-            descriptor = resolve("pool", options.kvpool_target)
+            descriptor = resolve(layer, options.kvpool_target)
         except TargetSpecError as error:
             raise KvpoolFailure(str(error)) from None
         try:
             report = check(
-                "pool",
+                layer,
                 descriptor,
                 level=options.kvpool_level,
                 profiles=options.kvpool_profile,
@@ -143,6 +154,11 @@ class VectorsItem(ConformanceItem):
         from kvpool.specs.vectors import VectorFormatError, bundled_corpus, load, run_corpus
 
         options = self.config.option
+        if _layer(options) == "request":
+            self._run_request_vectors()
+            return
+        if _layer(options) != "pool":
+            raise KvpoolFailure(f"the {_layer(options)} layer has no conformance vectors")
         source = Path(options.kvpool_vectors) if options.kvpool_vectors else bundled_corpus()
         try:
             factory = resolve_target(options.kvpool_target)
@@ -164,3 +180,47 @@ class VectorsItem(ConformanceItem):
                 f"{len(result.mismatches)} of {result.run} vectors from {source} do not match:\n"
                 + "\n\n".join(problems[:10])
             )
+
+    def _run_request_vectors(self) -> None:
+        from kvpool.specs.checking import replay_request_vectors
+        from kvpool.specs.errors import TargetAbort, TargetError
+        from kvpool.specs.targets import TargetSpecError, resolve
+        from kvpool.specs.vectors import VectorFormatError, bundled_corpus, load
+
+        options = self.config.option
+        source = (
+            Path(options.kvpool_vectors) if options.kvpool_vectors else bundled_corpus("request")
+        )
+        descriptor = None
+        try:
+            vectors = load(source, layer="request")
+            descriptor = resolve("request", options.kvpool_target)
+            result = replay_request_vectors(
+                descriptor,
+                vectors,
+                levels=list(range(1, options.kvpool_level + 1)),
+                profiles=options.kvpool_profile,
+            )
+        except (TargetSpecError, VectorFormatError, TargetError) as error:
+            raise KvpoolFailure(str(error)) from None
+        except TargetAbort as abort:
+            raise KvpoolFailure(str(abort.error)) from None
+        finally:
+            close = getattr(getattr(descriptor, "factory", None), "close", None)
+            if close is not None:
+                close()
+        problems = [m.describe() for m in result.mismatches]
+        if result.target_error is not None:
+            problems.append(f"target error: {result.target_error}")
+        if result.run == 0:
+            problems.append("no vector was run: none is in the target's levels and scope")
+        if problems:
+            raise KvpoolFailure(
+                f"{len(result.mismatches)} of {result.run} request-layer vectors from {source} "
+                "do not match:\n" + "\n\n".join(problems[:10])
+            )
+
+
+def _layer(options: Any) -> str:
+    layer = str(options.kvpool_layer)
+    return "request" if layer == "manager" else layer

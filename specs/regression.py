@@ -12,8 +12,13 @@ from typing import Any
 
 from kvpool.specs.pool.target import PoolTarget, TargetFactory
 from kvpool.specs.protocol import codec as protocol
+from kvpool.specs.protocol import request_codec
 from kvpool.specs.protocol.codec import Json
-from kvpool.specs.targets import resolve_target
+from kvpool.specs.request.invariants import KVTruth, target_hashes_name_prefixes
+from kvpool.specs.request.record import build
+from kvpool.specs.request.target import ManagerFactory
+from kvpool.specs.targets import TargetSpecError, resolve, resolve_target
+from kvpool.specs.vectors import request_replay
 from kvpool.specs.vectors.replay import check_step, state_problem
 
 _UNSET: Any = object()
@@ -50,3 +55,57 @@ class Replay:
         if found is not None:
             problem, diff = found
             raise AssertionError(f"after step {self.steps}: {problem}:\n{diff}")
+
+
+class RequestReplay:
+    """Replays a request-layer program on a manager target, step by step.
+
+    What request-layer regression tests use; each mismatch is an
+    AssertionError naming the step. ``hashes`` asks a target that hashes
+    requests itself for its hashes of one, and checks them against the
+    token ground truth of every request hashed so far.
+    """
+
+    def __init__(self, target: str | ManagerFactory, setup: dict[str, Json]) -> None:
+        if isinstance(target, str):
+            factory = resolve("request", target).factory
+            if factory is None:
+                raise TargetSpecError(f"{target} runs in its own interpreter: replay it there")
+        else:
+            factory = target
+        self.setup = request_codec.decode_setup(setup)
+        self.target = build(factory, self.setup)
+        self.truth = KVTruth()
+        self.steps = 0
+
+    def step(
+        self, op: str, args: dict[str, Json], ok: Json = _UNSET, error: str | None = None
+    ) -> None:
+        """Run ``op``: it must return ``ok``, or be rejected with ``error``."""
+        __tracebackhide__ = True
+        self.steps += 1
+        expect = {"error": error} if error is not None else {"ok": None if ok is _UNSET else ok}
+        problem = request_replay.check_manager_step(
+            self.target, {"op": op, "args": args, "expect": expect}
+        )
+        if problem is not None:
+            raise AssertionError(f"step {self.steps}, {op} {json.dumps(args)}: {problem}")
+
+    def hashes(self, request: dict[str, Json]) -> None:
+        """A target hashing itself: its hashes of ``request`` name prefixes as the tokens do."""
+        __tracebackhide__ = True
+        hasher = getattr(self.target, "block_hashes", None)
+        if hasher is None:
+            return
+        decoded = request_codec.decode_request(request)
+        self.truth.learn_hashes(decoded)
+        reason = target_hashes_name_prefixes(self.truth, decoded, tuple(hasher(decoded)))
+        if reason is not None:
+            raise AssertionError(f"after step {self.steps}: {reason}")
+
+    def expect_state(self, state: dict[str, Json]) -> None:
+        """The target's whole state must be ``state`` (checked if it has ``snapshot()``)."""
+        __tracebackhide__ = True
+        problem = request_replay.state_problem(self.target, state)
+        if problem is not None:
+            raise AssertionError(f"after step {self.steps}: {problem}")

@@ -396,15 +396,22 @@ function handle(request) {
   }
 }
 
-const lines = readline.createInterface({ input: process.stdin, terminal: false });
-lines.on("line", (line) => {
-  if (line.trim() === "") return;
-  let request;
-  try {
-    request = JSON.parse(line);
-  } catch (error) {
-    process.stdout.write(JSON.stringify({ id: null, error: "ProtocolError", message: "not JSON" }) + "\n");
-    return;
-  }
-  process.stdout.write(JSON.stringify(handle(request)) + "\n");
-});
+// The block pool is also a module: examples/node-manager/manager.js builds on it.
+module.exports = { BlockPool, PoolError, PROFILES, NULL_BLOCK_ID };
+
+if (require.main === module) {
+  const lines = readline.createInterface({ input: process.stdin, terminal: false });
+  lines.on("line", (line) => {
+    if (line.trim() === "") return;
+    let request;
+    try {
+      request = JSON.parse(line);
+    } catch (error) {
+      process.stdout.write(
+        JSON.stringify({ id: null, error: "ProtocolError", message: "not JSON" }) + "\n",
+      );
+      return;
+    }
+    process.stdout.write(JSON.stringify(handle(request)) + "\n");
+  });
+}

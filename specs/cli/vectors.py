@@ -3,7 +3,8 @@
 ``--layer pool`` (the default) is the pool corpus (``kvpool.specs.vectors``);
 ``--layer events`` the event-consumer corpus (``kvpool.specs.vectors.events``),
 replayed on a consumer (``model``, ``dynamo``, ``dynamo:raw``, ``cmd:...``,
-``module:factory``).
+``module:factory``); ``--layer request`` the request layer's corpus, manager
+and hash vectors (``kvpool.specs.cli.request_vectors``).
 """
 
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from kvpool.specs.cli import request_vectors
 from kvpool.specs.errors import TargetAbort, TargetError
 from kvpool.specs.pool.target import TargetFactory
 from kvpool.specs.targets import TargetSpecError, resolve, resolve_target
@@ -28,9 +30,15 @@ vectors_app = typer.Typer(
 )
 
 EXIT_OK, EXIT_MISMATCH, EXIT_ERROR = 0, 1, 2
-LAYERS = ("pool", "events")
+LAYERS = ("pool", "events", "request")
 
-Layer = Annotated[str, typer.Option(help="pool: pool vectors; events: event-consumer vectors.")]
+Layer = Annotated[
+    str,
+    typer.Option(
+        help="pool: pool vectors; events: event-consumer vectors; request: the KV cache "
+        "manager's vectors and the hash vectors."
+    ),
+]
 
 
 def _layer(layer: str) -> str:
@@ -49,6 +57,9 @@ def export_command(
     layer: Layer = "pool",
 ) -> None:
     """Write the model's corpus (JSON lines and manifest.json) into DIRECTORY."""
+    if _layer(layer) == "request":
+        request_vectors.export_request(directory)
+        return
     writer = export if _layer(layer) == "pool" else event_corpus.export
     manifest = writer(directory)
     Console().print(
@@ -62,6 +73,9 @@ def validate_command(
     layer: Layer = "pool",
 ) -> None:
     """Check vectors against the schema and the manifest, without running anything."""
+    if _layer(layer) == "request":
+        request_vectors.validate_request(path)
+        return
     console = Console()
     reader = load if _layer(layer) == "pool" else event_vectors.load
     try:
@@ -82,7 +96,8 @@ def run_command(
         str,
         typer.Option(
             help="impl, model, cmd:PROGRAM ARGS, or module:factory "
-            "(events layer: a consumer, e.g. model, dynamo, dynamo:raw)."
+            "(events layer: a consumer, e.g. model, dynamo, dynamo:raw; request layer: also "
+            "vllm and vllm:module:Class)."
         ),
     ] = "impl",
     level: Annotated[
@@ -106,6 +121,8 @@ def run_command(
 ) -> None:
     """Replay vectors against a target. Exit 0: all match; 1: a mismatch; 2: cannot run."""
     console = Console()
+    if _layer(layer) == "request":
+        request_vectors.run_request(path, target, level, profile, fail_fast)
     if _layer(layer) == "events":
         _run_events(console, path, target, profile, fail_fast, against_known)
     source = path or bundled_corpus()

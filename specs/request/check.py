@@ -1,9 +1,13 @@
 """``run_request_conformance``: checking a KV cache manager against the request layer's model."""
 
-from typing import Unpack
+from dataclasses import replace
+from typing import Any, Unpack
 
+from kvpool.specs.errors import TargetAbort, TargetError
+from kvpool.specs.request.counterexample import explain
 from kvpool.specs.request.machine import manager_machine
-from kvpool.specs.request.target import ManagerTargetSpec
+from kvpool.specs.request.record import ManagerRecorder
+from kvpool.specs.request.target import HYBRID_LAYOUTS, ManagerTargetSpec
 from kvpool.specs.runner.report import ConformanceReport
 from kvpool.specs.runner.run import RunOptions, run_machine
 
@@ -19,7 +23,7 @@ def run_request_conformance(
     Paste this into your project and adapt the factory::
 
         from kvpool.specs.request.check import run_request_conformance
-        from kvpool.specs.request.target import ManagerTargetSpec
+        from kvpool.specs.request.target import HYBRID_LAYOUTS, ManagerTargetSpec
 
         def make_manager(setup):
             # Return an object with the methods of kvpool.specs.request.target.ManagerTarget,
@@ -33,9 +37,30 @@ def run_request_conformance(
     ``target`` also says which part of the machine's space the manager is
     checked on (layouts, profiles, events, block sizes, windows). ``options``
     are the runner's (``kvpool.specs.runner.run.RunOptions``).
+
+    A factory may have ``preflight(level, profile_names)``, raising
+    ``TargetError`` when the target cannot be checked so (a program in
+    another language says what it supports), and ``declared_scope()``, the
+    part of the space it claims (a dict of ``ManagerTargetSpec`` fields):
+    the check runs on what both the spec and the factory allow.
     """
+    names = tuple(p.name for p in target.profiles)
+    failed: BaseException | None = None
+    hybrids = True
+    try:
+        preflight = getattr(target.factory, "preflight", None)
+        if preflight is not None:
+            preflight(level, names)
+        declared = getattr(target.factory, "declared_scope", None)
+        if declared is not None:
+            claimed = declared()
+            target = narrowed(target, claimed)
+            hybrids = "layouts" not in claimed
+    except (TargetError, TargetAbort) as error:
+        failed = error
+    recorder = ManagerRecorder(target.factory)
     machine = manager_machine(
-        target.factory,
+        recorder,
         layouts=target.layouts,
         profiles=target.profiles,
         name="KVPoolManagerConformance",
@@ -43,7 +68,43 @@ def run_request_conformance(
         block_factors=target.block_factors,
         min_window=target.min_window,
         level=level,
+        hybrids=hybrids,
     )
+
+    def stop() -> None:
+        if failed is not None:
+            raise failed
+
+    name = options.get("target_name", "target")
     return run_machine(
-        machine, level=level, profiles=tuple(p.name for p in target.profiles), **options
+        machine,
+        level=level,
+        profiles=names,
+        preflight=stop,
+        explain=lambda failure: explain(recorder, name, failure),
+        **options,
     )
+
+
+def narrowed(target: ManagerTargetSpec, claimed: dict[str, Any]) -> ManagerTargetSpec:
+    """``target`` restricted to what a factory claims; TargetError if nothing is left.
+
+    The claimed layouts may name level 2's hybrids (``HYBRID_LAYOUTS``); only
+    what is claimed is drawn.
+    """
+    known = (*target.layouts, *(h for h in HYBRID_LAYOUTS if h not in target.layouts))
+    layouts = tuple(x for x in known if x in claimed.get("layouts", target.layouts))
+    events = tuple(e for e in target.events if e in claimed.get("events", target.events))
+    factors = tuple(
+        f for f in target.block_factors if f in claimed.get("block_factors", target.block_factors)
+    )
+    window = max(target.min_window, int(claimed.get("min_window", target.min_window)))
+    if not (layouts and events and factors):
+        raise TargetError(
+            f"the target claims layouts {list(claimed.get('layouts', []))}, events "
+            f"{list(claimed.get('events', []))} and block factors "
+            f"{list(claimed.get('block_factors', []))}: nothing the check can run "
+            f"(it can run layouts {list(target.layouts)}, events {list(target.events)}, "
+            f"block factors {list(target.block_factors)})"
+        )
+    return replace(target, layouts=layouts, events=events, block_factors=factors, min_window=window)

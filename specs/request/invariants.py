@@ -49,6 +49,8 @@ class Content:
     salt: str | None
     tokens: tuple[int, ...]
     mm: tuple[tuple[str, int], ...] = ()
+    embeds: tuple[bytes, ...] | None = None
+    """The prompt embeddings of a request sent as embeddings (None otherwise)."""
 
     def prefix(self, num_tokens: int) -> "Content":
         """The content of the first ``num_tokens`` tokens."""
@@ -57,6 +59,7 @@ class Content:
             self.salt,
             self.tokens[:num_tokens],
             tuple(m for m in self.mm if m[1] < num_tokens),
+            None if self.embeds is None else self.embeds[:num_tokens],
         )
 
 
@@ -68,6 +71,7 @@ def request_content(request: Request, extra_tokens: Sequence[int] = ()) -> Conte
         salt=request.cache_salt or None,
         tokens=request.all_token_ids + tuple(extra_tokens),
         mm=tuple((m.identifier, m.offset) for m in request.mm_inputs),
+        embeds=request.prompt_embeds or None,
     )
 
 
@@ -89,6 +93,10 @@ class KVTruth:
     oracle: dict[bytes, tuple[int, Content]] = field(default_factory=dict)
     """hash -> (tokens it covers, content it was computed from)."""
     collisions: list[str] = field(default_factory=list)
+    target_oracle: dict[bytes, tuple[int, Content]] = field(default_factory=dict)
+    """For a target that hashes requests itself: its hash -> what it was computed from."""
+    target_hash_of: dict[tuple[int, Content], bytes] = field(default_factory=dict)
+    """The inverse: a prefix (tokens covered, content) -> the target's hash of it."""
 
     def learn_hashes(self, request: Request) -> None:
         """Record what each of the request's hashes names."""
@@ -108,6 +116,62 @@ class KVTruth:
     def holds(self, block: int, slot: int) -> Slot | None:
         """What ``block[slot]`` holds, or None if nothing was ever written there."""
         return self.slots.get(block, {}).get(slot)
+
+
+def target_hashes_name_prefixes(
+    truth: KVTruth, request: Request, target_hashes: Sequence[bytes]
+) -> Reason:
+    """A target hashing requests itself gives equal prefixes equal hashes, others different ones.
+
+    The values of the target's hashes are its own (vLLM's hasher encodes
+    otherwise than kvpool's); what they must agree on is which prefixes are
+    the same. Two different prefixes under one hash (a salt, an adapter or
+    an image left out of the hash) serve one request's KV to another; one
+    prefix under two hashes never hits. Checked, and learnt, each time the
+    target hashes a request; prefixes are compared by their whole content
+    (tokens and extra keys), as ``KVTruth`` records them.
+    """
+    if len(target_hashes) != len(request.block_hashes):
+        return (
+            f"the target hashed {len(target_hashes)} full blocks of request "
+            f"{request.request_id} ({request.num_tokens} tokens in blocks of "
+            f"{request.hash_block_size}), not {len(request.block_hashes)}"
+        )
+    content = request_content(request)
+    for i, raw in enumerate(target_hashes):
+        target_hash = bytes(raw)
+        n = (i + 1) * request.hash_block_size
+        named = (n, content.prefix(n))
+        known = truth.target_oracle.setdefault(target_hash, named)
+        if known != named:
+            return (
+                f"different prefixes hash equal: the target's hash {target_hash.hex()[:16]} of "
+                f"request {request.request_id}'s block {i} names {_describe_prefix(named)}, and "
+                f"already named {_describe_prefix(known)}"
+            )
+        earlier = truth.target_hash_of.setdefault(named, target_hash)
+        if earlier != target_hash:
+            return (
+                f"equal prefixes hash differently: block {i} of request {request.request_id} "
+                f"({_describe_prefix(named)}) hashes to {target_hash.hex()[:16]}, the same "
+                f"prefix hashed to {earlier.hex()[:16]} before"
+            )
+    return None
+
+
+def _describe_prefix(prefix: tuple[int, Content]) -> str:
+    _, content = prefix
+    extras = [
+        f"{name}={value!r}"
+        for name, value in (
+            ("lora", content.lora),
+            ("salt", content.salt),
+            ("mm", content.mm or None),
+            ("embeds", content.embeds),
+        )
+        if value is not None
+    ]
+    return f"tokens {list(content.tokens)}" + (f" ({', '.join(extras)})" if extras else "")
 
 
 def cached_blocks_hold_their_prefix(

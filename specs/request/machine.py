@@ -47,7 +47,7 @@ from kvpool.model.single_type import (
     mamba,
     sliding_window,
 )
-from kvpool.specs.errors import Divergence
+from kvpool.specs.errors import Divergence, TargetError
 from kvpool.specs.pool.invariants import check_all
 from kvpool.specs.request.invariants import (
     KVTruth,
@@ -57,6 +57,7 @@ from kvpool.specs.request.invariants import (
     ref_counts_match_tables,
     request_content,
     requests_read_their_own_kv,
+    target_hashes_name_prefixes,
     write_is_exclusive,
 )
 from kvpool.specs.request.target import (
@@ -90,13 +91,14 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "plain": {},
     "lora-a": {"lora": LoraAdapter(1, "a", "/a")},
     "lora-b": {"lora": LoraAdapter(2, "b", "/b")},
-    "salt-s": {"cache_salt": "s"},
+    "salt-a": {"cache_salt": "a"},
     "salt-t": {"cache_salt": "t"},
     "image-x@1": {"mm_inputs": (MultiModalInput("x", 1, 2),)},
     "image-x@2": {"mm_inputs": (MultiModalInput("x", 2, 2),)},
     "image-y@1": {"mm_inputs": (MultiModalInput("y", 1, 3),)},
 }
-"""Request flavours. An image's identifier fixes its length, as a content hash would."""
+"""Request flavours. An image's identifier fixes its length, as a content hash would. A
+salt equals a LoRA adapter's name: a hasher that leaves its keys untagged confuses them."""
 
 
 def layout_specs(
@@ -259,7 +261,7 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
         self._record("new_request", request_id=rid, prompt=list(prompt), **_flavour_json(flavour))
         self.requests[rid] = request
         self.waiting.append(rid)
-        self.truth.learn_hashes(request)
+        self._learn(request)
 
     @precondition(lambda self: bool(self.waiting))
     @rule(which=st.integers(0, 4), chunk=st.integers(1, MAX_PROMPT), delay=st.booleans())
@@ -524,7 +526,7 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
             sampled=[*accepted, bonus],
         )
         self.requests[rid] = request
-        self.truth.learn_hashes(request)
+        self._learn(request)
         if request.num_tokens >= MAX_MODEL_LEN:
             self._record("free", request_id=rid)
             self._free(request)
@@ -536,6 +538,27 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
 
     def _record(self, op: str, **args: object) -> None:
         self.script.append((op, args))
+
+    def _learn(self, request: Request) -> None:
+        """What the request's hashes name; a target with its own hasher is checked against it."""
+        self.truth.learn_hashes(request)
+        hasher = getattr(self.target, "block_hashes", None)
+        if hasher is None:
+            return
+        try:
+            hashes = tuple(hasher(request))
+        except TargetError:
+            raise
+        except Exception as error:
+            self._diverge(
+                f"block_hashes({request.request_id})", f"the target's hasher raises {error!r}"
+            )
+        check(
+            (
+                "target_hashes_name_prefixes",
+                target_hashes_name_prefixes(self.truth, request, hashes),
+            )
+        )
 
     def _table(self, rid: str) -> Blocks:
         assert self.target is not None
@@ -629,7 +652,7 @@ class RawManagerMachine(ManagerMachine):
         )
         self.requests[rid] = request
         self.waiting.append(rid)
-        self.truth.learn_hashes(request)
+        self._learn(request)
 
     @precondition(lambda self: bool(self.running or self.waiting))
     @rule(
@@ -737,20 +760,22 @@ def manager_machine(
     block_factors: Sequence[int] = (1, 2),
     min_window: int = 1,
     level: int = 1,
+    hybrids: bool = True,
 ) -> type[ManagerMachine]:
     """A state machine class that checks ``make_target`` on the given layouts and profiles.
 
     With ``lockstep=False`` the model is not consulted: the target drives
     the run alone and only the safety properties (and, with a snapshot, the
     pool's invariants) are checked. Level 2 adds ``RawManagerMachine``'s
-    rules and the hybrid layouts of ``HYBRID_LAYOUTS``.
+    rules and (unless ``hybrids`` is False: the layouts given are all the
+    target supports) the hybrid layouts of ``HYBRID_LAYOUTS``.
     """
     if level not in (1, 2):
         raise ValueError(f"level must be 1 or 2, got {level}")
     if level == 2 and not lockstep:
         raise ValueError("level 2 compares rejections with the model: it needs lock-step")
     chosen = tuple(profiles) if profiles else tuple(PROFILES.values())
-    if level == 2:
+    if level == 2 and hybrids:
         layouts = (*layouts, *(h for h in HYBRID_LAYOUTS if h not in layouts))
     attrs = {
         "initial": _start_rule(layouts, chosen, events, block_factors, min_window),

@@ -8,10 +8,10 @@ string                     pool  request  v0  events  radix
 ``impl``                   yes   yes      no  yes     no
 ``model``                  yes   yes      yes yes     yes
 ``module:factory``         yes   yes      yes yes     yes
-``cmd:PROGRAM ARGS``       yes   no       no  yes     no
+``cmd:PROGRAM ARGS``       yes   yes      no  yes     no
 ``vllm``                   yes   yes      yes yes     no
-``vllm:module:Class``      yes   no       no  yes     no
-``vllm==X.Y.Z``            yes   no       no  no      no
+``vllm:module:Class``      yes   yes      no  yes     no
+``vllm==X.Y.Z``            yes   yes      no  no      no
 ``dynamo``                 no    no       no  yes     no
 ``dynamo:raw``             no    no       no  yes     no
 ``pool:SPEC``              no    no       no  yes     no
@@ -21,18 +21,21 @@ string                     pool  request  v0  events  radix
 ``sglang==X.Y.Z``          no    no       no  no      yes
 =========================  ====  =======  ==  ======  =====
 
-At the events layer ``impl``, ``vllm`` and ``pool:SPEC`` are producers,
-``model`` is the reference consumer, the others consumers (``dynamo``: as
-deployed; ``dynamo:raw``: the bare index).
+At the events layer ``impl``, ``vllm``, ``vllm:module:Class`` and ``pool:SPEC``
+are producers, ``model`` is the reference consumer, the others consumers
+(``dynamo``: as deployed; ``dynamo:raw``: the bare index).
 
 * ``impl``: kvpool's own fast implementation (the default);
 * ``model``: the model itself (a self-check of the harness);
 * ``module:factory``: any importable callable taking the layer's setup
-  (``PoolConfig``, ``ManagerSetup`` or ``V0Config``);
+  (``PoolConfig``, ``ManagerSetup`` or ``V0Config``); at the request layer
+  also a ``ManagerTargetSpec`` (a factory with the part of the space it is
+  checked on);
 * ``cmd:PROGRAM ARGS``: a program in any language speaking the JSON-lines
-  protocol (docs/formats.md, ``kvpool.specs.targets.cmd``);
+  protocol of the layer (docs/formats.md, ``kvpool.specs.targets.cmd``);
 * ``vllm``: the installed vLLM (its ``BlockPool``, ``KVCacheManager`` or v0 allocator);
-* ``vllm:package.module:Class``: a ``BlockPool`` subclass or fork;
+* ``vllm:package.module:Class``: a ``BlockPool`` (pool layer) or
+  ``KVCacheManager`` (request layer) subclass or fork;
 * ``vllm==X.Y.Z``: a vLLM release, checked by ``kvpool check`` in a child
   interpreter (``kvpool.specs.targets.vllm.releases``);
 * ``dynamo``, ``dynamo:raw``: NVIDIA Dynamo's router index, with and without
@@ -235,26 +238,51 @@ def _request(spec: str) -> TargetDescriptor:
         from kvpool.specs.request.model_target import ModelManagerTarget
 
         return TargetDescriptor("request", spec, ModelManagerTarget)
-    if spec == VLLM:
-        if installed_version() is None:
-            raise TargetSpecError("vLLM is not installed: pip install vllm")
-        from kvpool.specs.targets.vllm.request import VLLM_SCOPE
+    if spec.startswith("cmd:"):
+        from kvpool.specs.targets.cmd.request import CmdManagerFactory
 
-        return _from_scope(spec, VLLM_SCOPE)
-    if spec.startswith("cmd:") or is_vllm_target(spec):
-        raise TargetSpecError(
-            f"{spec!r} cannot be checked at the request layer yet: use impl, model, vllm "
-            "or module:factory (a callable taking a ManagerSetup)"
-        )
+        try:
+            factory = CmdManagerFactory.from_spec(spec)
+        except ValueError as error:
+            raise TargetSpecError(f"bad cmd: target {spec!r}: {error}") from error
+        return TargetDescriptor("request", spec, factory, preflight=factory.preflight)
+    if is_vllm_target(spec):
+        return _vllm_request(spec)
     return _module_factory("request", spec)
 
 
-def _from_scope(spec: str, scope: request_target.ManagerTargetSpec) -> TargetDescriptor:
+def _vllm_request(spec: str) -> TargetDescriptor:
+    try:
+        release = release_of(spec)
+        profiles = default_profile_for(spec)
+    except ReleaseError as error:
+        raise TargetSpecError(str(error)) from error
+    claimed = None if profiles is None else tuple(profiles)
+    if release is not None and not _in_release_child(release):
+        return TargetDescriptor("request", spec, None, profiles=claimed, release=release)
+    if installed_version() is None:
+        raise TargetSpecError(
+            "vLLM is not installed: pip install vllm, or use --target vllm==X.Y.Z"
+        )
+    from kvpool.specs.targets.vllm.request import scope, vllm_manager_factory
+
+    try:
+        factory = vllm_manager_factory(VLLM if release is not None else spec)
+    except ValueError as error:
+        raise TargetSpecError(str(error)) from error
+    return _from_scope(spec, scope(factory), release=release)
+
+
+def _from_scope(
+    spec: str, scope: request_target.ManagerTargetSpec, release: str | None = None
+) -> TargetDescriptor:
     return TargetDescriptor(
         "request",
         spec,
         scope.factory,
         profiles=tuple(p.name for p in scope.profiles),
+        preflight=getattr(scope.factory, "preflight", None),
+        release=release,
         scope={
             "layouts": scope.layouts,
             "events": scope.events,
@@ -475,11 +503,15 @@ def _module_factory(layer: str, spec: str) -> TargetDescriptor:
             "vllm, vllm:module:Class, vllm==X.Y.Z or (radix layer) sglang"
         )
     module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        raise TargetSpecError(f"malformed target {spec!r}: use module:factory")
     try:
         module = import_from_here(module_name)
     except ImportError as error:
         raise TargetSpecError(f"cannot import {module_name!r}: {error}") from error
     factory = getattr(module, attribute, None)
+    if layer == "request" and isinstance(factory, request_target.ManagerTargetSpec):
+        return _from_scope(spec, factory)
     if not callable(factory):
         raise TargetSpecError(f"{module_name!r} has no callable {attribute!r}")
     unsupported = getattr(factory, "unsupported_operations", None)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from kvpool.model import NULL_BLOCK_ID, BlockHash, PoolState
 from kvpool.model import manager as mm
 from kvpool.model import single_type as single
-from kvpool.model.hashing import NONE_HASH, block_extra_keys, encode_extra_key
+from kvpool.model.hashing import NONE_HASH, Encodable, block_extra_keys, encode_extra_key
 from kvpool.model.manager import Blocks
 from kvpool.model.pool import get_cached_block, hashes_at_block_size
 from kvpool.model.profiles import FreeOrder
@@ -45,7 +45,7 @@ class ChainLink:
     index: int
     start: int
     tokens: str
-    extra_keys: tuple[tuple[str | int, ...], ...]
+    extra_keys: tuple[tuple[Encodable, ...], ...]
     parent: BlockHash
     block_hash: BlockHash
 
@@ -58,7 +58,12 @@ def chain(request: Request) -> list[ChainLink]:
     for i, block_hash in enumerate(request.block_hashes):
         start = i * size
         keys = block_extra_keys(
-            start, start + size, request.lora, request.mm_inputs, request.cache_salt
+            start,
+            start + size,
+            request.lora,
+            request.mm_inputs,
+            request.cache_salt,
+            request.prompt_embeds,
         )
         links.append(
             ChainLink(
@@ -83,7 +88,7 @@ def short_hex(block_hash: BlockHash) -> str:
     return "NONE_HASH" if block_hash == NONE_HASH else block_hash.hex()[:8]
 
 
-def key_text(key: tuple[str | int, ...]) -> str:
+def key_text(key: tuple[Encodable, ...]) -> str:
     """A tagged extra key as it is hashed: ``("cache_salt", "s")``."""
     return "(" + ", ".join(repr(k) if isinstance(k, str) else str(k) for k in key) + ")"
 

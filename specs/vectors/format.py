@@ -25,9 +25,14 @@ GENERATOR_VERSION = 1
 MANIFEST = "manifest.json"
 
 
-def bundled_corpus() -> Path:
-    """The corpus shipped inside the kvpool package."""
-    return Path(str(resources.files("kvpool.specs.vectors").joinpath("data")))
+REQUEST_FORMAT = "kvpool-request-vectors"
+
+
+def bundled_corpus(layer: str = "pool") -> Path:
+    """The corpus of ``layer`` shipped inside the kvpool package: the pool's in ``data/``,
+    the request layer's in ``data/request/``."""
+    data = resources.files("kvpool.specs.vectors").joinpath("data")
+    return Path(str(data if layer == "pool" else data.joinpath(layer)))
 
 
 def sha256(data: bytes) -> str:
@@ -62,6 +67,8 @@ SCHEMAS = {
     "vectors-v1.json": "kvpool.specs.vectors",
     "consumer-v1.json": "kvpool.specs.protocol",
     "event-vectors-v1.json": "kvpool.specs.vectors",
+    "request-protocol-v1.json": "kvpool.specs.protocol",
+    "request-vectors-v1.json": "kvpool.specs.vectors",
 }
 """Each JSON Schema kvpool ships, and the package it sits beside (in ``schemas/``)."""
 
@@ -73,18 +80,18 @@ def load_schema(name: str) -> dict[str, Json]:
     return schema
 
 
-def validators() -> tuple[Any, Any]:
-    """JSON Schema validators for one vector and for a manifest."""
+def validators(layer: str = "pool") -> tuple[Any, Any]:
+    """JSON Schema validators for one vector of ``layer`` and for its manifest."""
     from jsonschema import Draft202012Validator
     from referencing import Registry, Resource
 
-    protocol_schema = load_schema("protocol-v1.json")
-    vectors_schema = load_schema("vectors-v1.json")
+    names = ["protocol-v1.json", "vectors-v1.json"]
+    if layer == "request":
+        names = ["protocol-v1.json", "request-protocol-v1.json", "request-vectors-v1.json"]
+    schemas = [load_schema(name) for name in names]
+    vectors_schema = schemas[-1]
     registry: Registry[Any] = Registry().with_resources(
-        [
-            (protocol_schema["$id"], Resource.from_contents(protocol_schema)),
-            (vectors_schema["$id"], Resource.from_contents(vectors_schema)),
-        ]
+        [(schema["$id"], Resource.from_contents(schema)) for schema in schemas]
     )
     vector = Draft202012Validator(vectors_schema, registry=registry)
     manifest = Draft202012Validator(
@@ -105,12 +112,13 @@ def _short(text: str) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-def load(path: Path, max_errors: int = 20) -> list[LoadedVector]:
+def load(path: Path, max_errors: int = 20, layer: str = "pool") -> list[LoadedVector]:
     """Read and validate vectors from a directory with a manifest, or from one .jsonl file.
 
     Raises VectorFormatError listing every problem (file, line and field).
+    ``layer`` names the format (``pool`` or ``request``).
     """
-    validator, manifest_validator = validators()
+    validator, manifest_validator = validators(layer)
     problems: list[str] = []
     if path.is_dir():
         files = _manifest_files(path, manifest_validator, problems)

@@ -494,3 +494,20 @@ def spec_of(bug: RequestBug, factory: ManagerFactory | None = None) -> ManagerTa
     return ManagerTargetSpec(
         factory or target_of(bug.manager), layouts=bug.layouts, min_window=bug.min_window
     )
+
+
+def cli_target(bug: RequestBug) -> str:
+    """The target string ``kvpool check --layer request --target ...`` checks ``bug`` with.
+
+    Each bug's ``ManagerTargetSpec`` (its manager and the layouts it can show
+    in) is a module attribute named after it, which the registry accepts as a
+    request-layer target (``module:NAME``).
+    """
+    return f"{__name__}:{bug.name.replace('-', '_')}"
+
+
+for _bug in REQUEST_BUGS:
+    globals()[_bug.name.replace("-", "_")] = spec_of(_bug)
+
+clean = spec_of(RequestBug("clean", KVCacheManager, "-"))
+"""The unmodified impl's manager through the same factory, on every layout."""

@@ -6,9 +6,8 @@ Hypothesis' process-wide state.
 """
 
 import json
-import subprocess
-import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import Phase, settings
@@ -20,34 +19,44 @@ from kvpool.specs.request.check import run_request_conformance as run_manager_co
 from kvpool.specs.request.invariants import RequestInvariantViolation
 from kvpool.specs.request.machine import ManagerMachine, manager_machine
 from tests.corpus.bugs import BUGS
-from tests.corpus.request_bugs import REQUEST_BUGS, RequestBug, spec_of, target_of
+from tests.corpus.request_bugs import REQUEST_BUGS, RequestBug, cli_target, spec_of, target_of
+from tests.kit.helpers import run_kvpool
 
-ROOT = Path(__file__).resolve().parents[2]
 
-
-def hunt(bug: RequestBug) -> tuple[bool, int, str | None, str | None]:
-    """Run ``ci`` on the bug in a fresh interpreter: (conforms, programs, kind, failure)."""
-    script = (
-        "import json\n"
-        "from kvpool.specs.request.check import run_request_conformance\n"
-        "from tests.corpus.request_bugs import REQUEST_BUGS, spec_of\n"
-        f"bug = next(b for b in REQUEST_BUGS if b.name == {bug.name!r})\n"
-        "r = run_request_conformance(spec_of(bug), hypothesis_profile='ci', target_name=bug.name)\n"
-        "print(json.dumps([r.conforms, r.examples_run, r.failure_kind, r.failure]))\n"
+def hunt(target: str, tmp_path: Path) -> tuple[int, dict[str, Any]]:
+    """``kvpool check --layer request`` with ``ci`` on a target: (exit code, JSON report)."""
+    report = tmp_path / "report.json"
+    result = run_kvpool(
+        "check",
+        "--layer",
+        "request",
+        "--target",
+        target,
+        "--hypothesis-profile",
+        "ci",
+        "--format",
+        "json",
+        "--output",
+        str(report),
+        "--regression-dir",
+        str(tmp_path / "regression"),
+        timeout=600,
     )
-    result = subprocess.run(
-        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, check=False
-    )
-    assert result.returncode == 0, result.stderr
-    conforms, programs, kind, failure = json.loads(result.stdout.strip().splitlines()[-1])
-    return conforms, programs, kind, failure
+    assert "Traceback" not in result.stdout + result.stderr, result.stderr
+    return result.returncode, json.loads(report.read_text())
 
 
 @pytest.mark.parametrize("bug", REQUEST_BUGS, ids=[b.name for b in REQUEST_BUGS])
-def test_ci_profile_finds_the_bug(bug: RequestBug) -> None:
-    conforms, programs, kind, failure = hunt(bug)
-    assert not conforms, f"{bug.name} was not found in {programs} programs"
-    assert kind in {"divergence", "invariant"}, failure
+def test_ci_profile_finds_the_bug_from_the_command_line(bug: RequestBug, tmp_path: Path) -> None:
+    code, report = hunt(cli_target(bug), tmp_path)
+    assert code == 1, f"{bug.name} was not found in {report.get('examples_run')} programs"
+    assert report["failure_kind"] in {"divergence", "invariant"}, report["failure"]
+    assert list((tmp_path / "regression").glob("test_kvpool_regression_*.py"))
+
+
+def test_the_clean_manager_conforms_from_the_command_line(tmp_path: Path) -> None:
+    code, report = hunt("tests.corpus.request_bugs:clean", tmp_path)
+    assert code == 0, report["failure"]
 
 
 def test_corpus_is_big_enough_and_documented() -> None:

@@ -11,6 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 TARGETS = Path(__file__).resolve().parent / "targets"
 NODE_POOL = ROOT / "examples" / "node-pool" / "pool.js"
+NODE_MANAGER = ROOT / "examples" / "node-manager" / "manager.js"
 
 
 def kvpool_command() -> list[str]:
@@ -58,6 +59,26 @@ def node_target() -> str:
             pytest.fail("KVPOOL_REQUIRE_NODE=1 but node is not on PATH")
         pytest.skip("node is not on PATH: the Node.js reference target is not checked")
     return f"cmd:{node} {NODE_POOL}"
+
+
+def node() -> str:
+    """The node executable (skips if node is missing, fails if it is required)."""
+    found = shutil.which("node")
+    if found is None:
+        if os.environ.get("KVPOOL_REQUIRE_NODE") == "1":
+            pytest.fail("KVPOOL_REQUIRE_NODE=1 but node is not on PATH")
+        pytest.skip("node is not on PATH: the Node.js reference targets are not checked")
+    return found
+
+
+def node_manager_target() -> str:
+    """The cmd: target string for the Node.js reference KV cache manager."""
+    return f"cmd:{node()} {NODE_MANAGER}"
+
+
+def python_manager_target(mode: str) -> str:
+    """The cmd: target string for the misbehaving request-layer target in tests/kit/targets."""
+    return f"cmd:{sys.executable} {TARGETS / 'misbehaving_manager.py'} {mode}"
 
 
 def assert_no_traceback(result: subprocess.CompletedProcess[str]) -> None:

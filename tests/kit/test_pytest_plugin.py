@@ -55,3 +55,60 @@ def test_an_unknown_target_fails_cleanly(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest("-p", "no:cacheprovider", "--kvpool-target=nosuchmodule:make")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*cannot import 'nosuchmodule'*"])
+
+
+def test_the_request_layer_conforming_target_passes(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile("def test_mine():\n    assert True\n")
+    result = pytester.runpytest(
+        "-p",
+        "no:cacheprovider",
+        "--kvpool-layer=request",
+        "--kvpool-target=impl",
+        "--kvpool-examples=15",
+        "--kvpool-vectors",
+        "-v",
+    )
+    result.assert_outcomes(passed=3)
+    result.stdout.fnmatch_lines(["*kvpool-vectors?impl? PASSED*"])
+
+
+def test_a_diverging_manager_fails_with_the_counterexample(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        mymanager="""
+from kvpool.specs.request.model_target import ModelManagerTarget
+
+
+class ForgetsStats(ModelManagerTarget):
+    def make_prefix_cache_stats(self):
+        super().make_prefix_cache_stats()
+        return None
+
+
+def make(setup):
+    return ForgetsStats(setup)
+"""
+    )
+    result = pytester.runpytest(
+        "-p", "no:cacheprovider", "--kvpool-layer=request", "--kvpool-target=mymanager:make"
+    )
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*mymanager:make: divergence*",
+            "*Where they part:*make_prefix_cache_stats*",
+            "*def test_kvpool_request_regression_*",
+        ]
+    )
+
+
+def test_the_v0_layer_has_no_vectors(pytester: pytest.Pytester) -> None:
+    result = pytester.runpytest(
+        "-p",
+        "no:cacheprovider",
+        "--kvpool-layer=v0",
+        "--kvpool-target=model",
+        "--kvpool-examples=5",
+        "--kvpool-vectors",
+    )
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*the v0 layer has no conformance vectors*"])

@@ -10,6 +10,7 @@ from kvpool.model.errors import (
     InvalidBlockHashes,
     InvalidHashBlockSize,
     InvalidMultiModalInputs,
+    InvalidPromptEmbeds,
     InvalidTokenCount,
 )
 from kvpool.model.hashing import (
@@ -18,6 +19,7 @@ from kvpool.model.hashing import (
     LoraKey,
     MultiModalInput,
     MultiModalKey,
+    PromptEmbedsKey,
     SaltKey,
     block_extra_keys,
     decode,
@@ -113,6 +115,24 @@ def test_extra_keys_of_a_block() -> None:
     assert block_extra_keys(0, 4, cache_salt="") == ()  # an empty salt is no salt
 
 
+def test_prompt_embeddings_key_every_block_of_their_request() -> None:
+    embeds = (b"e0", b"e1", b"e2")
+    assert block_extra_keys(0, 2, cache_salt="s", prompt_embeds=embeds) == (
+        SaltKey("s"),
+        PromptEmbedsKey((b"e0", b"e1")),
+    )
+    assert block_extra_keys(2, 4, prompt_embeds=embeds) == (PromptEmbedsKey((b"e2",)),)
+    assert block_extra_keys(4, 6, prompt_embeds=embeds) == (PromptEmbedsKey(()),)
+    as_tokens = new_request("r", [1, 2, 3, 4], 2)
+    as_embeds = new_request("r", [1, 2, 3, 4], 2, prompt_embeds=[b"a", b"b", b"c", b"d"])
+    other = new_request("r", [1, 2, 3, 4], 2, prompt_embeds=[b"a", b"b", b"c", b"x"])
+    assert as_tokens.block_hashes[0] != as_embeds.block_hashes[0]
+    assert as_embeds.block_hashes[0] == other.block_hashes[0]
+    assert as_embeds.block_hashes[1] != other.block_hashes[1]
+    grown = append_tokens(as_embeds, [5, 6])
+    assert grown.block_hashes[:2] == as_embeds.block_hashes and len(grown.block_hashes) == 3
+
+
 @pytest.mark.parametrize(
     "inputs",
     [
@@ -126,6 +146,14 @@ def test_extra_keys_of_a_block() -> None:
 def test_invalid_multimodal_inputs_are_rejected(inputs: list[MultiModalInput]) -> None:
     with pytest.raises(InvalidMultiModalInputs):
         extend_block_hashes((), [1] * 8, 2, mm_inputs=inputs)
+
+
+@pytest.mark.parametrize(
+    "embeds", [[b"a"], [b"a", b"b", b"c"], ["a", "b"]], ids=["too-few", "too-many", "not-bytes"]
+)
+def test_invalid_prompt_embeds_are_rejected(embeds: list[bytes]) -> None:
+    with pytest.raises(InvalidPromptEmbeds):
+        new_request("r", [1, 2], 1, prompt_embeds=embeds)
 
 
 def test_hasher_preconditions() -> None:
@@ -157,6 +185,11 @@ def requests(draw: st.DrawFn, hbs: int) -> Request:
             break
         images.append(MultiModalInput(name, position, IMAGES[name]))
         position += IMAGES[name] + draw(st.integers(0, 2))
+    embeds: list[bytes] = []
+    if draw(st.booleans()):
+        embeds = draw(
+            st.lists(st.sampled_from([b"p", b"q"]), min_size=len(tokens), max_size=len(tokens))
+        )
     return new_request(
         "r",
         tokens,
@@ -164,6 +197,7 @@ def requests(draw: st.DrawFn, hbs: int) -> Request:
         lora=draw(st.sampled_from(LORAS)),
         mm_inputs=images,
         cache_salt=draw(st.sampled_from(SALTS)),
+        prompt_embeds=embeds,
     )
 
 

@@ -43,3 +43,26 @@ class StaleHashPool(BlockPool):
         for block in blocks:
             block.ref_cnt += 1
         return blocks
+
+
+class WrappedPool(BlockPool):
+    """Wraps the constructor the usual way (``*args, **kwargs``); behaves like vLLM's pool."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.wrapped = True
+
+
+class LeakyWrappedPool(WrappedPool):
+    """A wrapped constructor, and ``free_blocks`` never returns a request's last block.
+
+    The scheduler frees a request's blocks in eviction order, its last block
+    first; this pool keeps a reference to that one, so it never becomes free.
+    """
+
+    def free_blocks(self, ordered_blocks: Iterable[Any]) -> None:
+        blocks = list(ordered_blocks)
+        real = [b for b in blocks if not b.is_null]
+        if real:
+            real[0].ref_cnt += 1
+        super().free_blocks(blocks)

@@ -32,7 +32,6 @@ justifies each point):
 import functools
 import hashlib
 import importlib
-import inspect
 import logging
 import os
 from collections.abc import Callable, Collection, Iterable, Sequence
@@ -58,6 +57,7 @@ from kvpool.specs.errors import TargetError
 from kvpool.specs.pool.target import OPERATIONS
 from kvpool.specs.targets.block_pool_api import BlockPoolApiTarget
 from kvpool.specs.targets.importing import import_from_here
+from kvpool.specs.targets.vllm import eras
 from kvpool.specs.targets.vllm.findings import KNOWN_FINDINGS
 
 T = TypeVar("T")
@@ -158,19 +158,19 @@ def load_vllm(pool_class: Any = None) -> VllmApi:
     if not _none_hash_ready and hasattr(utils, "init_none_hash"):
         utils.init_none_hash(_vllm_sha256())
         _none_hash_ready = True
-    cls = pool_class if pool_class is not None else block_pool.BlockPool
-    init_params = inspect.signature(cls.__init__).parameters
-    full_params = inspect.signature(cls.cache_full_blocks).parameters
-    touch_params = inspect.signature(cls.touch).parameters
-    touch_annotation = str(touch_params["blocks"].annotation) if "blocks" in touch_params else ""
+    base = block_pool.BlockPool
+    cls = pool_class if pool_class is not None else base
+    # Read from the class hierarchy (eras.takes): a subclass's or a fork's
+    # ``__init__(self, *args, **kwargs)`` says nothing about its parameters.
+    touch_annotation = eras.annotation(cls, "touch", "blocks", base)
     return VllmApi(
         version=version,
         pool_class=cls,
         kv_cache_utils=utils,
-        hash_block_size_arg="hash_block_size" in init_params,
+        hash_block_size_arg=eras.takes(cls, "__init__", "hash_block_size", base),
         touch_per_group=touch_annotation.startswith("tuple"),
         evict_blocks=hasattr(cls, "evict_blocks"),
-        block_mask="block_mask" in full_params,
+        block_mask=eras.takes(cls, "cache_full_blocks", "block_mask", base),
         cache_partial_block=hasattr(cls, "cache_partial_block"),
         hash_num_tokens=hasattr(utils.KVCacheBlock, "block_hash_num_tokens"),
         events_with_group="group_idx" in getattr(kv_events.BlockRemoved, "__struct_fields__", ()),

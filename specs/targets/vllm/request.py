@@ -1,15 +1,28 @@
-"""vLLM's own ``KVCacheManager`` as a manager target (vLLM 0.33 API).
+"""vLLM's own ``KVCacheManager`` (or a subclass or fork of it) as a manager target (vLLM 0.33 API).
 
-The adapter builds a one-group full-attention manager the way vLLM's CPU
-recipe does (no tensors allocated) and hands it duck-typed requests that
-carry kvpool's block hashes: vLLM's pool treats hashes as opaque bytes, so
-both sides key their caches identically and block ids must agree call by
-call.
+The adapter builds the manager the way vLLM's CPU recipe does (no tensors
+allocated) and hands it requests in one of two ways (``hasher``):
+
+* ``vllm`` (the default): vLLM's own ``Request`` objects, hashed by vLLM's
+  own request block hasher (``kvpool.specs.targets.vllm.hasher``), so the
+  hasher is under test too. Its hashes are not kvpool's; the machine asks
+  for them (``block_hashes``) and checks that equal prefixes hash equal and
+  different ones differently (the token ground truth). The pool treats
+  hashes as opaque, so block ids still agree call by call with the model;
+* ``kvpool``: duck-typed requests carrying kvpool's block hashes, for a
+  release whose hasher cannot run here (``KVPOOL_VLLM_HASHER=kvpool``).
+
+``manager_class`` replaces vLLM's ``KVCacheManager``: a subclass, or a fork's
+class with its constructor (``kvpool check --layer request --target
+vllm:package.module:Class``). Which constructor arguments it takes is read
+from its class hierarchy (``kvpool.specs.targets.vllm.eras``), so a
+subclass whose ``__init__`` is ``(self, *args, **kwargs)`` is built like
+the class it wraps.
 
 What is compared, and what is not (docs/semantics.md, "The request layer"):
 
-* one full-attention group with ``block_size == hash_block_size`` (vLLM's
-  unitary coordinator asserts it), the hashless-first profile;
+* groups of full attention or sliding window with ``block_size ==
+  hash_block_size``, the hashless-first profile;
 * ``get_computed_blocks`` returns a 3-tuple in 0.33; its third element (a
   shared-prefix boundary for sparse retention) is dropped. 0.33 records hit
   statistics from the scheduler, at admission; the adapter records them
@@ -26,14 +39,24 @@ import importlib
 import logging
 import os
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+from kvpool.model.errors import PoolError
 from kvpool.model.events import KVCacheEvent
 from kvpool.model.manager import Blocks, PrefixCacheStats
 from kvpool.model.request import Request
 from kvpool.model.single_type import AttentionType
 from kvpool.specs.errors import TargetError
 from kvpool.specs.request.target import ManagerSetup, ManagerTargetSpec
+from kvpool.specs.targets.importing import import_from_here
+from kvpool.specs.targets.vllm import eras
+from kvpool.specs.targets.vllm.hasher import VllmRequests, find_hasher
+from kvpool.specs.targets.vllm.pool import rejection
+
+HASHER_ENV = "KVPOOL_VLLM_HASHER"
+"""``vllm`` (default): vLLM's own request block hasher; ``kvpool``: kvpool's hashes."""
+HASHERS = ("vllm", "kvpool")
 
 
 class VllmRequest:
@@ -58,11 +81,45 @@ class VllmRequest:
         self.session_id = None
 
 
-class VllmManagerTarget:
-    """vLLM's ``KVCacheManager`` behind the manager protocol."""
+@dataclass(frozen=True)
+class ManagerApi:
+    """The importable vLLM's KV cache manager, and the constructor arguments its class takes."""
 
-    def __init__(self, setup: ManagerSetup) -> None:
+    version: str
+    manager_class: Any
+    scheduler_block_size_arg: bool
+    """0.33: the constructor takes ``scheduler_block_size``."""
+    hash_block_size_arg: bool
+    """0.12.0+: the constructor takes ``hash_block_size``; before, blocks are hashed
+    at the block size (the adapter's scope has ``block_size == hash_block_size``)."""
+
+
+def load_manager_api(manager_class: Any = None) -> ManagerApi:
+    """Import vLLM's KV cache manager; describe the constructor of ``manager_class`` (or vLLM's)."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # read when vllm is first imported
+    try:
+        vllm = importlib.import_module("vllm")
+        manager_module = importlib.import_module("vllm.v1.core.kv_cache_manager")
+    except Exception as error:  # ImportError, or a dependency failing at import
+        raise TargetError(f"vLLM's KVCacheManager cannot be imported: {error!r}") from error
+    base = manager_module.KVCacheManager
+    cls = base if manager_class is None else manager_class
+    return ManagerApi(
+        version=str(getattr(vllm, "__version__", "unknown")),
+        manager_class=cls,
+        scheduler_block_size_arg=eras.takes(cls, "__init__", "scheduler_block_size", base),
+        hash_block_size_arg=eras.takes(cls, "__init__", "hash_block_size", base),
+    )
+
+
+class VllmManagerTarget:
+    """vLLM's ``KVCacheManager`` (or ``manager_class``) behind the manager protocol."""
+
+    def __init__(
+        self, setup: ManagerSetup, manager_class: Any = None, hasher: str | None = None
+    ) -> None:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # read when vllm is first imported
+        self.api = load_manager_api(manager_class)
         try:
             torch = importlib.import_module("torch")
             hashing = importlib.import_module("vllm.utils.hashing")
@@ -81,6 +138,16 @@ class VllmManagerTarget:
         utils.init_none_hash(hashing.sha256)
         self._blocks_class = manager_module.KVCacheBlocks
         self._status = request_module.RequestStatus.RUNNING
+        self.hasher = chosen_hasher(hasher)
+        self._requests: VllmRequests | None = None
+        if self.hasher == "vllm":
+            found = find_hasher(self.api.manager_class)
+            if found is None:
+                raise TargetError(
+                    f"vLLM {self.api.version} has no get_request_block_hasher: set "
+                    f"{HASHER_ENV}=kvpool to check its manager with kvpool's hashes"
+                )
+            self._requests = VllmRequests(found, self._status)
         shape: dict[str, Any] = {"num_kv_heads": 1, "head_size": 8, "dtype": torch.float32}
         groups = []
         for g, spec in enumerate(specs):
@@ -101,19 +168,29 @@ class VllmManagerTarget:
         config = interface.KVCacheConfig(
             num_blocks=setup.num_blocks, kv_cache_tensors=[], kv_cache_groups=groups
         )
-        spec = specs[0]
-        self.manager = manager_module.KVCacheManager(
-            config,
-            max_model_len=setup.max_model_len,
-            scheduler_block_size=spec.block_size,
-            hash_block_size=setup.hash_block_size,
-            enable_caching=setup.enable_caching,
-            use_eagle=setup.use_eagle,
-            log_stats=setup.log_stats,
-            enable_kv_cache_events=setup.enable_events,
-        )
+        kwargs: dict[str, Any] = {
+            "max_model_len": setup.max_model_len,
+            "enable_caching": setup.enable_caching,
+            "use_eagle": setup.use_eagle,
+            "log_stats": setup.log_stats,
+            "enable_kv_cache_events": setup.enable_events,
+        }
+        if self.api.scheduler_block_size_arg:
+            kwargs["scheduler_block_size"] = specs[0].block_size
+        if self.api.hash_block_size_arg:
+            kwargs["hash_block_size"] = setup.hash_block_size
+        cls = self.api.manager_class
+        try:
+            self.manager = Translating(cls(config, **kwargs), self.api.version)
+        except Exception as error:
+            shown = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+            raise TargetError(
+                f"{cls.__name__}(kv_cache_config, {shown}) failed: {error!r}"
+            ) from error
 
-    def _request(self, request: Request) -> VllmRequest:
+    def _request(self, request: Request) -> Any:
+        if self._requests is not None:
+            return self._requests.get(request)
         return VllmRequest(request, self._status)
 
     def get_computed_blocks(self, request: Request) -> tuple[Blocks, int]:
@@ -199,11 +276,127 @@ def _ids(blocks: Any) -> Blocks:
     return tuple(tuple(b.block_id for b in group) for group in blocks.blocks)
 
 
-def _scope() -> ManagerTargetSpec:
+class Translating:
+    """The manager, every method call on it translating vLLM's exceptions as the pool adapter does.
+
+    A rejection of the model's stays one; ``AttributeError`` and ``TypeError``
+    mean the adapter and the release disagree on the API (``TargetError``);
+    anything else vLLM raises (an ``AssertionError``, say) becomes a
+    ``VllmRejection`` named after it, which the checks report as a divergence.
+    Attributes that are not methods (``block_pool``, ``usage``) pass through.
+    """
+
+    def __init__(self, manager: Any, version: str) -> None:
+        self._manager = manager
+        self._version = version
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._manager, name)
+        if not callable(value):
+            return value
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return value(*args, **kwargs)
+            except (PoolError, TargetError):
+                raise
+            except (AttributeError, TypeError) as error:
+                raise TargetError(
+                    f"the adapter and vLLM {self._version} disagree ({name}): {error!r}"
+                ) from error
+            except Exception as error:
+                raise rejection(error) from error
+
+        return call
+
+
+class VllmHashingManagerTarget(VllmManagerTarget):
+    """The adapter with vLLM's own hasher: the machine asks for its hashes and checks them."""
+
+    def block_hashes(self, request: Request) -> Sequence[bytes]:
+        """The hashes vLLM's request block hasher gave the request's full blocks."""
+        return [bytes(h) for h in self._request(request).block_hashes]
+
+
+def chosen_hasher(hasher: str | None) -> str:
+    """The hasher mode: ``hasher`` if given, else ``KVPOOL_VLLM_HASHER``, else ``vllm``."""
+    chosen = hasher or os.environ.get(HASHER_ENV) or "vllm"
+    if chosen not in HASHERS:
+        raise TargetError(f"{HASHER_ENV}={chosen!r}: use {' or '.join(HASHERS)}")
+    return chosen
+
+
+class VllmManagerFactory:
+    """Builds manager targets over vLLM's ``KVCacheManager`` or ``manager_class``.
+
+    ``manager_class`` is a class or a ``package.module:Class`` string,
+    imported on first use; ``hasher`` is ``vllm``, ``kvpool`` or None (the
+    environment's ``KVPOOL_VLLM_HASHER``, else ``vllm``).
+    """
+
+    levels = (1,)
+    """Level 2 is not claimed: vLLM asserts, or accepts, where the model rejects (findings)."""
+
+    def __init__(self, manager_class: Any = None, hasher: str | None = None) -> None:
+        self._manager_class = manager_class
+        self.hash_mode = hasher
+
+    def manager_class(self) -> Any:
+        """The class to instantiate (None: vLLM's own), imported on first use."""
+        if isinstance(self._manager_class, str):
+            module_name, _, attribute = self._manager_class.partition(":")
+            try:
+                module = import_from_here(module_name)
+            except Exception as error:  # ImportError, or the module failing as it is imported
+                raise TargetError(f"cannot import {module_name!r}: {error!r}") from error
+            found = getattr(module, attribute, None)
+            if not isinstance(found, type):
+                raise TargetError(f"{module_name!r} has no class {attribute!r}")
+            self._manager_class = found
+        return self._manager_class
+
+    def __call__(self, setup: ManagerSetup) -> VllmManagerTarget:
+        hasher = chosen_hasher(self.hash_mode)
+        cls = VllmHashingManagerTarget if hasher == "vllm" else VllmManagerTarget
+        return cls(setup, self.manager_class(), hasher)
+
+    def preflight(self, level: int, profiles: Sequence[str]) -> None:
+        """Fail fast, before any program runs, if this manager cannot be checked here."""
+        chosen_hasher(self.hash_mode)
+        api = load_manager_api(self.manager_class())
+        base = importlib.import_module("vllm.v1.core.kv_cache_manager").KVCacheManager
+        cls = api.manager_class
+        if not (isinstance(cls, type) and (issubclass(cls, base) or _looks_like(cls, base))):
+            raise TargetError(
+                f"{cls!r} is not a KVCacheManager: a subclass of vLLM's "
+                "vllm.v1.core.kv_cache_manager.KVCacheManager, or a fork's class with its methods"
+            )
+
+
+def _looks_like(cls: type, base: type) -> bool:
+    """A fork's class: it has the methods the adapter calls."""
+    needed = ("get_computed_blocks", "allocate_slots", "free", "get_block_ids", "cache_blocks")
+    return all(callable(getattr(cls, name, None)) for name in needed)
+
+
+def vllm_manager_factory(spec: str, hasher: str | None = None) -> VllmManagerFactory:
+    """The factory for ``vllm`` or ``vllm:package.module:Class`` at the request layer."""
+    if spec == "vllm":
+        return VllmManagerFactory(None, hasher)
+    module_name, _, class_name = spec.removeprefix("vllm:").partition(":")
+    if spec.startswith("vllm:") and module_name and class_name.isidentifier():
+        return VllmManagerFactory(f"{module_name}:{class_name}", hasher)
+    raise ValueError(
+        f"not a vLLM target string: {spec!r} (use vllm, vllm:package.module:Class or vllm==X.Y.Z)"
+    )
+
+
+def scope(factory: VllmManagerFactory | None = None) -> ManagerTargetSpec:
+    """Where vLLM's manager (or a subclass, through ``factory``) is compared: ``VLLM_SCOPE``."""
     from kvpool.model import DEFAULT_PROFILE
 
     return ManagerTargetSpec(
-        VllmManagerTarget,
+        factory or VllmManagerFactory(),
         layouts=(
             "full",
             "sliding_window",
@@ -219,7 +412,7 @@ def _scope() -> ManagerTargetSpec:
     )
 
 
-VLLM_SCOPE = _scope()
+VLLM_SCOPE = scope()
 """Where vLLM 0.33's manager is compared: one full-attention or sliding-window group
 (window of at least 2), or a hybrid of them (vLLM's HybridKVCacheCoordinator), with
 blocks of hash-block size, events off, the hashless-first profile. Chunked local

@@ -1,0 +1,557 @@
+"""The request layer's protocol codec: JSON values for every KV cache manager operation.
+
+A KV cache manager written in any language is checked the way a pool is
+(``kvpool.specs.protocol.codec``): a program reading one JSON request per
+line and answering one JSON response per line. This module is the codec of
+the request layer's dialect, version ``REQUEST_PROTOCOL_VERSION``, beside the
+pool's; its JSON Schema is ``schemas/request-protocol-v1.json`` and
+docs/formats.md describes the exchange.
+
+Requests travel as token ids *and* their extra keys (LoRA adapter,
+multimodal inputs, cache salt, prompt embeddings), with the hash block size
+and the root hash they chain from, so a target may hash them itself; they
+also carry kvpool's own block hashes for a target that does not. Hashes
+and prompt embeddings are lowercase hex; block tables are one list of block
+ids per KV cache group; rejections are named by the model's exception
+classes (``kvpool.model.errors``), pool and request layer alike.
+"""
+
+from collections.abc import Mapping
+from typing import Any
+
+from kvpool.model import PROFILES, PoolConfig, PoolError
+from kvpool.model import errors as model_errors
+from kvpool.model.hashing import NONE_HASH, LoraAdapter, MultiModalInput, none_hash
+from kvpool.model.manager import (
+    Blocks,
+    KVCacheManagerState,
+    ManagerConfig,
+    PrefixCacheStats,
+)
+from kvpool.model.request import Request
+from kvpool.model.single_type import AttentionType, GroupTable, KVCacheSpec, ManagersState
+from kvpool.specs.protocol.codec import (
+    Json,
+    ProtocolError,
+    _bool,
+    _int,
+    _list,
+    _object,
+    _optional_str,
+    decode_event,
+    decode_hash,
+    decode_state,
+    encode_event,
+    encode_hash,
+    encode_state,
+)
+from kvpool.specs.request.target import (
+    ManagerSetup,
+    ManagerSnapshottable,
+    ManagerTarget,
+)
+
+REQUEST_PROTOCOL_VERSION = 1
+"""The version of the request layer's dialect that ``hello`` announces (docs/formats.md)."""
+
+LAYER = "request"
+"""What the kit's ``hello`` names, and the target's answer must name back."""
+
+ATTENTION_NAMES = {
+    AttentionType.FULL: "full",
+    AttentionType.SLIDING_WINDOW: "sliding_window",
+    AttentionType.CHUNKED_LOCAL: "chunked_local",
+    AttentionType.MAMBA: "mamba",
+}
+"""A group spec's ``attention`` in JSON."""
+
+HASHER_OPERATIONS = ("block_hashes", "none_hash")
+"""The hasher's own operations: optional, announced by ``"hasher"`` in hello."""
+
+HASHERS = ("none", "own", "kvpool")
+"""What a target's hello may say of its hasher: it takes the hashes the requests
+carry (``none``), hashes them with its own function (``own``: checked against the
+token ground truth), or with kvpool's (``kvpool``: the hash vectors apply too)."""
+
+OPERATIONS = (
+    "get_computed_blocks",
+    "allocate_slots",
+    "free",
+    "cache_blocks",
+    "evict_blocks",
+    "reset_prefix_cache",
+    "get_num_common_prefix_blocks",
+    "get_block_ids",
+    "take_events",
+    "make_prefix_cache_stats",
+    "usage",
+    "num_free_blocks",
+    "snapshot",
+    *HASHER_OPERATIONS,
+)
+"""Every operation of the dialect besides ``hello`` and ``new_manager``."""
+
+
+def _rejections() -> dict[str, type[PoolError]]:
+    found: dict[str, type[PoolError]] = {}
+    for value in vars(model_errors).values():
+        if (
+            isinstance(value, type)
+            and issubclass(value, PoolError)
+            and value not in (PoolError, model_errors.RequestError)
+        ):
+            found[value.__name__] = value
+    return dict(sorted(found.items()))
+
+
+REQUEST_ERROR_NAMES: dict[str, type[PoolError]] = _rejections()
+"""The rejections a request-layer target may answer with, by class name: every
+exception of ``kvpool.model.errors`` (pool, hash chain and request layer)."""
+
+
+# --------------------------------------------------------------------------
+# Values
+# --------------------------------------------------------------------------
+
+
+def encode_spec(spec: KVCacheSpec) -> Json:
+    """A KV cache group's spec.
+
+    >>> from kvpool.model.single_type import sliding_window
+    >>> encode_spec(sliding_window(2, 4))
+    {'attention': 'sliding_window', 'block_size': 2, 'sliding_window': 4, 'attention_chunk_size': 0}
+    """
+    return {
+        "attention": ATTENTION_NAMES[spec.attention],
+        "block_size": spec.block_size,
+        "sliding_window": spec.sliding_window,
+        "attention_chunk_size": spec.attention_chunk_size,
+    }
+
+
+def decode_spec(value: Json) -> KVCacheSpec:
+    """The inverse of ``encode_spec``."""
+    obj = _object(value, "group spec")
+    names = {name: kind for kind, name in ATTENTION_NAMES.items()}
+    attention = obj.get("attention")
+    if attention not in names:
+        raise ProtocolError(f"unknown attention {attention!r}; known: {', '.join(names)}")
+    return KVCacheSpec(
+        names[attention],
+        _int(obj.get("block_size"), "block_size"),
+        sliding_window=_int(obj.get("sliding_window", 0), "sliding_window"),
+        attention_chunk_size=_int(obj.get("attention_chunk_size", 0), "attention_chunk_size"),
+    )
+
+
+def encode_setup(setup: ManagerSetup) -> Json:
+    """The ``new_manager`` arguments for a setup."""
+    return {
+        "num_blocks": setup.num_blocks,
+        "specs": [encode_spec(s) for s in setup.specs],
+        "max_model_len": setup.max_model_len,
+        "hash_block_size": setup.hash_block_size,
+        "enable_caching": setup.enable_caching,
+        "use_eagle": setup.use_eagle,
+        "log_stats": setup.log_stats,
+        "enable_events": setup.enable_events,
+        "profile": setup.profile.name,
+    }
+
+
+def decode_setup(value: Json) -> ManagerSetup:
+    """The inverse of ``encode_setup``."""
+    obj = _object(value, "setup")
+    profile = obj.get("profile")
+    if profile not in PROFILES:
+        raise ProtocolError(f"unknown profile {profile!r}; known: {', '.join(PROFILES)}")
+    return ManagerSetup(
+        num_blocks=_int(obj.get("num_blocks"), "num_blocks"),
+        specs=tuple(decode_spec(s) for s in _list(obj.get("specs"), "specs")),
+        max_model_len=_int(obj.get("max_model_len"), "max_model_len"),
+        hash_block_size=_int(obj.get("hash_block_size"), "hash_block_size"),
+        enable_caching=_bool(obj.get("enable_caching"), "enable_caching"),
+        use_eagle=_bool(obj.get("use_eagle"), "use_eagle"),
+        log_stats=_bool(obj.get("log_stats"), "log_stats"),
+        enable_events=_bool(obj.get("enable_events"), "enable_events"),
+        profile=PROFILES[profile],
+    )
+
+
+def pool_config(setup: ManagerSetup) -> PoolConfig:
+    """The configuration of the pool a manager built from ``setup`` shares among its groups."""
+    return PoolConfig(
+        setup.num_blocks,
+        setup.enable_caching,
+        setup.hash_block_size,
+        setup.enable_events,
+        setup.profile,
+    )
+
+
+def encode_request(request: Request) -> Json:
+    """A request as the manager sees it: tokens, extra keys, progress and kvpool's hashes.
+
+    >>> from kvpool.model.request import new_request
+    >>> encoded = encode_request(new_request("a", [300, 2], 2, cache_salt="s"))
+    >>> encoded["prompt_token_ids"], encoded["cache_salt"], len(encoded["block_hashes"])
+    ([300, 2], 's', 1)
+    """
+    lora = request.lora
+    return {
+        "request_id": request.request_id,
+        "prompt_token_ids": list(request.prompt_token_ids),
+        "output_token_ids": list(request.output_token_ids),
+        "hash_block_size": request.hash_block_size,
+        "lora": None
+        if lora is None
+        else {"lora_id": lora.lora_id, "name": lora.name, "path": lora.path},
+        "mm_inputs": [
+            {"identifier": m.identifier, "offset": m.offset, "length": m.length}
+            for m in request.mm_inputs
+        ],
+        "cache_salt": request.cache_salt,
+        "prompt_embeds": [e.hex() for e in request.prompt_embeds],
+        "num_computed_tokens": request.num_computed_tokens,
+        "num_preemptions": request.num_preemptions,
+        "skip_reading_prefix_cache": request.skip_reading_prefix_cache,
+        "seed_hash": encode_hash(request.seed_hash),
+        "block_hashes": [encode_hash(h) for h in request.block_hashes],
+    }
+
+
+def decode_request(value: Json) -> Request:
+    """The inverse of ``encode_request``: the hashes are taken as sent, not recomputed."""
+    obj = _object(value, "request")
+    raw_lora = obj.get("lora")
+    lora = None
+    if raw_lora is not None:
+        lo = _object(raw_lora, "lora")
+        lora = LoraAdapter(
+            _int(lo.get("lora_id"), "lora_id"),
+            _str(lo.get("name"), "lora name"),
+            _str(lo.get("path", ""), "lora path"),
+        )
+    mm_inputs = []
+    for raw in _list(obj.get("mm_inputs", []), "mm_inputs"):
+        m = _object(raw, "multimodal input")
+        mm_inputs.append(
+            MultiModalInput(
+                _str(m.get("identifier"), "identifier"),
+                _int(m.get("offset"), "offset"),
+                _int(m.get("length"), "length"),
+            )
+        )
+    seed = obj.get("seed_hash")
+    return Request(
+        request_id=_str(obj.get("request_id"), "request_id"),
+        prompt_token_ids=_ints(obj.get("prompt_token_ids"), "prompt_token_ids"),
+        hash_block_size=_int(obj.get("hash_block_size"), "hash_block_size"),
+        output_token_ids=_ints(obj.get("output_token_ids", []), "output_token_ids"),
+        lora=lora,
+        mm_inputs=tuple(mm_inputs),
+        cache_salt=_optional_str(obj.get("cache_salt"), "cache_salt"),
+        num_computed_tokens=_int(obj.get("num_computed_tokens", 0), "num_computed_tokens"),
+        num_preemptions=_int(obj.get("num_preemptions", 0), "num_preemptions"),
+        skip_reading_prefix_cache=_bool(
+            obj.get("skip_reading_prefix_cache", False), "skip_reading_prefix_cache"
+        ),
+        block_hashes=tuple(
+            decode_hash(h) for h in _list(obj.get("block_hashes", []), "block_hashes")
+        ),
+        seed_hash=NONE_HASH if seed is None else decode_hash(seed),
+        prompt_embeds=tuple(
+            decode_hash(e) for e in _list(obj.get("prompt_embeds", []), "prompt_embeds")
+        ),
+    )
+
+
+def encode_blocks(blocks: Blocks | None) -> Json:
+    """Block ids per group (``[[1, 2], [3]]``); None stays null."""
+    return None if blocks is None else [[int(b) for b in group] for group in blocks]
+
+
+def decode_blocks(value: Json, what: str = "blocks") -> Blocks | None:
+    """The inverse of ``encode_blocks``."""
+    if value is None:
+        return None
+    return tuple(_ints(group, what) for group in _list(value, what))
+
+
+def encode_stats(stats: PrefixCacheStats | None) -> Json:
+    """Prefix-cache statistics as an object of vLLM's field names; None stays null."""
+    if stats is None:
+        return None
+    return {
+        "reset": stats.reset,
+        "requests": stats.requests,
+        "queries": stats.queries,
+        "hits": stats.hits,
+        "preempted_requests": stats.preempted_requests,
+        "preempted_queries": stats.preempted_queries,
+        "preempted_hits": stats.preempted_hits,
+    }
+
+
+def decode_stats(value: Json) -> PrefixCacheStats | None:
+    """The inverse of ``encode_stats``."""
+    if value is None:
+        return None
+    obj = _object(value, "stats")
+    return PrefixCacheStats(
+        reset=_bool(obj.get("reset"), "reset"),
+        **{
+            name: _int(obj.get(name), name)
+            for name in (
+                "requests",
+                "queries",
+                "hits",
+                "preempted_requests",
+                "preempted_queries",
+                "preempted_hits",
+            )
+        },
+    )
+
+
+def encode_manager_state(state: KVCacheManagerState) -> Json:
+    """A whole manager (its setup aside) in canonical form: the pool, each group's tables, stats.
+
+    Each group's requests are sorted by id. Two managers are in the same
+    state exactly when these values are equal.
+    """
+    return {
+        "pool": encode_state(state.managers.pool),
+        "groups": [
+            [
+                {
+                    "request_id": rid,
+                    "blocks": list(table.req_to_blocks[rid]),
+                    "num_cached_blocks": table.num_cached_block.get(rid, 0),
+                }
+                for rid in sorted(table.req_to_blocks)
+            ]
+            for table in state.managers.tables
+        ],
+        "stats": encode_stats(state.stats),
+    }
+
+
+def decode_manager_state(value: Json, setup: ManagerSetup) -> KVCacheManagerState:
+    """The inverse of ``encode_manager_state``, for a manager built from ``setup``."""
+    obj = _object(value, "manager state")
+    pool = decode_state(obj.get("pool"), pool_config(setup))
+    tables = []
+    for raw_group in _list(obj.get("groups"), "groups"):
+        blocks: dict[str, tuple[int, ...]] = {}
+        cached: dict[str, int] = {}
+        for raw in _list(raw_group, "group"):
+            entry = _object(raw, "table entry")
+            rid = _str(entry.get("request_id"), "request_id")
+            blocks[rid] = _ints(entry.get("blocks"), "blocks")
+            cached[rid] = _int(entry.get("num_cached_blocks"), "num_cached_blocks")
+        tables.append(GroupTable(blocks, cached))
+    return KVCacheManagerState(
+        config=ManagerConfig(setup.max_model_len, setup.use_eagle, setup.log_stats),
+        managers=ManagersState(pool, setup.specs, tuple(tables)),
+        stats=decode_stats(obj.get("stats")),
+    )
+
+
+# --------------------------------------------------------------------------
+# Operations: JSON arguments in, JSON result out
+# --------------------------------------------------------------------------
+
+
+def encode_args(op: str, *args: Any) -> dict[str, Json]:
+    """The JSON arguments of a call made with ``ManagerTarget``'s Python signature."""
+    if op in ("get_computed_blocks", "free", "block_hashes"):
+        return {"request": encode_request(args[0])}
+    if op == "allocate_slots":
+        request, num_new, *rest = args
+        defaults: list[Any] = [0, None, 0, False]
+        computed, hits, lookahead, delay = [*rest, *defaults[len(rest) :]]
+        return {
+            "request": encode_request(request),
+            "num_new_tokens": num_new,
+            "num_new_computed_tokens": computed,
+            "new_computed_blocks": encode_blocks(hits),
+            "num_lookahead_tokens": lookahead,
+            "delay_cache_blocks": bool(delay),
+        }
+    if op == "cache_blocks":
+        return {"request": encode_request(args[0]), "num_computed_tokens": args[1]}
+    if op == "evict_blocks":
+        return {"block_ids": sorted({int(b) for b in args[0]})}
+    if op in ("get_num_common_prefix_blocks", "get_block_ids"):
+        return {"request_id": args[0]}
+    if op == "none_hash":
+        return {"seed": args[0]}
+    return {}
+
+
+def _call(target: ManagerTarget, op: str, args: Mapping[str, Json]) -> Any:
+    """Run ``op`` on a Python manager target with decoded arguments; its Python result."""
+    if op == "get_computed_blocks":
+        return target.get_computed_blocks(decode_request(args.get("request")))
+    if op == "allocate_slots":
+        return target.allocate_slots(
+            decode_request(args.get("request")),
+            _int(args.get("num_new_tokens"), "num_new_tokens"),
+            _int(args.get("num_new_computed_tokens", 0), "num_new_computed_tokens"),
+            decode_blocks(args.get("new_computed_blocks"), "new_computed_blocks"),
+            _int(args.get("num_lookahead_tokens", 0), "num_lookahead_tokens"),
+            _bool(args.get("delay_cache_blocks", False), "delay_cache_blocks"),
+        )
+    if op == "free":
+        return target.free(decode_request(args.get("request")))
+    if op == "cache_blocks":
+        return target.cache_blocks(
+            decode_request(args.get("request")),
+            _int(args.get("num_computed_tokens"), "num_computed_tokens"),
+        )
+    if op == "evict_blocks":
+        return target.evict_blocks(set(_ints(args.get("block_ids"), "block_ids")))
+    if op == "reset_prefix_cache":
+        return target.reset_prefix_cache()
+    if op == "get_num_common_prefix_blocks":
+        return target.get_num_common_prefix_blocks(_str(args.get("request_id"), "request_id"))
+    if op == "get_block_ids":
+        return target.get_block_ids(_str(args.get("request_id"), "request_id"))
+    if op == "take_events":
+        return target.take_events()
+    if op == "make_prefix_cache_stats":
+        return target.make_prefix_cache_stats()
+    if op == "usage":
+        return target.usage()
+    if op == "num_free_blocks":
+        return target.num_free_blocks()
+    if op == "snapshot":
+        if not isinstance(target, ManagerSnapshottable):
+            raise ProtocolError("this target has no snapshot")
+        return target.snapshot()
+    if op == "block_hashes":
+        hasher = getattr(target, "block_hashes", None)
+        if hasher is None:
+            raise ProtocolError("this target has no hasher of its own")
+        return hasher(decode_request(args.get("request")))
+    if op == "none_hash":
+        return none_hash(_str(args.get("seed"), "seed"))
+    raise ProtocolError(f"unknown operation {op!r}")
+
+
+def encode_result(op: str, result: Any) -> Json:
+    """A Python manager target's result of ``op`` as its JSON value."""
+    if op in ("free", "cache_blocks", "evict_blocks"):
+        return None
+    if op == "get_computed_blocks":
+        blocks, num_tokens = result
+        return {"blocks": encode_blocks(blocks), "num_tokens": int(num_tokens)}
+    if op in ("allocate_slots", "get_block_ids"):
+        return encode_blocks(result)
+    if op == "get_num_common_prefix_blocks":
+        return None if result is None else [int(n) for n in result]
+    if op == "reset_prefix_cache":
+        return bool(result)
+    if op == "take_events":
+        return [encode_event(e) for e in result]
+    if op == "make_prefix_cache_stats":
+        return encode_stats(result)
+    if op == "usage":
+        return float(result)
+    if op == "num_free_blocks":
+        return int(result)
+    if op == "snapshot":
+        return encode_manager_state(result)
+    if op == "block_hashes":
+        return [encode_hash(bytes(h)) for h in result]
+    if op == "none_hash":
+        return encode_hash(result)
+    raise ProtocolError(f"unknown operation {op!r}")
+
+
+def apply(target: ManagerTarget, op: str, args: Mapping[str, Json]) -> Json:
+    """Run one request-layer operation on a Python manager target: the JSON result.
+
+    A rejection propagates as the model's exception (a ``PoolError``).
+    """
+    return encode_result(op, _call(target, op, args))
+
+
+def check_result(op: str, value: Json) -> None:
+    """Raise ProtocolError unless ``value`` has the shape of ``op``'s JSON result."""
+    if op in ("free", "cache_blocks", "evict_blocks"):
+        if value is not None:
+            raise ProtocolError(f"{op} returns null, got {value!r}")
+    elif op == "get_computed_blocks":
+        obj = _object(value, "get_computed_blocks's result")
+        if decode_blocks(obj.get("blocks")) is None:
+            raise ProtocolError("get_computed_blocks returns blocks per group, got null")
+        _int(obj.get("num_tokens"), "num_tokens")
+    elif op == "allocate_slots":
+        decode_blocks(value)
+    elif op == "get_block_ids":
+        if decode_blocks(value) is None:
+            raise ProtocolError("get_block_ids returns blocks per group, got null")
+    elif op == "get_num_common_prefix_blocks":
+        if value is not None:
+            _ints(value, "get_num_common_prefix_blocks's result")
+    elif op == "reset_prefix_cache":
+        _bool(value, "reset_prefix_cache's result")
+    elif op == "take_events":
+        for e in _list(value, "take_events's result"):
+            decode_event(e)
+    elif op == "make_prefix_cache_stats":
+        decode_stats(value)
+    elif op == "usage":
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ProtocolError(f"usage returns a number, got {value!r}")
+    elif op == "num_free_blocks":
+        _int(value, "num_free_blocks's result")
+    elif op == "block_hashes":
+        for h in _list(value, "block_hashes's result"):
+            decode_hash(h)
+    elif op == "none_hash":
+        decode_hash(value)
+
+
+def decode_result(op: str, value: Json) -> Any:
+    """A JSON result as the Python value ``ManagerTarget`` returns (shape checked first)."""
+    check_result(op, value)
+    if op == "get_computed_blocks":
+        return decode_blocks(value["blocks"]), value["num_tokens"]
+    if op in ("allocate_slots", "get_block_ids"):
+        return decode_blocks(value)
+    if op == "get_num_common_prefix_blocks":
+        return None if value is None else tuple(value)
+    if op == "take_events":
+        return tuple(decode_event(e) for e in value)
+    if op == "make_prefix_cache_stats":
+        return decode_stats(value)
+    if op == "usage":
+        return float(value)
+    if op == "block_hashes":
+        return tuple(decode_hash(h) for h in value)
+    if op == "none_hash":
+        return decode_hash(value)
+    return value
+
+
+def request_error_class(name: Json) -> type[PoolError] | None:
+    """The model's exception class a request-layer rejection names, or None."""
+    return REQUEST_ERROR_NAMES.get(name) if isinstance(name, str) else None
+
+
+# --------------------------------------------------------------------------
+# Shape checks
+# --------------------------------------------------------------------------
+
+
+def _str(value: Json, what: str) -> str:
+    if not isinstance(value, str):
+        raise ProtocolError(f"{what} must be a string, got {value!r}")
+    return value
+
+
+def _ints(value: Json, what: str) -> tuple[int, ...]:
+    return tuple(_int(v, what) for v in _list(value, what))
