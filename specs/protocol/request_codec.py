@@ -46,6 +46,9 @@ from kvpool.specs.protocol.codec import (
     encode_state,
 )
 from kvpool.specs.request.target import (
+    OPERATIONS as TARGET_OPERATIONS,
+)
+from kvpool.specs.request.target import (
     ManagerSetup,
     ManagerSnapshottable,
     ManagerTarget,
@@ -74,19 +77,7 @@ carry (``none``), hashes them with its own function (``own``: checked against th
 token ground truth), or with kvpool's (``kvpool``: the hash vectors apply too)."""
 
 OPERATIONS = (
-    "get_computed_blocks",
-    "allocate_slots",
-    "free",
-    "cache_blocks",
-    "evict_blocks",
-    "reset_prefix_cache",
-    "get_num_common_prefix_blocks",
-    "get_block_ids",
-    "take_events",
-    "make_prefix_cache_stats",
-    "usage",
-    "num_free_blocks",
-    "snapshot",
+    *TARGET_OPERATIONS,
     *HASHER_OPERATIONS,
 )
 """Every operation of the dialect besides ``hello`` and ``new_manager``."""
