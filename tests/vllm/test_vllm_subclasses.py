@@ -63,7 +63,9 @@ def test_a_leaky_manager_subclass_exits_1_with_a_short_program(tmp_path: Any) ->
         regression_dir=str(tmp_path),
     )
     assert code == 1, output
-    assert "num_free_blocks()" in output
+    # The leak shows as a free count one short (``num_free_blocks`` or a
+    # refused allocation, whichever the shrunk program ends on).
+    assert "num_free_blocks" in output or "allocate_slots" in output, output
     program = program_of(output)
     assert len([c for c in program if "target_agrees" not in c]) <= 12, output
     assert "Traceback" not in output
