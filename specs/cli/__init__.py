@@ -17,6 +17,7 @@ from rich.table import Table
 
 from kvpool.model import PROFILES
 from kvpool.specs.checking import check as check_layer
+from kvpool.specs.cli.history import history_app, record_command
 from kvpool.specs.cli.vectors import vectors_app
 from kvpool.specs.runner.render import print_terminal, save, to_json, to_junit
 from kvpool.specs.runner.report import ConformanceReport
@@ -46,6 +47,8 @@ DEFAULT_TARGETS = {
 }
 
 app.add_typer(vectors_app, name="vectors")
+app.add_typer(history_app, name="history")
+app.command(name="record")(record_command)
 
 
 class ReportFormat(StrEnum):

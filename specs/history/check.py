@@ -56,6 +56,7 @@ def replay_calls(
     layers: Iterable[str] = LAYERS,
     loose: bool = False,
     stop_at: int | None = None,
+    relax_before: int | None = None,
 ) -> tuple[dict[str, Any], HistoryDivergence | None]:
     """Replay ``calls`` on the chosen layers; the replays and the earliest divergence.
 
@@ -64,7 +65,7 @@ def replay_calls(
     replays: dict[str, Any] = {}
     for layer in layers:
         if layer == "manager":
-            replays[layer] = ManagerReplay(header, loose=loose)
+            replays[layer] = ManagerReplay(header, loose=loose, relax_before=relax_before)
         elif layer == "pool":
             replays[layer] = PoolReplay(header)
         else:

@@ -15,7 +15,7 @@ the divergence from it.
 """
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvpool.specs.history.check import HistoryDivergence, replay_calls, request_of
@@ -23,6 +23,7 @@ from kvpool.specs.history.format import History, HistoryError, parse_header
 from kvpool.specs.history.replay import ManagerReplay, Requests
 
 MAX_TESTS = 400
+MIN_BLOCKS = 4
 
 
 @dataclass
@@ -84,12 +85,12 @@ class Reducer:
             new["i"], new["p"], new["d"] = len(calls), None, 0
             snap = call["a"].get("request")
             if isinstance(snap, dict):
-                new["a"] = {**call["a"], "request": self._snapshot(snap, emitted)}
+                new["a"] = {**call["a"], "request": self.snapshot(snap, emitted)}
             calls.append(new)
             origin.append(i)
         return calls, origin
 
-    def _snapshot(self, snap: dict[str, Any], emitted: dict[str, tuple[int, int]]) -> dict[str, Any]:
+    def snapshot(self, snap: dict[str, Any], emitted: dict[str, tuple[int, int]]) -> dict[str, Any]:
         rid = snap["id"]
         record = self.final[rid]
         n, nh = int(snap["n"]), int(snap["nh"])
@@ -140,11 +141,30 @@ def minimise(history: History, at: HistoryDivergence, budget: int = MAX_TESTS) -
     everyone = reducer.request_ids()
     pinned = request_of(at.call)
 
-    def fails(subset: list[str]) -> bool:
-        keep = set(subset) | ({pinned} if pinned else set())
+    sizes: dict[frozenset[str], int] = {}
+
+    def diverges_alike(keep: set[str], num_blocks: int) -> bool:
+        header = replace(history.header, num_blocks=num_blocks)
         calls, origin = reducer.reduce(keep, at.index)
-        _, first = replay_calls(history.header, calls, ("manager",), loose=True)
-        return first is not None and origin[first.index] == at.index
+        replays, first = replay_calls(
+            header, calls, ("manager",), loose=True, relax_before=len(calls) - 1
+        )
+        if first is None or origin[first.index] != at.index:
+            return False
+        # The same divergence: the model's answer, in the engine's block names, is
+        # the one it gave on the whole history (not merely "some other answer").
+        to_engine = replays["manager"].ids.to_engine
+        return _renamed(first.model, to_engine) == _renamed(at.model, {})
+
+    def fails(subset: list[str]) -> bool:
+        # Dropped requests held blocks: the pressure that made the engine evict may
+        # need a smaller pool, so every pool size down to MIN_BLOCKS is tried.
+        keep = set(subset) | ({pinned} if pinned else set())
+        for num_blocks in range(history.header.num_blocks, MIN_BLOCKS - 1, -1):
+            if diverges_alike(keep, num_blocks):
+                sizes[frozenset(keep)] = num_blocks
+                return True
+        return False
 
     candidates = [r for r in everyone if r != pinned]
     if fails([]):
@@ -152,7 +172,8 @@ def minimise(history: History, at: HistoryDivergence, budget: int = MAX_TESTS) -
     else:
         kept, tests = ddmin(candidates, fails, budget)
     keep = set(kept) | ({pinned} if pinned else set())
-    header, calls = witness(history, reducer, keep, at.index)
+    num_blocks = sizes.get(frozenset(keep), history.header.num_blocks)
+    header, calls = witness(history, reducer, keep, at.index, num_blocks)
     _, first = replay_calls(parse_header(header), calls, ("manager",))
     reproduces = first is not None and first.index == len(calls) - 1
     ordered = [r for r in everyone if r in keep]
@@ -160,29 +181,37 @@ def minimise(history: History, at: HistoryDivergence, budget: int = MAX_TESTS) -
 
 
 def witness(
-    history: History, reducer: Reducer, keep: set[str], stop_at: int
+    history: History, reducer: Reducer, keep: set[str], stop_at: int, num_blocks: int
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The reduced history in the model's block ids, without the refusals the model would grant."""
     calls, _ = reducer.reduce(keep, stop_at)
-    replay = ManagerReplay(history.header, loose=True)
-    kept: list[dict[str, Any]] = []
+    replay = ManagerReplay(
+        replace(history.header, num_blocks=num_blocks), loose=True, relax_before=len(calls) - 1
+    )
+    out: list[dict[str, Any]] = []
     for call in calls:
         skipped = replay.skipped_refusals
+        args = _renamed_args(call["a"], dict(replay.ids.to_model))
         try:
             replay.step(call)
-        except Exception:  # the divergent call: keep it as the engine answered
-            kept.append(call)
-            break
-        if replay.skipped_refusals == skipped:
-            kept.append(call)
-    rename = replay.ids.to_model
-    out = []
-    for number, call in enumerate(kept):
-        new = dict(call, i=number, a=_renamed_args(call["a"], rename))
+        except Exception:  # the divergent call: kept as the engine answered, renamed
+            diverged = True
+        else:
+            diverged = False
+            if replay.skipped_refusals != skipped:
+                continue
+        new = dict(call, i=len(out), a=args)
         if "r" in call:
-            new["r"] = _renamed_result(call["m"], call["r"], rename)
+            new["r"] = _renamed_result(call["m"], call["r"], replay.ids.to_model)
         out.append(new)
+        if diverged:
+            break
+    emitted: dict[str, tuple[int, int]] = {}
+    for call in out:  # left-out refusals carried token deltas: encode them again
+        if isinstance(call["a"].get("request"), dict):
+            call["a"] = dict(call["a"], request=reducer.snapshot(call["a"]["request"], emitted))
     header = dict(history.header.raw)
+    header["cache"] = dict(header["cache"], num_blocks=num_blocks)
     header["recorder"] = dict(
         history.header.recorder,
         minimised=True,
@@ -215,3 +244,14 @@ def _renamed_result(method: str, result: Any, rename: dict[int, int]) -> Any:
     if method == "get_computed_blocks" and isinstance(result, list) and len(result) == 2:
         return [_rename(result[0], rename), result[1]]
     return result
+
+
+def _renamed(value: Any, rename: dict[int, int]) -> Any:
+    """An answer with tuples as lists and block ids renamed (token counts are not blocks)."""
+    if isinstance(value, list | tuple):
+        if len(value) == 2 and isinstance(value[1], int) and isinstance(value[0], list | tuple):
+            return [_renamed(value[0], rename), value[1]]  # (blocks, number of tokens)
+        return [_renamed(v, rename) for v in value]
+    if isinstance(value, int) and not isinstance(value, bool):
+        return rename.get(value, value)
+    return value

@@ -194,6 +194,22 @@ class Renaming:
             self.to_engine[m] = e
         return True
 
+    def rebind(self, engine: Blocks, model: Blocks) -> bool:
+        """Loose only: newly handed-out blocks pair up afresh, whatever they were before.
+
+        Which free block is reused depends on the whole pool's history, including
+        the dropped requests'; only how many blocks each group got must agree.
+        """
+        if [len(g) for g in engine] != [len(g) for g in model]:
+            return False
+        for es, ms in zip(engine, model, strict=True):
+            for e, m in zip(es, ms, strict=True):
+                self.to_engine.pop(self.to_model.pop(e, -1), None)
+                self.to_model.pop(self.to_engine.pop(m, -1), None)
+                self.to_model[e] = m
+                self.to_engine[m] = e
+        return True
+
     def engine_ids(self, model: Sequence[int]) -> list[int]:
         """Model ids as the engine names them (identity where unknown)."""
         return [self.to_engine.get(b, b) for b in model] if self.loose else list(model)
@@ -231,8 +247,13 @@ class _BothRejected(Exception):
 class ManagerReplay:
     """The model of the engine's KV cache manager, fed the scheduler's calls."""
 
-    def __init__(self, header: Header, loose: bool = False) -> None:
+    def __init__(
+        self, header: Header, loose: bool = False, relax_before: int | None = None
+    ) -> None:
         self.header = header
+        self.position = -1
+        self.relax_before = relax_before
+        """Loose replays: calls before this one may pair new blocks afresh (``Renaming.rebind``)."""
         self.groups = len(header.groups)
         self.requests = Requests(header.hash_block_size)
         self.ids = Renaming(loose)
@@ -254,6 +275,7 @@ class ManagerReplay:
     def step(self, call: dict[str, Any]) -> None:
         """Replay one call (any call: only the scheduler's manager calls are checked)."""
         args = call["a"]
+        self.position += 1
         if "request" in args:
             self.requests.apply(args["request"])
         if call["o"] != "manager" or call["d"] != 0:
@@ -334,6 +356,9 @@ class ManagerReplay:
             # Refused for want of blocks that dropped requests held: not part of the witness.
             self.state = before
             self.skipped_refusals += 1
+            return
+        relax = self.relax_before is not None and self.position < self.relax_before
+        if relax and engine is not None and blocks is not None and self.ids.rebind(engine, blocks):
             return
         if not self.ids.same(engine, blocks):
             raise CallDiverges("new blocks", engine, blocks)

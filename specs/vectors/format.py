@@ -69,6 +69,7 @@ SCHEMAS = {
     "event-vectors-v1.json": "kvpool.specs.vectors",
     "request-protocol-v1.json": "kvpool.specs.protocol",
     "request-vectors-v1.json": "kvpool.specs.vectors",
+    "history-v1.json": "kvpool.specs.protocol",
 }
 """Each JSON Schema kvpool ships, and the package it sits beside (in ``schemas/``)."""
 

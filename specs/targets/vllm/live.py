@@ -81,6 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", choices=sorted(MODELS), default="llama")
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--batched-tokens", type=int, default=128)
+    parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--keep", default=None, help="comma-separated request numbers to serve")
     parser.add_argument("--snapshots", action="store_true", help="pool state after each call")
     parser.add_argument(
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             skip_tokenizer_init=True,
             enable_prefix_caching=True,
             block_size=32,
-            max_model_len=512,
+            max_model_len=args.max_model_len,
             num_gpu_blocks_override=args.blocks,
             max_num_batched_tokens=args.batched_tokens,
             enable_chunked_prefill=True,
@@ -143,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                 "seed": args.seed,
                 "model": args.model,
                 "max_tokens": args.max_tokens,
+                "max_model_len": args.max_model_len,
                 "planted": args.plant,
             },
         )
