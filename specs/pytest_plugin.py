@@ -74,6 +74,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="Operations per program (default: the Hypothesis profile's).",
     )
     group.addoption(
+        "--kvpool-record",
+        default=None,
+        metavar="DIR",
+        help="Record the KV-cache calls of every vLLM engine the suite builds in-process "
+        "(VLLM_ENABLE_V1_MULTIPROCESSING=0) as histories in DIR; check each with "
+        "kvpool history check.",
+    )
+    group.addoption(
         "--kvpool-vectors",
         nargs="?",
         const="",
@@ -81,6 +89,37 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="Also replay conformance vectors (a directory or .jsonl; default: the bundled "
         "corpus).",
     )
+
+
+RECORDER = pytest.StashKey[Any]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """``--kvpool-record DIR``: record every in-process vLLM engine the suite builds."""
+    directory = config.getoption("--kvpool-record", None)
+    if not directory:
+        return
+    from kvpool.specs.targets.vllm.recorder import Recorder, RecorderError
+
+    recorder = Recorder(directory=Path(directory))
+    try:
+        recorder.install()
+    except RecorderError as error:
+        raise pytest.UsageError(f"--kvpool-record: {error}") from None
+    config.stash[RECORDER] = recorder
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    recorder = item.config.stash.get(RECORDER, None)
+    if recorder is not None:
+        recorder.label = item.nodeid
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    recorder = config.stash.get(RECORDER, None)
+    if recorder is not None:
+        recorder.flush()
+        recorder.uninstall()
 
 
 def pytest_collection_modifyitems(

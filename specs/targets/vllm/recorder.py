@@ -178,6 +178,10 @@ class Recorder:
     header: dict[str, Any] = field(default_factory=dict)
     stopped: str | None = None
     release: str = ""
+    directory: Path | None = None
+    """Set: one history per engine built, written here (``--kvpool-record DIR``)."""
+    label: str = "engine"
+    written: list[Path] = field(default_factory=list)
     _stack: list[int] = field(default_factory=list)
     _kv_depth: int = 0
     _seen: dict[str, tuple[int, int]] = field(default_factory=dict)
@@ -196,6 +200,13 @@ class Recorder:
                 "install a known release or extend kvpool.specs.targets.vllm.recorder"
             )
         self.release = version
+        self.header.update(
+            kind="header",
+            format=FORMAT,
+            version=VERSION,
+            engine={"name": "vllm", "version": version},
+            recorder={"snapshots": self.snapshots, "queries": self.queries, "nested": True},
+        )
         from vllm.v1.core.block_pool import BlockPool
         from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
         from vllm.v1.core.kv_cache_utils import KVCacheBlock
@@ -251,12 +262,15 @@ class Recorder:
         @functools.wraps(original)
         def __init__(manager: Any, *args: Any, **kwargs: Any) -> None:
             original(manager, *args, **kwargs)
-            if recorder.calls:
-                recorder._stop("a second KV cache manager was built: one history per engine")
-                return
+            if "cache" in recorder.header:
+                if recorder.directory is None:
+                    recorder._stop("a second KV cache manager was built: one history per engine")
+                    return
+                recorder.flush()
             try:
                 arguments = signature.bind(manager, *args, **kwargs).arguments
                 recorder.header["cache"] = describe_manager(manager, arguments)
+                recorder.header["recorder"]["label"] = recorder.label
             except Exception as error:  # an engine attribute this release does not have
                 recorder._stop(f"cannot describe the KV cache manager: {error!r}")
 
@@ -406,12 +420,8 @@ class Recorder:
 
         config = llm.llm_engine.vllm_config
         cache, scheduler = config.cache_config, config.scheduler_config
+        self.header["engine"]["build"] = str(config.device_config.device_type)
         self.header.update(
-            kind="header",
-            format=FORMAT,
-            version=VERSION,
-            engine={"name": "vllm", "version": self.release, "build": "cpu" if "cpu" in str(
-                config.device_config.device_type) else str(config.device_config.device_type)},
             hashing={
                 "algo": "sha256-pickle"
                 if cache.prefix_caching_hash_algo == "sha256"
@@ -428,22 +438,35 @@ class Recorder:
                 "policy": str(scheduler.policy),
                 "reserve_full_sequence": bool(scheduler.scheduler_reserve_full_isl),
             },
-            recorder={"snapshots": self.snapshots, "queries": self.queries, "nested": True},
         )
         if workload is not None:
             self.header["workload"] = workload
-        self.header.setdefault("cache", {})["block_size"] = cache.block_size
 
     def dump(self, path: Path | str) -> int:
         """Write the history; ``RecorderError`` if recording stopped or never started."""
         if self.stopped is not None:
             raise RecorderError(f"recording stopped: {self.stopped}")
-        if "groups" not in self.header.get("cache", {}):
+        if "cache" not in self.header:
             raise RecorderError("no KV cache manager was built while recording")
-        if "format" not in self.header:
-            raise RecorderError("call capture_engine(llm) before dump: the header is incomplete")
         write_history(path, self.header, self.calls)
         return len(self.calls)
+
+    def flush(self) -> None:
+        """Multi-engine mode: write this engine's history to the directory and start afresh."""
+        assert self.directory is not None
+        if "cache" in self.header:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            label = str(self.header["recorder"].get("label", self.label))
+            safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in label)[-120:]
+            path = self.directory / f"{safe}-{len(self.written)}.jsonl"
+            if self.stopped is None:
+                write_history(path, self.header, self.calls)
+                self.written.append(path)
+        self.calls.clear()
+        self._seen.clear()
+        self.stopped = None
+        for key in ("cache", "hashing", "scheduler", "workload"):
+            self.header.pop(key, None)
 
 
 def key_text(key: bytes) -> str:
@@ -509,8 +532,8 @@ def record_vllm(
 ) -> Iterator[Recorder]:
     """Record the engine built inside the block; write the history to ``path`` on exit.
 
-    Call ``recorder.capture_engine(llm)`` after ``LLM(...)`` (the context does it
-    for you if you hand the engine to ``recorder.engine``).
+    ``recorder.capture_engine(llm)`` after ``LLM(...)`` adds the engine's hashing
+    and scheduler settings to the header (informational).
     """
     recorder = Recorder(snapshots=snapshots, queries=queries, extra_pool_classes=extra_pool_classes)
     recorder.install()
