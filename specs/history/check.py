@@ -57,6 +57,7 @@ def replay_calls(
     loose: bool = False,
     stop_at: int | None = None,
     relax_before: int | None = None,
+    oracle: str = "model",
 ) -> tuple[dict[str, Any], HistoryDivergence | None]:
     """Replay ``calls`` on the chosen layers; the replays and the earliest divergence.
 
@@ -65,7 +66,9 @@ def replay_calls(
     replays: dict[str, Any] = {}
     for layer in layers:
         if layer == "manager":
-            replays[layer] = ManagerReplay(header, loose=loose, relax_before=relax_before)
+            replays[layer] = ManagerReplay(
+                header, loose=loose, relax_before=relax_before, oracle=oracle
+            )
         elif layer == "pool":
             replays[layer] = PoolReplay(header)
         else:
@@ -98,10 +101,31 @@ def replay_calls(
     return replays, first
 
 
-def check_history(history: History, layers: Iterable[str] = LAYERS) -> HistoryVerdict:
-    """Replay a history against the model on the chosen layers."""
+def check_history(
+    history: History, layers: Iterable[str] = LAYERS, oracle: str = "impl"
+) -> HistoryVerdict:
+    """Replay a history against the specification on the chosen layers.
+
+    The manager layer runs on ``oracle`` (``impl``: kvpool's fast implementation,
+    which the lock-step machines check equal to the model; ``model``: the model
+    itself); a divergence found on the impl is confirmed on the model, which
+    replays the calls up to it and gives the answer reported.
+    """
     started = time.perf_counter()
-    replays, first = replay_calls(history.header, history.calls, layers)
+    notes = []
+    replays, first = replay_calls(history.header, history.calls, layers, oracle=oracle)
+    if first is not None and first.layer == "manager" and oracle != "model":
+        # The fast oracle found it; the specification itself must agree, call for call.
+        _, confirmed = replay_calls(
+            history.header, history.calls, ("manager",), stop_at=first.index, oracle="model"
+        )
+        if confirmed is None or confirmed.index != first.index:
+            notes.append(
+                f"kvpool's impl and model disagree on line {first.line}: the model's verdict is reported"
+            )
+            replays, first = replay_calls(history.header, history.calls, layers, oracle="model")
+        else:
+            first = confirmed
     if first is not None:
         first.context = context_of(history.calls, first)
     verdict = HistoryVerdict(
@@ -111,6 +135,7 @@ def check_history(history: History, layers: Iterable[str] = LAYERS) -> HistoryVe
         divergence=first,
         seconds=time.perf_counter() - started,
         counts=counts_of(history.calls),
+        notes=notes,
     )
     if "manager" in replays and not history.header.recorder.get("snapshots", False):
         verdict.notes.append("no pool snapshots recorded: results compared, not whole states")

@@ -17,7 +17,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from kvpool.model import manager as mgr_ops
 from kvpool.model import pool as pool_ops
 from kvpool.model.errors import PoolError
 from kvpool.model.profiles import HASHLESS_FIRST
@@ -31,6 +30,7 @@ from kvpool.model.single_type import (
 )
 from kvpool.model.state import CacheRequest, PoolState
 from kvpool.specs.history.format import Header, HistoryError
+from kvpool.specs.history.oracle import ORACLES, ModelOracle, Oracle
 
 Blocks = tuple[tuple[int, ...], ...]
 T = TypeVar("T")
@@ -248,7 +248,11 @@ class ManagerReplay:
     """The model of the engine's KV cache manager, fed the scheduler's calls."""
 
     def __init__(
-        self, header: Header, loose: bool = False, relax_before: int | None = None
+        self,
+        header: Header,
+        loose: bool = False,
+        relax_before: int | None = None,
+        oracle: str = "model",
     ) -> None:
         self.header = header
         self.position = -1
@@ -258,14 +262,16 @@ class ManagerReplay:
         self.requests = Requests(header.hash_block_size)
         self.ids = Renaming(loose)
         self.loose = loose
+        # A loose replay takes back a refusal the model would grant: only the
+        # model's immutable state can be put back, so loose replays use it.
+        kind = "model" if loose else oracle
         try:
-            self.state = mgr_ops.new_kv_cache_manager(
+            self.oracle: Oracle = ORACLES[kind](
                 header.num_blocks,
                 specs_from_header(header),
                 header.max_model_len,
-                hash_block_size=header.hash_block_size,
-                enable_caching=header.enable_caching,
-                profile=HASHLESS_FIRST,
+                header.hash_block_size,
+                header.enable_caching,
             )
         except PoolError as error:
             raise HistoryError(f"the model cannot be built from the header: {error}", 1) from None
@@ -298,10 +304,10 @@ class ManagerReplay:
         if "s" in call and not self.loose:
             self.compare_state(call["s"])
 
-    def _model(self, call: dict[str, Any], fn: Callable[..., tuple[Any, T]], *args: Any) -> T:
-        """Run one model operation; a rejection the engine did not make is a divergence."""
+    def _model(self, call: dict[str, Any], fn: Callable[..., T], *args: Any) -> T:
+        """Run one operation of the specification; a rejection the engine did not make diverges."""
         try:
-            self.state, result = fn(self.state, *args)
+            result = fn(*args)
         except PoolError as error:
             if "x" in call:
                 raise _BothRejected from None
@@ -312,7 +318,7 @@ class ManagerReplay:
 
     def get_computed_blocks(self, call: dict[str, Any]) -> None:
         request = self.requests.model_request(call["a"]["request"])
-        blocks, tokens = self._model(call, mgr_ops.get_computed_blocks, request)
+        blocks, tokens = self._model(call, self.oracle.get_computed_blocks, request)
         engine = call["r"]
         if not isinstance(engine, list) or len(engine) != 2:
             raise HistoryError("get_computed_blocks must return [blocks, num_tokens]")
@@ -341,10 +347,10 @@ class ManagerReplay:
             if engine is not None:
                 raise CallDiverges("admission of the whole sequence", engine, None)
             return
-        before = self.state
+        before = self.oracle.state if isinstance(self.oracle, ModelOracle) else None
         blocks = self._model(
             call,
-            mgr_ops.allocate_slots,
+            self.oracle.allocate_slots,
             request,
             args["num_new_tokens"],
             args.get("num_new_computed_tokens", 0),
@@ -354,7 +360,8 @@ class ManagerReplay:
         )
         if self.loose and engine is None and blocks is not None:
             # Refused for want of blocks that dropped requests held: not part of the witness.
-            self.state = before
+            assert isinstance(self.oracle, ModelOracle) and before is not None
+            self.oracle.state = before
             self.skipped_refusals += 1
             return
         relax = self.relax_before is not None and self.position < self.relax_before
@@ -369,26 +376,25 @@ class ManagerReplay:
         Counted before anything is released, over the whole sequence (capped at
         ``max_model_len``), each group's count capped at its admission cap.
         """
-        m = self.state.managers
-        num_tokens = min(request.num_tokens, self.state.config.max_model_len)
+        oracle = self.oracle
+        num_tokens = min(request.num_tokens, oracle.max_model_len())
         computed = request.num_computed_tokens + int(args.get("num_new_computed_tokens", 0))
         needed = 0
-        for g, spec in enumerate(m.specs):
+        for g, spec in enumerate(oracle.specs):
             needed += self._admission_need(
                 g, spec, request.request_id, num_tokens, hits[g] if hits else (), computed
             )
-        return needed <= pool_ops.get_num_free_blocks(m.pool)
+        return needed <= oracle.num_free_blocks()
 
     def _admission_need(
         self, g: int, spec: KVCacheSpec, rid: str, num_tokens: int, hits: Sequence[int], computed: int
     ) -> int:
-        m = self.state.managers
         bs = spec.block_size
         required = -(-num_tokens // bs)
         cap = self.header.groups[g].admission_cap_blocks
         if cap is not None:
             required = min(required, cap)
-        held = m.tables[g].req_to_blocks.get(rid)
+        held = self.oracle.held(g, rid)
         if held is not None:
             return max(required - len(held), 0)
         skipped = 0
@@ -397,42 +403,41 @@ class ManagerReplay:
         elif spec.attention is AttentionType.CHUNKED_LOCAL:
             skipped = computed // spec.attention_chunk_size * spec.attention_chunk_size // bs
         new = max(required - max(skipped, len(hits)), 0)
-        evictable = sum(1 for b in hits[skipped:] if b != 0 and m.pool.blocks[b].ref_cnt == 0)
+        evictable = sum(1 for b in hits[skipped:] if b != 0 and self.oracle.ref_cnt(b) == 0)
         return new + evictable
 
     def free(self, call: dict[str, Any]) -> None:
-        self._model(call, mgr_ops.free, call["a"]["request"]["id"])
+        self._model(call, self.oracle.free, call["a"]["request"]["id"])
 
     def get_block_ids(self, call: dict[str, Any]) -> None:
         rid = call["a"]["request_id"]
         if not isinstance(rid, str):
             raise HistoryError("request_id must be a string")
-        model = mgr_ops.get_block_ids(self.state, rid)
+        model = self.oracle.get_block_ids(rid)
         engine = blocks_of(call["r"], self.groups)
         if not self.ids.same(engine, model):
             raise CallDiverges("the request's blocks", engine, model)
 
     def estimate_cached_tokens(self, call: dict[str, Any]) -> None:
         rid = call["a"]["request"]["id"]
-        pool = self.state.managers.pool
-        counts = [
-            max((pool.blocks[b].hash_num_tokens or 0 for b in t.req_to_blocks.get(rid, ())), default=0)
-            for t in self.state.managers.tables
-        ]
+        counts = []
+        for g in range(len(self.oracle.specs)):
+            held = self.oracle.held(g, rid) or ()
+            counts.append(max((self.oracle.hash_num_tokens(b) or 0 for b in held), default=0))
         model = min(counts) if counts else 0
         if call["r"] != model:
             raise CallDiverges("cached tokens of the request", call["r"], model)
 
     def cache_blocks(self, call: dict[str, Any]) -> None:
         request = self.requests.model_request(call["a"]["request"])
-        self._model(call, mgr_ops.cache_blocks, request, call["a"]["num_computed_tokens"])
+        self._model(call, self.oracle.cache_blocks, request, call["a"]["num_computed_tokens"])
 
     def evict_blocks(self, call: dict[str, Any]) -> None:
         ids = id_list(call["a"]["block_ids"])
-        self._model(call, mgr_ops.evict_blocks, [self.ids.to_model.get(b, b) for b in ids])
+        self._model(call, self.oracle.evict_blocks, [self.ids.to_model.get(b, b) for b in ids])
 
     def reset_prefix_cache(self, call: dict[str, Any]) -> None:
-        done = self._model(call, mgr_ops.reset_prefix_cache)
+        done = self._model(call, self.oracle.reset_prefix_cache)
         if call["r"] != done:
             raise CallDiverges("reset_prefix_cache", call["r"], done)
 
@@ -440,8 +445,7 @@ class ManagerReplay:
         """The pool after the call: free queue front to back, ref counts, cached keys."""
         if not isinstance(snap, dict):
             raise HistoryError("'s' (the pool snapshot) must be an object")
-        pool = self.state.managers.pool
-        mine = pool_state(pool)
+        mine = pool_state(self.oracle.pool())
         for part in ("free_queue", "ref", "cached"):
             if part in snap and snap[part] != mine[part]:
                 raise CallDiverges(f"pool state after the call ({part})", snap[part], mine[part])
