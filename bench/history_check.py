@@ -51,7 +51,10 @@ def main() -> None:
         if not paths:
             head, calls = synthesize(requests=args.requests, num_blocks=40)
             paths = [write(Path(scratch) / "synthetic.jsonl", head, calls)]
-        print(f"{'history':<40} {'calls':>8} {'read+check s':>13} {'calls/s':>10} {'check-only calls/s':>19}  verdict")
+        print(
+            f"{'history':<40} {'calls':>8} {'read+check s':>13} {'calls/s':>10} "
+            f"{'check-only calls/s':>19}  verdict"
+        )
         for path in paths:
             calls, total, check, conforms = measure(path, args.repeat)
             print(

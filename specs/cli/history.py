@@ -137,7 +137,9 @@ def check_command(
 
 
 def record_command(
-    engine: Annotated[str, typer.Option(help="The engine to serve: vllm (its CPU build).")] = "vllm",
+    engine: Annotated[
+        str, typer.Option(help="The engine to serve: vllm (its CPU build).")
+    ] = "vllm",
     requests: Annotated[int, typer.Option(min=1, max=10_000)] = 40,
     blocks: Annotated[int, typer.Option(min=4, max=1_000_000)] = 20,
     seed: Annotated[int, typer.Option()] = 0,

@@ -121,7 +121,8 @@ def check_history(
         )
         if confirmed is None or confirmed.index != first.index:
             notes.append(
-                f"kvpool's impl and model disagree on line {first.line}: the model's verdict is reported"
+                f"kvpool's impl and model disagree on line {first.line}: "
+                "the model's verdict is reported"
             )
             replays, first = replay_calls(history.header, history.calls, layers, oracle="model")
         else:
@@ -148,9 +149,14 @@ def counts_of(calls: Sequence[dict[str, Any]]) -> dict[str, int]:
     for call in calls:
         origin, method = call["o"], call["m"]
         if origin == "scheduler":
-            counts[{"step": "steps", "add_request": "requests", "preempt": "preemptions", "finish": "finishes"}.get(
-                method, method
-            )] += 1
+            counts[
+                {
+                    "step": "steps",
+                    "add_request": "requests",
+                    "preempt": "preemptions",
+                    "finish": "finishes",
+                }.get(method, method)
+            ] += 1
         elif origin == "manager" and call["d"] == 0:
             counts["manager calls"] += 1
             if method == "allocate_slots" and call.get("r") is None and "x" not in call:

@@ -85,8 +85,17 @@ def _need(obj: dict[str, Any], key: str, kind: type | tuple[type, ...], line: in
 
 def _kind_name(kind: type | tuple[type, ...]) -> str:
     kinds = kind if isinstance(kind, tuple) else (kind,)
-    return " or ".join({int: "integer", bool: "boolean", str: "string", dict: "object",
-                        list: "array", type(None): "null"}.get(k, k.__name__) for k in kinds)
+    return " or ".join(
+        {
+            int: "integer",
+            bool: "boolean",
+            str: "string",
+            dict: "object",
+            list: "array",
+            type(None): "null",
+        }.get(k, k.__name__)
+        for k in kinds
+    )
 
 
 def _size(obj: dict[str, Any], key: str, line: int, low: int = 1, high: int = MAX_BLOCKS) -> int:
@@ -100,6 +109,11 @@ def _optional_size(obj: dict[str, Any], key: str, line: int) -> int | None:
     if obj.get(key) is None:
         return None
     return _size(obj, key, line)
+
+
+def _object(obj: dict[str, Any], key: str) -> dict[str, Any]:
+    value = obj.get(key)
+    return value if isinstance(value, dict) else {}
 
 
 def parse_header(obj: Any, line: int = 1) -> Header:
@@ -148,9 +162,9 @@ def parse_header(obj: Any, line: int = 1) -> Header:
         else 0,
         partial_hash_hits=bool(cache.get("partial_hash_hits", False)),
         retention=retention,
-        hashing=obj.get("hashing") if isinstance(obj.get("hashing"), dict) else {},
-        scheduler=obj.get("scheduler") if isinstance(obj.get("scheduler"), dict) else {},
-        recorder=obj.get("recorder") if isinstance(obj.get("recorder"), dict) else {},
+        hashing=_object(obj, "hashing"),
+        scheduler=_object(obj, "scheduler"),
+        recorder=_object(obj, "recorder"),
         raw=obj,
     )
 
@@ -172,7 +186,7 @@ def _read_line(stream: IO[bytes]) -> bytes:
 
 
 def check_call(obj: Any, index: int) -> dict[str, Any]:
-    """One call line's envelope (``i``, ``p``, ``d``, ``o``, ``m``, ``a``): the replay checks the rest."""
+    """A call line's envelope; the replay checks the rest."""
     line = index + 2
     if not isinstance(obj, dict):
         raise HistoryError("a call line must be a JSON object", line)

@@ -42,7 +42,9 @@ class Minimised:
 def top_level(calls: Sequence[dict[str, Any]]) -> list[int]:
     """Indexes of the scheduler markers and the scheduler's manager calls."""
     return [
-        i for i, c in enumerate(calls) if c["o"] == "scheduler" or (c["o"] == "manager" and c["d"] == 0)
+        i
+        for i, c in enumerate(calls)
+        if c["o"] == "scheduler" or (c["o"] == "manager" and c["d"] == 0)
     ]
 
 
@@ -70,7 +72,7 @@ class Reducer:
         return list(seen)
 
     def reduce(self, keep: set[str], stop_at: int) -> tuple[list[dict[str, Any]], list[int]]:
-        """The kept calls up to ``stop_at`` (original index), re-encoded; and their original indexes."""
+        """The kept calls up to ``stop_at`` (an original index), re-encoded, and their indexes."""
         calls: list[dict[str, Any]] = []
         origin: list[int] = []
         emitted: dict[str, tuple[int, int]] = {}
@@ -109,7 +111,9 @@ class Reducer:
         return out
 
 
-def ddmin(items: list[str], fails: Callable[[list[str]], bool], budget: int) -> tuple[list[str], int]:
+def ddmin(
+    items: list[str], fails: Callable[[list[str]], bool], budget: int
+) -> tuple[list[str], int]:
     """Zeller's delta debugging: a 1-minimal failing subset (within ``budget`` tests)."""
     tests = 0
     n = 2
@@ -154,7 +158,8 @@ def minimise(history: History, at: HistoryDivergence, budget: int = MAX_TESTS) -
         # The same divergence: the model's answer, in the engine's block names, is
         # the one it gave on the whole history (not merely "some other answer").
         to_engine = replays["manager"].ids.to_engine
-        return _renamed(first.model, to_engine) == _renamed(at.model, {})
+        same: bool = _renamed(first.model, to_engine) == _renamed(at.model, {})
+        return same
 
     def fails(subset: list[str]) -> bool:
         # Dropped requests held blocks: the pressure that made the engine evict may
@@ -167,6 +172,7 @@ def minimise(history: History, at: HistoryDivergence, budget: int = MAX_TESTS) -
         return False
 
     candidates = [r for r in everyone if r != pinned]
+    kept: list[str]
     if fails([]):
         kept, tests = [], 1
     else:

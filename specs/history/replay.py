@@ -15,7 +15,7 @@ modelled) raises ``HistoryError``.
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from kvpool.model import pool as pool_ops
 from kvpool.model.errors import PoolError
@@ -74,7 +74,9 @@ class Requests:
         if not isinstance(snap, dict) or not isinstance(snap.get("id"), str):
             raise ValueError("a request must be an object with a string 'id'")
         if "lora" in snap or "mm" in snap:
-            raise HistoryError("LoRA and multimodal requests are not modelled by the history checker")
+            raise HistoryError(
+                "LoRA and multimodal requests are not modelled by the history checker"
+            )
         rid: str = snap["id"]
         record = self.by_id.get(rid)
         if record is None or snap.get("reset"):
@@ -122,7 +124,9 @@ class Requests:
 def specs_from_header(header: Header) -> list[KVCacheSpec]:
     """The model's group specs; ``HistoryError`` for what it cannot check."""
     if header.partial_hash_hits:
-        raise HistoryError("cache.partial_hash_hits: hash blocks smaller than blocks are not modelled")
+        raise HistoryError(
+            "cache.partial_hash_hits: hash blocks smaller than blocks are not modelled"
+        )
     if header.use_eagle:
         raise HistoryError("cache.use_eagle: EAGLE histories are not checked yet")
     if header.watermark_blocks:
@@ -180,12 +184,20 @@ class Renaming:
         self.to_model: dict[int, int] = {0: 0}
         self.to_engine: dict[int, int] = {0: 0}
 
-    def same(self, engine: Sequence[Sequence[int]] | None, model: Sequence[Sequence[int]] | None) -> bool:
+    def same(
+        self, engine: Sequence[Sequence[int]] | None, model: Sequence[Sequence[int]] | None
+    ) -> bool:
         if engine is None or model is None or not self.loose:
             return engine == model
-        if len(engine) != len(model) or any(len(e) != len(m) for e, m in zip(engine, model)):
+        if len(engine) != len(model) or any(
+            len(e) != len(m) for e, m in zip(engine, model, strict=True)
+        ):
             return False
-        pairs = [(e, m) for es, ms in zip(engine, model) for e, m in zip(es, ms)]
+        pairs = [
+            (e, m)
+            for es, ms in zip(engine, model, strict=True)
+            for e, m in zip(es, ms, strict=True)
+        ]
         for e, m in pairs:
             if self.to_model.get(e, m) != m or self.to_engine.get(m, e) != e:
                 return False
@@ -293,7 +305,9 @@ class ManagerReplay:
                 return
             if method in DRAINS:
                 if call.get("r") != DRAINS[method]:
-                    raise CallDiverges(f"{method} should have nothing", call.get("r"), DRAINS[method])
+                    raise CallDiverges(
+                        f"{method} should have nothing", call.get("r"), DRAINS[method]
+                    )
                 return
             raise HistoryError(f"manager call {method!r} is not modelled")
         self.checked += 1
@@ -311,7 +325,9 @@ class ManagerReplay:
         except PoolError as error:
             if "x" in call:
                 raise _BothRejected from None
-            raise CallDiverges(f"{call['m']}", "accepted", f"rejects: {type(error).__name__}") from None
+            raise CallDiverges(
+                f"{call['m']}", "accepted", f"rejects: {type(error).__name__}"
+            ) from None
         if "x" in call:
             raise CallDiverges(call["m"], f"raised {call['x']}", "accepts")
         return result
@@ -387,7 +403,13 @@ class ManagerReplay:
         return needed <= oracle.num_free_blocks()
 
     def _admission_need(
-        self, g: int, spec: KVCacheSpec, rid: str, num_tokens: int, hits: Sequence[int], computed: int
+        self,
+        g: int,
+        spec: KVCacheSpec,
+        rid: str,
+        num_tokens: int,
+        hits: Sequence[int],
+        computed: int,
     ) -> int:
         bs = spec.block_size
         required = -(-num_tokens // bs)
@@ -450,7 +472,7 @@ class ManagerReplay:
             if part in snap and snap[part] != mine[part]:
                 raise CallDiverges(f"pool state after the call ({part})", snap[part], mine[part])
 
-    HANDLERS: dict[str, Callable[["ManagerReplay", dict[str, Any]], None]] = {
+    HANDLERS: ClassVar[dict[str, Callable[["ManagerReplay", dict[str, Any]], None]]] = {
         "get_computed_blocks": get_computed_blocks,
         "allocate_slots": allocate_slots,
         "free": free,
@@ -537,7 +559,9 @@ class PoolReplay:
         engine_keys = sorted(call["a"].get("keys", []))
         if call["a"]["block"] != block or engine_keys != keys:
             raise CallDiverges(
-                "eviction", {"block": call["a"]["block"], "keys": engine_keys}, {"block": block, "keys": keys}
+                "eviction",
+                {"block": call["a"]["block"], "keys": engine_keys},
+                {"block": block, "keys": keys},
             )
         if call["r"] != bool(keys):
             raise CallDiverges("eviction happened", call["r"], bool(keys))
@@ -590,7 +614,7 @@ class PoolReplay:
         if call["r"] != []:
             raise CallDiverges("events (events are off)", call["r"], [])
 
-    HANDLERS: dict[str, Callable[["PoolReplay", dict[str, Any]], None]] = {
+    HANDLERS: ClassVar[dict[str, Callable[["PoolReplay", dict[str, Any]], None]]] = {
         "get_new_blocks": get_new_blocks,
         "evict_cached_block": evict_cached_block,
         "touch": touch,

@@ -57,7 +57,15 @@ class Writer:
 
     def call(self, origin: str, method: str, args: dict[str, Any], result: Any = None) -> None:
         self.calls.append(
-            {"i": len(self.calls), "p": None, "d": 0, "o": origin, "m": method, "a": args, "r": result}
+            {
+                "i": len(self.calls),
+                "p": None,
+                "d": 0,
+                "o": origin,
+                "m": method,
+                "a": args,
+                "r": result,
+            }
         )
 
 
@@ -65,14 +73,20 @@ def blocks(value: Any) -> list[list[int]]:
     return [list(g) for g in value]
 
 
-def synthesize(requests: int = 10, num_blocks: int = 14, seed: int = 0) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def synthesize(
+    requests: int = 10, num_blocks: int = 14, seed: int = 0
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Requests over three shared prefixes, two at a time, each decoding a few tokens."""
     rng = random.Random(seed)
     prefixes = [[rng.randrange(1, 50) for _ in range(rng.choice([8, 12]))] for _ in range(3)]
     state = ops.new_kv_cache_manager(num_blocks, [full_attention(BLOCK_SIZE)], 64)
     w = Writer()
     pending = [
-        new_request(str(i), rng.choice(prefixes) + [rng.randrange(1, 50) for _ in range(rng.randrange(2, 7))], BLOCK_SIZE)
+        new_request(
+            str(i),
+            rng.choice(prefixes) + [rng.randrange(1, 50) for _ in range(rng.randrange(2, 7))],
+            BLOCK_SIZE,
+        )
         for i in range(requests)
     ]
     while pending:
@@ -96,8 +110,12 @@ def synthesize(requests: int = 10, num_blocks: int = 14, seed: int = 0) -> tuple
             for k, r in enumerate(running):
                 r = append_tokens(r, [rng.randrange(1, 50)])
                 state, got = ops.allocate_slots(state, r, 1)
-                w.call("manager", "allocate_slots", {"request": w.snap(r), "num_new_tokens": 1},
-                       None if got is None else blocks(got))
+                w.call(
+                    "manager",
+                    "allocate_slots",
+                    {"request": w.snap(r), "num_new_tokens": 1},
+                    None if got is None else blocks(got),
+                )
                 running[k] = with_computed(r, r.num_tokens)
         for r in running:
             state, _ = ops.free(state, r.request_id)

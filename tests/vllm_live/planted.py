@@ -17,7 +17,9 @@ def stale_hash() -> list[type]:
     from vllm.v1.core import block_pool, kv_cache_coordinator
 
     def evict_keeping_the_key(self: Any, block: Any) -> bool:
-        had_key = block.block_hash is not None or block.block_id in self.cached_block_hashes_by_block
+        had_key = (
+            block.block_hash is not None or block.block_id in self.cached_block_hashes_by_block
+        )
         self.cached_block_hashes_by_block.pop(block.block_id, None)
         block.reset_hash()  # the bug: the key stays in cached_block_hash_to_block
         return had_key

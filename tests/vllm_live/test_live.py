@@ -41,7 +41,9 @@ def test_a_sliding_window_hybrid_conforms(record: Callable[..., Path], tmp_path:
     assert verdict.counts["evictions"] > 0
 
 
-@pytest.mark.parametrize(("bug", "what"), [("stale_hash", "cache hit"), ("forward_free", "new blocks")])
+@pytest.mark.parametrize(
+    ("bug", "what"), [("stale_hash", "cache hit"), ("forward_free", "new blocks")]
+)
 def test_a_planted_bug_is_exit_1_and_minimised_to_at_most_5_requests(
     record: Callable[..., Path], tmp_path: Path, bug: str, what: str
 ) -> None:
@@ -52,6 +54,8 @@ def test_a_planted_bug_is_exit_1_and_minimised_to_at_most_5_requests(
     minimised = read_history(tmp_path / "h.minimised.jsonl")
     requests = {c["a"]["request"]["id"] for c in minimised.calls if "request" in c["a"]}
     assert 1 <= len(requests) <= 5
-    again = runner.invoke(app, ["history", "check", "--no-minimise", str(tmp_path / "h.minimised.jsonl")])
+    again = runner.invoke(
+        app, ["history", "check", "--no-minimise", str(tmp_path / "h.minimised.jsonl")]
+    )
     assert again.exit_code == 1
     assert what in again.output

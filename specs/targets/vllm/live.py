@@ -85,10 +85,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--keep", default=None, help="comma-separated request numbers to serve")
     parser.add_argument("--snapshots", action="store_true", help="pool state after each call")
     parser.add_argument(
-        "--retention", choices=["dense", "sparse"], default="dense",
+        "--retention",
+        choices=["dense", "sparse"],
+        default="dense",
         help="sliding-window blocks cached densely (checkable) or vLLM's default sparse retention",
     )
-    parser.add_argument("--plant", action="append", default=[], help="MODULE:FUNCTION to call first")
+    parser.add_argument(
+        "--plant", action="append", default=[], help="MODULE:FUNCTION to call first"
+    )
     return parser.parse_args(argv)
 
 
@@ -108,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     except RecorderError as error:
         print(f"kvpool record: {error}", file=sys.stderr)
         return 2
-    from vllm import LLM, SamplingParams
+    vllm = importlib.import_module("vllm")
+    LLM, SamplingParams = vllm.LLM, vllm.SamplingParams
 
     prompts = workload(args.seed, args.requests)
     chosen = range(len(prompts)) if args.keep is None else [int(k) for k in args.keep.split(",")]
@@ -158,7 +163,10 @@ def main(argv: list[str] | None = None) -> int:
     except RecorderError as error:
         print(f"kvpool record: {error}", file=sys.stderr)
         return 2
-    print("RESULT " + json.dumps({"calls": calls, "build_s": round(built, 2), "serve_s": round(served, 3)}))
+    print(
+        "RESULT "
+        + json.dumps({"calls": calls, "build_s": round(built, 2), "serve_s": round(served, 3)})
+    )
     return 0
 
 

