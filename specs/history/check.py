@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpool.specs.history.format import Header, History, HistoryError
-from kvpool.specs.history.replay import CallDiverges, ManagerReplay, PoolReplay
+from kvpool.specs.history.replay import IGNORED, CallDiverges, ManagerReplay, PoolReplay
 
 LAYERS = ("manager", "pool")
 CONTEXT_CALLS = 8
@@ -212,6 +212,8 @@ def context_of(calls: Sequence[dict[str, Any]], at: HistoryDivergence) -> list[d
     found: list[dict[str, Any]] = []
     for call in reversed(calls[: at.index]):
         if call["o"] == "pool" and call["m"] not in CONTEXT_POOL_CALLS:
+            continue
+        if call["m"] in IGNORED:
             continue
         if (rid is not None and request_of(call) == rid) or blocks & blocks_touched(call):
             found.append(call)
