@@ -30,6 +30,11 @@ ORIGINS = ("scheduler", "manager", "pool")
 ATTENTIONS = ("full", "sliding_window", "chunked_local", "mamba", "other")
 RETENTIONS = ("dense", "sparse")
 
+KNOWN_RELEASES = {"vllm": ("0.32.0",)}
+"""Engines whose calls carry semantics of their own release (vLLM's admission rule):
+a history from another release of these is not checked. Other engines' histories
+are checked on the format alone."""
+
 
 class HistoryError(Exception):
     """The history cannot be checked: malformed, truncated, oversized or not expressible.
@@ -125,8 +130,13 @@ def parse_header(obj: Any, line: int = 1) -> Header:
     if obj.get("version") != VERSION:
         raise HistoryError(f"history format version {obj.get('version')!r} is not {VERSION}", line)
     engine = _need(obj, "engine", dict, line)
-    _need(engine, "name", str, line)
-    _need(engine, "version", str, line)
+    name = _need(engine, "name", str, line)
+    version = _need(engine, "version", str, line)
+    known = KNOWN_RELEASES.get(name)
+    if known is not None and version.split("+", 1)[0] not in known:
+        raise HistoryError(
+            f"{name} {version} is not a release the checker knows ({', '.join(known)})", line
+        )
     cache = _need(obj, "cache", dict, line)
     groups = []
     for raw in _need(cache, "groups", list, line):

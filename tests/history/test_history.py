@@ -282,3 +282,62 @@ def test_the_json_report_carries_the_verdict(clean: Path) -> None:
     assert result.exit_code == 0
     report = json.loads(result.output)
     assert report["conforms"] is True and report["checked"]["manager"] == 60
+
+
+def test_a_history_from_an_unknown_vllm_release_is_exit_2(tmp_path: Path) -> None:
+    head = header(8)
+    head["engine"] = {"name": "vllm", "version": "0.31.0"}
+    result = kvpool("history", "check", str(write(tmp_path / "h.jsonl", head, [])))
+    assert result.exit_code == 2
+    assert "0.31.0 is not a release the checker knows (0.32.0)" in result.output
+
+
+def test_the_recorder_refuses_a_release_it_does_not_know(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvpool.specs.targets.vllm import recorder
+
+    monkeypatch.setattr(recorder, "installed_release", lambda: "0.33.0")
+    with pytest.raises(recorder.RecorderError, match=r"vLLM 0\.33\.0 is not a release"):
+        recorder.Recorder().install()
+    monkeypatch.setattr(recorder, "installed_release", lambda: None)
+    with pytest.raises(recorder.RecorderError, match="not installed"):
+        recorder.Recorder().install()
+
+
+def test_a_recorder_that_recorded_nothing_writes_nothing(tmp_path: Path) -> None:
+    from kvpool.specs.targets.vllm.recorder import Recorder, RecorderError
+
+    with pytest.raises(RecorderError, match="no KV cache manager"):
+        Recorder().dump(tmp_path / "h.jsonl")
+    assert not (tmp_path / "h.jsonl").exists()
+
+
+def test_a_call_the_recorder_cannot_encode_stops_it_without_a_half_call(tmp_path: Path) -> None:
+    from kvpool.specs.targets.vllm.recorder import Recorder, RecorderError
+
+    class Unknown:
+        pass
+
+    class Pool:
+        def get_num_free_blocks(self) -> int:
+            return 3
+
+        def get_new_blocks(self, num_blocks: int) -> list[Any]:
+            return [Unknown() for _ in range(num_blocks)]
+
+    recorder = Recorder()
+    recorder._types = {k: type(k, (), {}) for k in ("block", "blocks", "request", "output")}
+    for name in ("get_num_free_blocks", "get_new_blocks"):
+        recorder._patch(Pool, name, recorder._wrap(Pool.__dict__[name], name, "pool"))
+    pool = Pool()
+    assert pool.get_num_free_blocks() == 3
+    served = pool.get_new_blocks(2)  # the engine still gets its answer
+    assert len(served) == 2 and all(isinstance(b, Unknown) for b in served)
+    assert [c["m"] for c in recorder.calls] == ["get_num_free_blocks"]
+    assert recorder.stopped is not None and "get_new_blocks" in recorder.stopped
+    assert pool.get_num_free_blocks() == 3
+    assert len(recorder.calls) == 1  # nothing recorded after it stopped
+    recorder.header["cache"] = {}
+    with pytest.raises(RecorderError, match="recording stopped"):
+        recorder.dump(tmp_path / "h.jsonl")
+    recorder.uninstall()
+    assert "get_new_blocks" in Pool.__dict__ and Pool().get_num_free_blocks() == 3
