@@ -493,6 +493,13 @@ class BlockPool:
         cached = self._cached
         events_on = self.enable_kv_cache_events
         stored: list[bytes] = []
+        if events_on:
+            # Read what the event needs before anything changes: a request that
+            # cannot give it must leave the pool as it was (not cached, event lost).
+            token_ids = tuple(
+                request.all_token_ids[num_cached_blocks * block_size : num_full_blocks * block_size]
+            )
+            lora_id, lora_name = _lora_of(request)
         if num_new == 1:
             # One block (a decode step filled it): nothing can stand twice, no loops.
             block = blocks[num_cached_blocks]
@@ -542,16 +549,11 @@ class BlockPool:
 
         if events_on:
             parent = block_hashes[num_cached_blocks * factor - 1] if num_cached_blocks else None
-            lora_id, lora_name = _lora_of(request)
             self.kv_event_queue.append(
                 BlockStored(
                     block_hashes=tuple(stored),
                     parent_block_hash=parent,
-                    token_ids=tuple(
-                        request.all_token_ids[
-                            num_cached_blocks * block_size : num_full_blocks * block_size
-                        ]
-                    ),
+                    token_ids=token_ids,
                     block_size=block_size,
                     lora_id=lora_id,
                     medium=self.medium,

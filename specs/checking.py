@@ -20,9 +20,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any, Unpack
 
-from kvpool.model import EVENT_SEMANTICS, InvalidConfig
+from kvpool.model import EVENT_SEMANTICS, PROFILES, InvalidConfig, PoolError
 from kvpool.model.profiles import profile_named
 from kvpool.model.radix import POLICIES
+from kvpool.specs.errors import TargetAbort, TargetError
 from kvpool.specs.events.check import check_events
 from kvpool.specs.pool.check import run_conformance
 from kvpool.specs.radix.check import check_radix
@@ -78,6 +79,7 @@ def check(
             f"`kvpool check --target {descriptor.spec}`"
         )
     name = target_name or descriptor.spec
+    factory: Any = GuardedFactory(descriptor.factory, name)
     chosen = list(profiles or descriptor.profiles or ())
     options = RunOptions(
         hypothesis_profile=hypothesis_profile,
@@ -91,7 +93,7 @@ def check(
     if layer == "pool":
         _known_profiles(chosen)
         return run_conformance(
-            descriptor.factory,
+            factory,
             level=level,
             profile=chosen or None,
             unsupported=descriptor.unsupported,
@@ -99,7 +101,7 @@ def check(
         )
     if layer == "request":
         _known_profiles(chosen)
-        scope = ManagerTargetSpec(descriptor.factory, **descriptor.scope)
+        scope = ManagerTargetSpec(factory, **descriptor.scope)
         if chosen:
             scope = replace(scope, profiles=tuple(profile_named(p) for p in chosen))
         return run_request_conformance(scope, level=level, **options)
@@ -113,7 +115,35 @@ def check(
             f"the v0 layer takes one discipline as its profile: {', '.join(DISCIPLINES)}"
         )
     discipline = chosen[0] if chosen else "any"
-    return check_v0(descriptor.factory, discipline, **options)
+    return check_v0(factory, discipline, **options)
+
+
+class GuardedFactory:
+    """A target factory whose own failures are target errors, not crashes of the check.
+
+    A factory that raises something other than a rejection (a wrong
+    signature, a missing dependency, a bug) makes the check end with a
+    target error naming it. Other attributes (``close``, ``preflight``, a
+    cmd: factory's ``levels``) pass through.
+    """
+
+    def __init__(self, factory: Callable[[Any], Any], name: str) -> None:
+        self._factory = factory
+        self._name = name
+
+    def __call__(self, setup: Any) -> Any:
+        try:
+            return self._factory(setup)
+        except (PoolError, TargetError, TargetAbort):
+            raise
+        except Exception as error:
+            raise TargetError(
+                f"the target factory of {self._name} raised {type(error).__name__}: {error} "
+                f"when asked for a target of {setup!r:.300}"
+            ) from error
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._factory, name)
 
 
 def _check_radix(

@@ -9,7 +9,10 @@ Installed with kvpool (entry point ``pytest11``); it does nothing unless asked::
 ``--kvpool-target`` adds one test item, ``kvpool-conformance[TARGET]``, that
 runs the lock-step machine (``run_conformance``) and fails with the report:
 the minimal program, where the target parts from the model, and a
-regression test. ``--kvpool-vectors`` (optionally a directory) adds a second
+regression test, saved with its vector like ``kvpool check`` saves them
+(``--kvpool-regression-dir``, default ``kvpool-regression``). A run that
+reaches no verdict (the target crashed, exited, hung or was flaky; nothing
+ran) fails the item too. ``--kvpool-vectors`` (optionally a directory) adds a second
 item replaying the conformance vectors (the bundled corpus by default).
 ``--kvpool-layer`` picks the layer (``pool``, the default; ``request``, a KV
 cache manager; ``v0``), as ``kvpool check --layer`` does.
@@ -82,6 +85,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "kvpool history check.",
     )
     group.addoption(
+        "--kvpool-regression-dir",
+        default="kvpool-regression",
+        help="Where a divergence's regression test and vector are written "
+        "(default: kvpool-regression, as kvpool check).",
+    )
+    group.addoption(
         "--kvpool-vectors",
         nargs="?",
         const="",
@@ -139,7 +148,7 @@ class ConformanceItem(pytest.Item):
 
     def runtest(self) -> None:
         from kvpool.specs.checking import check
-        from kvpool.specs.runner.render import print_counterexample, render_text
+        from kvpool.specs.runner.render import print_counterexample, render_text, save, verdict
         from kvpool.specs.targets import TargetSpecError, resolve
 
         options = self.config.option
@@ -165,15 +174,23 @@ class ConformanceItem(pytest.Item):
             if close is not None:
                 close()
         self.user_properties.append(("kvpool_programs_run", report.examples_run))
-        if report.conforms:
+        if report.exit_code == 0:
             return
-        lines = [f"{options.kvpool_target}: {report.failure_kind}"]
-        if report.program:
-            lines += ["Minimal failing program:", report.program]
+        lines = [f"{options.kvpool_target}: {report.failure_kind}: {verdict(report)}"]
+        if report.counterexample is not None:
+            directory = Path(options.kvpool_regression_dir)
+            try:
+                save(report.counterexample, directory)
+            except OSError as error:
+                lines.append(f"cannot write the regression files to {directory}: {error}")
+        if report.program and report.failure_kind != "flaky":
+            lines += ["Minimal failing program (the operations the target received):"]
+            lines.append(report.program)
         if report.counterexample is not None:
             lines.append(render_text(print_counterexample, report.counterexample))
         else:
             lines.append(report.failure or "")
+        lines.extend(f"note: {note}" for note in report.notes)
         raise KvpoolFailure("\n".join(lines))
 
     def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None) -> str:
@@ -190,7 +207,7 @@ class VectorsItem(ConformanceItem):
 
     def runtest(self) -> None:
         from kvpool.specs.targets import TargetSpecError, resolve_target
-        from kvpool.specs.vectors import VectorFormatError, bundled_corpus, load, run_corpus
+        from kvpool.specs.vectors import VectorFormatError, bundled_corpus, run_corpus, scan
 
         options = self.config.option
         if _layer(options) == "request":
@@ -199,14 +216,19 @@ class VectorsItem(ConformanceItem):
         if _layer(options) != "pool":
             raise KvpoolFailure(f"the {_layer(options)} layer has no conformance vectors")
         source = Path(options.kvpool_vectors) if options.kvpool_vectors else bundled_corpus()
+        from kvpool.specs.errors import TargetAbort, TargetError
+
         try:
             factory = resolve_target(options.kvpool_target)
-            vectors = load(source)
-        except (TargetSpecError, VectorFormatError) as error:
+        except TargetSpecError as error:
             raise KvpoolFailure(str(error)) from None
         levels = list(range(1, options.kvpool_level + 1))
         try:
-            result = run_corpus(factory, vectors, levels, options.kvpool_profile)
+            result = run_corpus(factory, scan(source), levels, options.kvpool_profile)
+        except (VectorFormatError, TargetError) as error:
+            raise KvpoolFailure(str(error)) from None
+        except TargetAbort as abort:
+            raise KvpoolFailure(str(abort.error)) from None
         finally:
             close = getattr(factory, "close", None)
             if close is not None:
@@ -216,8 +238,13 @@ class VectorsItem(ConformanceItem):
             problems.append(f"target error: {result.target_error}")
         if problems:
             raise KvpoolFailure(
-                f"{len(result.mismatches)} of {result.run} vectors from {source} do not match:\n"
+                f"{result.failed} of {result.run} vectors from {source} do not match:\n"
                 + "\n\n".join(problems[:10])
+            )
+        if result.run == 0:
+            raise KvpoolFailure(
+                "no vector ran, so nothing was checked: "
+                + result.why_nothing_ran(levels, options.kvpool_profile)
             )
 
     def _run_request_vectors(self) -> None:

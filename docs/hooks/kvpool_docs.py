@@ -4,7 +4,9 @@
   (``pictures/<scenario>/step-NN.svg``, drawn by ``kvpool.specs.teaching.pictures``);
   no picture is ever committed.
 * ``on_page_markdown`` expands directives written as HTML comments, so a page
-  read on GitHub still makes sense:
+  read on the repository host still makes sense (there, the line after each
+  directive that starts ``> *Built from the code when the site is built.*``
+  says where the content comes from; the site drops that line):
 
   ``<!-- kvpool:picture SCENARIO N -->``    the picture after step N (0: the new pool)
   ``<!-- kvpool:scenario SCENARIO -->``     every step: call, narration, picture
@@ -40,6 +42,9 @@ from kvpool.specs.teaching.scenarios import Scenario
 
 PICTURES = "pictures"
 DIRECTIVE = re.compile(r"<!--\s*kvpool:([a-z-]+)((?:\s+[^\s>]+)*)\s*-->")
+HOST_NOTE = re.compile(r"^> \*Built from the code when the site is built\.\*.*\n?", re.M)
+"""A line for readers of the page on the repository host, where directives show nothing:
+it says where the generated content comes from. The site, which shows that content, drops it."""
 
 
 # --------------------------------------------------------------------------
@@ -421,7 +426,7 @@ def expand(markdown: str, page_src: str) -> str:
             return expand_cli(" ".join(["kvpool", *args]))
         raise ValueError(f"{page_src}: unknown directive kvpool:{kind}")
 
-    return DIRECTIVE.sub(replace, markdown)
+    return DIRECTIVE.sub(replace, HOST_NOTE.sub("", markdown))
 
 
 # --------------------------------------------------------------------------

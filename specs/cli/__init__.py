@@ -1,17 +1,23 @@
 """The ``kvpool`` command line.
 
-Exit codes of ``kvpool check``: 0 the target conforms, 1 it diverges from
-the model, 2 the command or the target could not be run.
+Exit codes of ``kvpool check`` are a contract (``ConformanceReport.exit_code``):
+0 programs ran and the target conforms, 1 it diverges from the model, 2 no
+verdict (the command or the target could not be run, nothing ran, the target
+exited, hung or was flaky), 130 interrupted by Ctrl-C. No traceback reaches
+the user.
 """
 
 import os
+import sys
+import traceback
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 from hypothesis import settings as Settings
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -19,9 +25,23 @@ from kvpool.model import PROFILES
 from kvpool.specs.checking import check as check_layer
 from kvpool.specs.cli.history import history_app, record_command
 from kvpool.specs.cli.vectors import vectors_app
+from kvpool.specs.runner.database import (
+    REDIS_URL_VARIABLE,
+    DatabaseChoice,
+    RedisUnavailable,
+    check_redis,
+    choose,
+    redis_url,
+)
 from kvpool.specs.runner.render import print_terminal, save, to_json, to_junit
-from kvpool.specs.runner.report import ConformanceReport
+from kvpool.specs.runner.report import (
+    EXIT_CONFORMS,
+    EXIT_DIVERGES,
+    EXIT_NO_VERDICT,
+    ConformanceReport,
+)
 from kvpool.specs.runner.settings import PROFILE_NAMES, default_profile_name
+from kvpool.specs.runner.watchdog import DEFAULT_PROGRAM_TIMEOUT
 from kvpool.specs.targets import LAYERS, TargetDescriptor, TargetSpecError, resolve
 from kvpool.specs.targets.registry import is_sglang_target
 from kvpool.specs.targets.vllm.releases import forwarded_options, run_check_in_release
@@ -33,7 +53,9 @@ app = typer.Typer(
     add_completion=False,
 )
 
-EXIT_CONFORMS, EXIT_DIVERGES, EXIT_ERROR = 0, 1, 2
+EXIT_ERROR = EXIT_NO_VERDICT
+EXIT_INTERRUPTED = 130
+__all__ = ["EXIT_CONFORMS", "EXIT_DIVERGES", "EXIT_ERROR", "EXIT_INTERRUPTED", "app", "main"]
 
 LAYER_ALIASES = {"manager": "request"}
 """Earlier names of layers, still accepted: ``--layer manager`` is the request layer."""
@@ -83,10 +105,19 @@ def check(
             "radix layer: the eviction policy, lru by default)."
         ),
     ] = None,
-    examples: Annotated[int | None, typer.Option(min=1, help="Number of programs to run.")] = None,
-    steps: Annotated[int | None, typer.Option(min=1, help="Operations per program.")] = None,
+    examples: Annotated[
+        int | None, typer.Option(min=1, max=10**9, help="Number of programs to run.")
+    ] = None,
+    steps: Annotated[
+        int | None, typer.Option(min=1, max=10_000, help="Operations per program.")
+    ] = None,
     seed: Annotated[
-        int | None, typer.Option(help="Seed: the same seed gives the same run.")
+        int | None,
+        typer.Option(
+            min=0,
+            max=2**64 - 1,
+            help="Seed: the same seed gives the same run (and no example database is used).",
+        ),
     ] = None,
     hypothesis_profile: Annotated[
         str | None,
@@ -110,33 +141,83 @@ def check(
             show_default=False,
         ),
     ] = None,
+    program_timeout: Annotated[
+        float,
+        typer.Option(
+            min=0.001,
+            max=86400,
+            help="Seconds one program may run before the target counts as hung.",
+        ),
+    ] = DEFAULT_PROGRAM_TIMEOUT,
+    database: Annotated[
+        DatabaseChoice,
+        typer.Option(
+            help="Example database (dev, deep, fuzz profiles): auto = kvpool's own directory, "
+            "and Redis too if KVPOOL_REDIS_URL names a usable one; local; redis (a Redis "
+            "problem stops the run); none."
+        ),
+    ] = DatabaseChoice.AUTO,
 ) -> None:
-    """Run the lock-step state machine against a target and report conformance."""
+    """Run the lock-step state machine against a target and report conformance.
+
+    Exit codes: 0 programs ran and the target conforms; 1 it diverges from the
+    model; 2 no verdict (the target or the command could not be run); 130
+    interrupted (Ctrl-C).
+    """
     console = Console(stderr=report_format is not ReportFormat.terminal)
     chosen_profile = hypothesis_profile or default_profile_name()
     if chosen_profile not in PROFILE_NAMES:
-        console.print(f"[red]unknown Hypothesis profile {chosen_profile!r}[/red]")
-        raise typer.Exit(EXIT_ERROR)
+        _stop(
+            console,
+            f"unknown Hypothesis profile {chosen_profile!r}: use {', '.join(PROFILE_NAMES)}",
+        )
     if layer is None:
         layer = "radix" if target is not None and is_sglang_target(target) else "pool"
     layer = LAYER_ALIASES.get(layer, layer)
     if layer not in LAYERS:
-        console.print(f"[red]unknown layer {layer!r}: use {', '.join(LAYERS)}[/red]")
-        raise typer.Exit(EXIT_ERROR)
+        _stop(console, f"unknown layer {layer!r}: use {', '.join(LAYERS)}")
+    if output is not None:
+        problem = _unwritable(output)
+        if problem is not None:
+            _stop(console, f"--output {output}: {problem}")
+    problem = _not_a_directory(regression_dir)
+    if problem is not None:
+        _stop(console, f"--regression-dir {regression_dir}: {problem}")
+    if target is not None and not target.strip():
+        _stop(console, "the target string is empty")
     target = target or DEFAULT_TARGETS[layer]
     try:
         descriptor = resolve(layer, target)
     except TargetSpecError as error:
-        console.print(f"[red]{error}[/red]")
-        raise typer.Exit(EXIT_ERROR) from error
+        _stop(console, str(error))
     if descriptor.in_child:
         # vllm==X.Y.Z: the same command, in a child interpreter that imports release X.Y.Z
         assert descriptor.release is not None
-        raise typer.Exit(run_check_in_release(target, forwarded_options(ctx)))
+        code = run_check_in_release(target, forwarded_options(ctx))
+        raise typer.Exit(code if code in (0, 1, 2, EXIT_INTERRUPTED) else EXIT_ERROR)
+    _choose_database(console, database, chosen_profile, seed)
 
-    report = _run_with_progress(
-        console, descriptor, level, profile, chosen_profile, examples, steps, seed
-    )
+    try:
+        report = _run_with_progress(
+            console,
+            descriptor,
+            level,
+            profile,
+            chosen_profile,
+            examples,
+            steps,
+            seed,
+            program_timeout,
+        )
+    except KeyboardInterrupt:
+        _close(descriptor)
+        console.print("[yellow]interrupted: no verdict[/yellow]")
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+    except RedisUnavailable as problem:
+        _close(descriptor)
+        _stop(console, f"{problem} (--database redis: stopped before running)")
+    finally:
+        _close(descriptor)
     if report.counterexample is not None:
         try:
             save(report.counterexample, regression_dir)
@@ -147,12 +228,77 @@ def check(
     else:
         text = to_json(report) if report_format is ReportFormat.json else to_junit(report)
         if output is not None:
-            output.write_text(text)
+            try:
+                output.write_text(text)
+            except OSError as error:
+                console.print(f"cannot write the report to {output}: {error}", markup=False)
+                raise typer.Exit(EXIT_ERROR) from None
         else:
             typer.echo(text)
-    if report.failure_kind == "target-error":
-        raise typer.Exit(EXIT_ERROR)
-    raise typer.Exit(EXIT_CONFORMS if report.conforms else EXIT_DIVERGES)
+    raise typer.Exit(report.exit_code)
+
+
+def _stop(console: Console, message: str) -> NoReturn:
+    """Exit 2 with ``message`` (the caller's mistake or an unusable setting: nothing ran)."""
+    console.print(f"kvpool: {message}", style="red", markup=False, highlight=False, soft_wrap=True)
+    raise typer.Exit(EXIT_ERROR)
+
+
+def _unwritable(path: Path) -> str | None:
+    """Why a report cannot be written to ``path``, or None if it can."""
+    if path.is_dir():
+        return "is a directory"
+    parent = path.parent
+    if not parent.is_dir():
+        return f"the directory {parent} does not exist"
+    if not os.access(parent, os.W_OK):
+        return f"the directory {parent} is not writable"
+    if path.exists() and not os.access(path, os.W_OK):
+        return "the file is not writable"
+    return None
+
+
+def _not_a_directory(path: Path) -> str | None:
+    """Why regression files cannot be written under ``path`` (created if missing), or None."""
+    existing = path
+    while not existing.exists():
+        if existing.parent == existing:
+            return "no part of it exists"
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is not a directory"
+    if not os.access(existing, os.W_OK):
+        return f"{existing} is not writable"
+    return None
+
+
+def _choose_database(
+    console: Console, choice: DatabaseChoice, profile: str, seed: int | None
+) -> None:
+    """Check Redis before the run: one line and the local database, or exit 2 for ``redis``."""
+    uses_database = seed is None and Settings.get_profile(profile).database is not None
+    if choice is DatabaseChoice.REDIS and redis_url() is None:
+        _stop(console, f"--database redis needs {REDIS_URL_VARIABLE} (a redis:// URL)")
+    if uses_database and choice in (DatabaseChoice.AUTO, DatabaseChoice.REDIS):
+        problem = check_redis()
+        if problem is not None:
+            if choice is DatabaseChoice.REDIS:
+                _stop(console, f"{problem} (--database redis: stopped before running)")
+            console.print(
+                f"kvpool: {problem}; using the local example database only",
+                style="yellow",
+                markup=False,
+                highlight=False,
+            )
+            choice = DatabaseChoice.LOCAL
+    choose(choice)
+
+
+def _close(descriptor: TargetDescriptor) -> None:
+    """Stop the target's processes, if it has any (cmd: targets)."""
+    close = getattr(descriptor.factory, "close", None)
+    if close is not None:
+        close()
 
 
 def _run_with_progress(
@@ -164,6 +310,7 @@ def _run_with_progress(
     examples: int | None,
     steps: int | None,
     seed: int | None,
+    program_timeout: float,
 ) -> ConformanceReport:
     """The check, with a progress bar on a terminal; options that do not fit exit 2."""
     total = examples or Settings.get_profile(hypothesis_profile).max_examples
@@ -177,7 +324,7 @@ def _run_with_progress(
         disable=not console.is_terminal,
     )
     with progress:
-        task = progress.add_task("check", total=total, target=descriptor.spec)
+        task = progress.add_task("check", total=total, target=escape(descriptor.spec))
         try:
             return check_layer(
                 descriptor.layer,
@@ -188,11 +335,11 @@ def _run_with_progress(
                 max_examples=examples,
                 steps=steps,
                 seed=seed,
+                program_timeout=program_timeout,
                 on_example=lambda n: progress.update(task, completed=min(n, total)),
             )
         except TargetSpecError as error:
-            console.print(f"[red]{error}[/red]")
-            raise typer.Exit(EXIT_ERROR) from error
+            _stop(console, str(error))
 
 
 @app.command()
@@ -213,5 +360,18 @@ app.command(name="explain")(explain)
 
 
 def main() -> None:
-    """Console entry point."""
-    app(prog_name=os.environ.get("KVPOOL_PROG", "kvpool"))
+    """Console entry point: no traceback reaches the user; exit codes 0, 1, 2 or 130."""
+    try:
+        app(prog_name=os.environ.get("KVPOOL_PROG", "kvpool"))
+    except KeyboardInterrupt:
+        print("kvpool: interrupted", file=sys.stderr)
+        sys.exit(EXIT_INTERRUPTED)
+    except Exception as error:  # a bug in kvpool: one paragraph, exit 2
+        frames = traceback.extract_tb(error.__traceback__)
+        where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+        print(
+            f"kvpool: internal error: {type(error).__name__}: {error}{where}. No verdict. "
+            "This is a bug in kvpool; please report it with the command you ran.",
+            file=sys.stderr,
+        )
+        sys.exit(EXIT_ERROR)

@@ -8,18 +8,21 @@ and hash vectors (``kvpool.specs.cli.request_vectors``).
 """
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 from rich.console import Console
+from rich.markup import escape
+from rich.text import Text
 
+from kvpool.model import PROFILES
 from kvpool.specs.cli import request_vectors
 from kvpool.specs.errors import TargetAbort, TargetError
 from kvpool.specs.pool.target import TargetFactory
 from kvpool.specs.targets import TargetSpecError, resolve, resolve_target
 from kvpool.specs.vectors import event_corpus
 from kvpool.specs.vectors import events as event_vectors
-from kvpool.specs.vectors.format import VectorFormatError, bundled_corpus, load
+from kvpool.specs.vectors.format import VectorFormatError, bundled_corpus, count_valid, scan
 from kvpool.specs.vectors.generate import export
 from kvpool.specs.vectors.replay import run_corpus
 
@@ -61,7 +64,10 @@ def export_command(
         request_vectors.export_request(directory)
         return
     writer = export if _layer(layer) == "pool" else event_corpus.export
-    manifest = writer(directory)
+    try:
+        manifest = writer(directory)
+    except OSError as error:
+        _stop(Console(), f"cannot write the vectors to {directory}: {error}")
     Console().print(
         f"wrote {manifest['count']} vectors in {len(manifest['files'])} files to {directory}"
     )
@@ -77,13 +83,12 @@ def validate_command(
         request_vectors.validate_request(path)
         return
     console = Console()
-    reader = load if _layer(layer) == "pool" else event_vectors.load
     try:
-        loaded = reader(path)
+        count = count_valid(path) if _layer(layer) == "pool" else len(event_vectors.load(path))
     except VectorFormatError as error:
         console.print(str(error), markup=False, highlight=False)
         raise typer.Exit(EXIT_ERROR) from None
-    console.print(f"{len(loaded)} valid vectors in {path}")
+    console.print(f"{count} valid vectors in {path}", markup=False, highlight=False)
 
 
 @vectors_app.command("run")
@@ -101,7 +106,8 @@ def run_command(
         ),
     ] = "impl",
     level: Annotated[
-        list[int] | None, typer.Option(help="Run only vectors of this level (repeatable).")
+        list[int] | None,
+        typer.Option(min=1, max=2, help="Run only vectors of this level (repeatable)."),
     ] = None,
     profile: Annotated[
         list[str] | None,
@@ -119,45 +125,66 @@ def run_command(
         ),
     ] = False,
 ) -> None:
-    """Replay vectors against a target. Exit 0: all match; 1: a mismatch; 2: cannot run."""
+    """Replay vectors against a target.
+
+    Exit 0: vectors ran and all match; 1: a mismatch; 2: cannot run, or nothing ran.
+    """
     console = Console()
     if _layer(layer) == "request":
         request_vectors.run_request(path, target, level, profile, fail_fast)
     if _layer(layer) == "events":
         _run_events(console, path, target, profile, fail_fast, against_known)
     source = path or bundled_corpus()
+    unknown = [p for p in profile or () if p not in PROFILES]
+    if unknown:
+        _stop(console, f"unknown profile(s) {unknown}; the profiles are {', '.join(PROFILES)}")
+    factory: TargetFactory | None = None
     try:
-        vectors = load(source)
         factory = resolve_target(target)
         levels, profiles = _supported(factory, level, profile)
+        result = run_corpus(factory, scan(source), levels, profiles, fail_fast)
     except VectorFormatError as error:
-        console.print(f"[red]invalid vectors[/red] in {source}:")
+        console.print(f"[red]invalid vectors[/red] in {escape(str(source))}:")
         console.print(str(error), markup=False, highlight=False)
         raise typer.Exit(EXIT_ERROR) from None
-    except (TargetSpecError, TargetError, TargetAbort) as error:
-        console.print(f"[red]cannot run target {target!r}:[/red]")
-        console.print(str(error), markup=False, highlight=False)
-        raise typer.Exit(EXIT_ERROR) from None
-    result = run_corpus(factory, vectors, levels, profiles, fail_fast)
-    close = getattr(factory, "close", None)
-    if close is not None:
-        close()
+    except (TargetSpecError, TargetError) as error:
+        _stop(console, f"cannot run target {target!r}: {error}")
+    except TargetAbort as abort:
+        _stop(console, f"cannot run target {target!r}: {abort.error}")
+    except KeyboardInterrupt:
+        console.print("kvpool: interrupted", markup=False)
+        raise typer.Exit(130) from None
+    finally:
+        close = getattr(factory, "close", None)
+        if close is not None:
+            close()
     for mismatch in result.mismatches[:10]:
-        console.rule(f"[red]{mismatch.vector}[/red]")
+        console.rule(Text(mismatch.vector, style="red"))
         console.print(mismatch.describe(), markup=False, highlight=False)
-    if len(result.mismatches) > 10:
-        console.print(f"... and {len(result.mismatches) - 10} more mismatching vectors")
+    if result.failed > 10:
+        console.print(f"... and {result.failed - 10} more mismatching vectors")
     if result.target_error is not None:
         console.rule("[red]target error[/red]")
         console.print(result.target_error, markup=False, highlight=False)
-    failed = len(result.mismatches)
     console.print(
-        f"{target}: {result.passed} passed, {failed} failed, {result.skipped} skipped "
-        f"({result.run} run from {source})"
+        f"{target}: {result.passed} passed, {result.failed} failed, {result.skipped} skipped "
+        f"({result.run} run from {source})",
+        markup=False,
+        highlight=False,
     )
     if result.target_error is not None:
         raise typer.Exit(EXIT_ERROR)
-    raise typer.Exit(EXIT_MISMATCH if failed else EXIT_OK)
+    if result.run == 0:
+        _stop(
+            console,
+            f"no vector ran, so nothing was checked: {result.why_nothing_ran(levels, profiles)}",
+        )
+    raise typer.Exit(EXIT_MISMATCH if result.failed else EXIT_OK)
+
+
+def _stop(console: Console, message: str) -> NoReturn:
+    console.print(f"kvpool: {message}", style="red", markup=False, highlight=False, soft_wrap=True)
+    raise typer.Exit(EXIT_ERROR)
 
 
 def _supported(

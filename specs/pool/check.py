@@ -3,9 +3,9 @@
 from collections.abc import Collection, Sequence
 from typing import Unpack
 
-from kvpool.model import DEFAULT_PROFILE, InvalidConfig, Profile
+from kvpool.model import DEFAULT_PROFILE, PROFILES, InvalidConfig, Profile
 from kvpool.model.profiles import profile_named
-from kvpool.specs.pool.counterexample import explain
+from kvpool.specs.pool.counterexample import explain, program_lines
 from kvpool.specs.pool.machine import pool_machine
 from kvpool.specs.pool.record import Recorder
 from kvpool.specs.pool.target import TargetFactory
@@ -69,6 +69,9 @@ def run_conformance(
         name="KVPoolConformance",
         unsupported=unsupported,
     )
+    # The failing program as the protocol operations the target received, numbered
+    # as the counterexample counts steps (not the machine's rule names).
+    machine.program_lines = lambda self: program_lines(recorder)  # type: ignore[method-assign]
     return run_machine(
         machine,
         level=level,

@@ -16,6 +16,7 @@ import math
 import pprint
 import textwrap
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from kvpool.model import PoolConfig, PoolError
 from kvpool.specs.errors import InvariantViolation
@@ -35,18 +36,31 @@ from kvpool.specs.vectors.generate import dump_line, vector_from_calls
 from kvpool.specs.vectors.replay import normal_state, same_result
 
 
-def explain(
-    recorder: Recorder, target_name: str, failure: BaseException | None = None
-) -> Counterexample | None:
-    """The counterexample for the last program the recorder saw, or None if it saw none."""
+@dataclass
+class Walk:
+    """The last recorded program replayed on the model: its steps, and where the two part."""
+
+    config: PoolConfig
+    program: list[tuple[str, dict[str, Json]]]
+    """The operations the target received (the kit's own after-step queries left out,
+    unless one is where the two part)."""
+    outcomes: list[tuple[dict[str, Json], dict[str, Json]]]
+    """Per step: the model's outcome and the target's (``{"ok": ...}`` or ``{"error": ...}``)."""
+    parted: tuple[int, str, str, str, str, Json | None] | None
+    """(step, compared, problem, model side, target side, target state) where they part."""
+    model_state: Json
+
+
+def walk(recorder: Recorder) -> Walk | None:
+    """Replay the recorder's last program on the model, step by step, up to where they part."""
     config = recorder.config
     if config is None:
         return None
-    calls = list(recorder.calls)
     expected_model = ModelTarget(config)
     program: list[tuple[str, dict[str, Json]]] = []
+    outcomes: list[tuple[dict[str, Json], dict[str, Json]]] = []
     parted: tuple[int, str, str, str, str, Json | None] | None = None
-    for call in calls:
+    for call in list(recorder.calls):
         args = call.json_args()
         before = expected_model.state
         try:
@@ -57,6 +71,7 @@ def explain(
         actual = call.outcome()
         if call.op not in QUERIES:
             program.append((call.op, args))
+            outcomes.append((expected, actual))
         if call.op == "snapshot":
             wanted = _normal(recorder.inner, config, protocol.encode_state(before))
             got = _normal(recorder.inner, config, actual.get("ok"))
@@ -74,6 +89,7 @@ def explain(
         if not _same(call.op, expected, actual, recorder.inner):
             if call.op in QUERIES:
                 program.append((call.op, args))
+                outcomes.append((expected, actual))
             parted = (
                 len(program),
                 "result",
@@ -83,11 +99,45 @@ def explain(
                 None,
             )
             break
-    if not program:
+    if parted is not None:
+        del program[max(parted[0], 1) :], outcomes[max(parted[0], 1) :]
+    return Walk(config, program, outcomes, parted, protocol.encode_state(expected_model.state))
+
+
+def program_lines(recorder: Recorder) -> list[str]:
+    """The last program as the protocol operations the target received, one numbered step each.
+
+    Each line shows the target's answer; the step where target and model
+    part also shows the model's.
+    """
+    found = walk(recorder)
+    if found is None:
+        return []
+    lines = [f"new_pool {_json(protocol.encode_config(found.config))}"]
+    parted_at = found.parted[0] if found.parted is not None else None
+    for number, ((op, args), (expected, actual)) in enumerate(
+        zip(found.program, found.outcomes, strict=True), 1
+    ):
+        line = f"step {number}: {op} {_json(_brief(args))} -> {_outcome_text(actual)}"
+        if number == parted_at and found.parted is not None and found.parted[1] == "result":
+            line += f"   (the model: {_outcome_text(expected)})"
+        elif number == parted_at:
+            line += "   (after it, the target's state differs from the model's)"
+        lines.append(line)
+    return lines
+
+
+def explain(
+    recorder: Recorder, target_name: str, failure: BaseException | None = None
+) -> Counterexample | None:
+    """The counterexample for the last program the recorder saw, or None if it saw none."""
+    found = walk(recorder)
+    if found is None or not found.program:
         return None
+    config, program, parted = found.config, found.program, found.parted
     if parted is None:
         # Nothing recorded disagrees (an invariant failed on the model itself, say).
-        state = dump_state(expected_model.state)
+        state = dump_state(protocol.decode_state(found.model_state, config))
         parted = (
             len(program),
             "state",
@@ -101,7 +151,7 @@ def explain(
     op, args = program[step - 1]
     invariants = _broken_invariants(target_state, config, failure)
     vector_line, tag = _vector_line(config, program, target_name)
-    operation = f"{op} {json.dumps(args, separators=(', ', ': '))}"
+    operation = f"{op} {_json(args)}"
     test = regression_test(
         target_name,
         config,
@@ -124,6 +174,28 @@ def explain(
         regression_test=test,
         vector=vector_line,
     )
+
+
+def _brief(args: dict[str, Json]) -> dict[str, Json]:
+    """``args`` with a request's chained hashes counted, not listed (the vector lists them)."""
+    request = args.get("request")
+    if not isinstance(request, dict):
+        return args
+    hashes = request.get("block_hashes")
+    shown = {k: v for k, v in request.items() if v is not None and k != "block_hashes"}
+    count = len(hashes) if isinstance(hashes, list) else 0
+    return {**args, "request": {"block_hashes": f"<{count} chained hashes>", **shown}}
+
+
+def _json(value: Json) -> str:
+    return json.dumps(value, separators=(", ", ": "))
+
+
+def _outcome_text(outcome: dict[str, Json]) -> str:
+    if "error" in outcome:
+        return f"rejected: {outcome['error']}"
+    text = _json(outcome["ok"])
+    return text if len(text) <= 400 else text[:397] + "..."
 
 
 def _normal(target: object, config: PoolConfig, state: Json) -> Json:

@@ -311,7 +311,7 @@ class PoolMachine(LockStep[PoolState, PoolTarget], RuleBasedStateMachine):
         block_hash = bytes(tokens[: num_hash_blocks * hbs])
         group_ids = sorted(g % self.num_groups for g in groups)
         self._query(
-            f"get_cached_block({block_hash!r}, {group_ids})",
+            f"get_cached_block({block_hash.hex()!r}, {group_ids})",
             lambda s: model.get_cached_block(s, block_hash, group_ids),
             lambda t: _tuple_or_none(t.get_cached_block(block_hash, group_ids)),
         )
@@ -377,7 +377,7 @@ class PoolMachine(LockStep[PoolState, PoolTarget], RuleBasedStateMachine):
         block_hash, group = keys[index % len(keys)]
         group_ids = sorted({group, *(g % self.num_groups for g in more_groups)})
         self._query(
-            f"get_cached_block({block_hash!r}, {group_ids})",
+            f"get_cached_block({block_hash.hex()!r}, {group_ids})",
             lambda s: model.get_cached_block(s, block_hash, group_ids),
             lambda t: _tuple_or_none(t.get_cached_block(block_hash, group_ids)),
         )

@@ -52,7 +52,15 @@ class Recorder:
     def __call__(self, config: PoolConfig) -> PoolTarget:
         self.config = config
         self.calls = []
-        self.inner = self.make_target(config)
+        self.inner = None
+        try:
+            self.inner = self.make_target(config)
+        except (PoolError, TargetError):
+            raise
+        except Exception as error:
+            raise TargetError(
+                crash_message("new_pool", protocol.encode_config(config), error, "target factory")
+            ) from error
         if isinstance(self.inner, Snapshottable):
             return SnapshotRecordingTarget(self.inner, self)
         return RecordingTarget(self.inner, self)
@@ -72,16 +80,53 @@ class Recorder:
             raise TargetError(crash_message(op, call.json_args(), error)) from error
         if isinstance(call.result, list):
             call.result = list(call.result)
+        problem = answer_problem(op, call.result)
+        if problem is not None:
+            call.result = None
+            raise TargetError(
+                f"target error during {op} {_json_args(call)}: the target answered {problem}"
+            )
         return call.result
 
 
-def crash_message(op: str, args: dict[str, Json], error: BaseException) -> str:
+def answer_problem(op: str, result: Any) -> str | None:
+    """Why ``result`` is not an answer to ``op`` the protocol can carry, or None if it is."""
+    try:
+        value = protocol.encode_result(op, result)
+        protocol.check_result(op, value)
+        json.dumps(value, allow_nan=False)
+    except Exception as error:  # whatever the target returned could not be carried
+        return (
+            f"{_clipped_repr(result)}, which is not a {op} answer: {type(error).__name__}: {error}"
+        )
+    ids = op in ("get_new_blocks", "get_cached_block") and result is not None
+    if ids and any(isinstance(b, bool) or not isinstance(b, int) for b in result):
+        return f"{_clipped_repr(result)}, which holds something other than block ids"
+    return None
+
+
+def _clipped_repr(value: Any) -> str:
+    try:
+        text = repr(value)
+    except Exception as error:  # a target's object whose repr fails
+        return f"a {type(value).__name__} whose repr raises {type(error).__name__}"
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def _json_args(call: Call) -> str:
+    try:
+        return json.dumps(call.json_args(), separators=(", ", ": "), default=str)
+    except Exception:  # arguments are the kit's own; never fails in practice
+        return "(arguments)"
+
+
+def crash_message(op: str, args: dict[str, Json], error: BaseException, who: str = "target") -> str:
     """What to say when a Python target raises something that is not a rejection."""
     frames = traceback.extract_tb(error.__traceback__)
     where = f" (raised at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
     shown = json.dumps(args, separators=(", ", ": "), default=str)
     return (
-        f"target error during {op} {shown}: the target raised {type(error).__name__}: "
+        f"target error during {op} {shown}: the {who} raised {type(error).__name__}: "
         f"{error}{where}. Rejections must be the model's exceptions (kvpool.model.errors)."
     )
 

@@ -13,7 +13,9 @@ events are objects with a ``"type"`` and vLLM's field names; rejections are
 named by the model's exception class names (``kvpool.model.errors``).
 """
 
-from collections.abc import Mapping
+import json
+import math
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvpool import model
@@ -45,6 +47,76 @@ class ProtocolError(ValueError):
     """A JSON value does not have the shape the protocol requires."""
 
 
+MAX_NUM_BLOCKS = 4096
+"""The most blocks a ``new_pool`` may ask for (the kit's pools have at most 9)."""
+MAX_HASH_BLOCK_SIZE = 1024
+MAX_INT = 2**53
+"""Every integer of the protocol lies in [-MAX_INT, MAX_INT] (JSON's exact integers)."""
+MAX_ITEMS = 65536
+"""The most items one array of the protocol may hold."""
+MAX_STRING = 1024
+"""The longest string value (a LoRA name, a medium); hashes: ``MAX_HASH_BYTES`` bytes."""
+MAX_HASH_BYTES = 256
+
+MAX_DEPTH = 32
+"""How deeply a protocol message or vector may nest arrays and objects (they need under 10)."""
+
+
+def loads(text: str | bytes, max_depth: int = MAX_DEPTH) -> Json:
+    """One JSON value from untrusted text, bounded: ProtocolError if it is not one.
+
+    Nesting deeper than ``max_depth``, ``NaN``, ``Infinity`` and numbers too
+    large for a float are refused, as is anything ``json`` cannot read.
+
+    >>> loads('{"a": [1, 2.5]}')
+    {'a': [1, 2.5]}
+    >>> try:
+    ...     loads("[" * 40 + "]" * 40)
+    ... except ProtocolError as error:
+    ...     print(error)
+    nested deeper than 32 levels
+    """
+    try:
+        value = json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
+    except RecursionError:
+        raise ProtocolError(f"nested deeper than {max_depth} levels") from None
+    except ProtocolError:
+        raise
+    except ValueError as error:
+        raise ProtocolError(f"not JSON: {error}") from None
+    if _depth_exceeds(value, max_depth):
+        raise ProtocolError(f"nested deeper than {max_depth} levels")
+    return value
+
+
+def _no_constant(name: str) -> Json:
+    raise ProtocolError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ProtocolError(f"{text[:40]} is too large for a number")
+    return value
+
+
+def _depth_exceeds(value: Json, limit: int) -> bool:
+    """Whether ``value`` nests arrays and objects more than ``limit`` deep (without recursing)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children = list(item.values())
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children)
+    return False
+
+
 # --------------------------------------------------------------------------
 # Values
 # --------------------------------------------------------------------------
@@ -66,11 +138,13 @@ def decode_hash(text: Json) -> bytes:
     b'\\x01\\xab'
     """
     if not isinstance(text, str) or text != text.lower():
-        raise ProtocolError(f"a hash must be a lowercase hex string, got {text!r}")
+        raise ProtocolError(f"a hash must be a lowercase hex string, got {_short(text)}")
+    if len(text) > 2 * MAX_HASH_BYTES:
+        raise ProtocolError(f"a hash is longer than {MAX_HASH_BYTES} bytes")
     try:
         return bytes.fromhex(text)
     except ValueError as error:
-        raise ProtocolError(f"a hash must be a lowercase hex string, got {text!r}") from error
+        raise ProtocolError(f"a hash must be a lowercase hex string, got {_short(text)}") from error
 
 
 def encode_key(key: HashKey | None) -> Json:
@@ -162,7 +236,7 @@ def decode_event(value: Json) -> KVCacheEvent:
         )
     if kind == "AllBlocksCleared":
         return AllBlocksCleared()
-    raise ProtocolError(f"unknown event type {kind!r}")
+    raise ProtocolError(f"unknown event type {_short(kind)}")
 
 
 def encode_config(config: PoolConfig) -> Json:
@@ -177,16 +251,27 @@ def encode_config(config: PoolConfig) -> Json:
 
 
 def decode_config(value: Json) -> PoolConfig:
-    """The inverse of ``encode_config``."""
+    """The inverse of ``encode_config``; sizes beyond the protocol's bounds are refused."""
     obj = _object(value, "config")
     try:
         profile = profile_named(obj.get("profile", model.DEFAULT_PROFILE.name))
     except InvalidConfig as error:
         raise ProtocolError(str(error)) from None
+    num_blocks = _int(obj.get("num_blocks"), "num_blocks")
+    hash_block_size = _int(obj.get("hash_block_size", 1), "hash_block_size")
+    if num_blocks > MAX_NUM_BLOCKS:
+        raise ProtocolError(
+            f"num_blocks is {num_blocks}; the protocol allows at most {MAX_NUM_BLOCKS}"
+        )
+    if hash_block_size > MAX_HASH_BLOCK_SIZE:
+        raise ProtocolError(
+            f"hash_block_size is {hash_block_size}; the protocol allows at most "
+            f"{MAX_HASH_BLOCK_SIZE}"
+        )
     return PoolConfig(
-        num_blocks=_int(obj.get("num_blocks"), "num_blocks"),
+        num_blocks=num_blocks,
         enable_caching=_bool(obj.get("enable_caching", True), "enable_caching"),
-        hash_block_size=_int(obj.get("hash_block_size", 1), "hash_block_size"),
+        hash_block_size=hash_block_size,
         enable_events=_bool(obj.get("enable_events", False), "enable_events"),
         profile=profile,
     )
@@ -218,39 +303,79 @@ def encode_state(state: PoolState) -> Json:
     }
 
 
+STATE_FIELDS = ("blocks", "free_queue", "cached", "pending_events")
+BLOCK_FIELDS = ("ref_cnt", "block_hash", "hash_num_tokens", "partial_keys")
+
+
 def decode_state(value: Json, config: PoolConfig) -> PoolState:
-    """The inverse of ``encode_state``, for a pool built with ``config``."""
-    obj = _object(value, "state")
+    """The inverse of ``encode_state``, for a pool built with ``config``.
+
+    A state that breaks the protocol (docs/formats.md) raises ProtocolError
+    naming the field: a field missing or unknown, a value of the wrong type,
+    the ``cached`` list not sorted by (hash, group) or naming a key twice.
+    """
+    obj = _fields(value, "state", STATE_FIELDS)
     blocks = []
-    for raw in _list(obj.get("blocks"), "blocks"):
-        block = _object(raw, "block")
-        primary = decode_key(block.get("block_hash"))
+    for index, raw in enumerate(_list(obj["blocks"], "state field blocks")):
+        block = _fields(raw, f"state field blocks[{index}]", BLOCK_FIELDS)
+        primary = decode_key(block["block_hash"])
         blocks.append(
             BlockState(
-                ref_cnt=_int(block.get("ref_cnt"), "ref_cnt"),
+                ref_cnt=_int(block["ref_cnt"], f"blocks[{index}].ref_cnt"),
                 block_hash=primary,
-                hash_num_tokens=_optional_int(block.get("hash_num_tokens"), "hash_num_tokens"),
+                hash_num_tokens=_optional_int(
+                    block["hash_num_tokens"], f"blocks[{index}].hash_num_tokens"
+                ),
                 partial_keys=tuple(
                     k
-                    for k in (decode_key(p) for p in _list(block.get("partial_keys", []), "keys"))
+                    for k in (
+                        decode_key(p)
+                        for p in _list(block["partial_keys"], f"blocks[{index}].partial_keys")
+                    )
                     if k is not None
                 ),
             )
         )
     cached: dict[HashKey, tuple[int, ...]] = {}
-    for raw in _list(obj.get("cached"), "cached"):
-        entry = _object(raw, "hash map entry")
-        key = (decode_hash(entry.get("hash")), _int(entry.get("group"), "group"))
-        cached[key] = tuple(_int(b, "block id") for b in _list(entry.get("blocks"), "blocks"))
+    previous: HashKey | None = None
+    for index, raw in enumerate(_list(obj["cached"], "state field cached")):
+        entry = _fields(raw, f"state field cached[{index}]", ("hash", "group", "blocks"))
+        key = (decode_hash(entry["hash"]), _int(entry["group"], f"cached[{index}].group"))
+        if previous is not None and key <= previous:
+            raise ProtocolError(
+                f"state field cached: entry {index} ({key[0].hex()}, group {key[1]}) "
+                f"{'repeats' if key == previous else 'comes after'} entry {index - 1} "
+                f"({previous[0].hex()}, group {previous[1]}): the list must be sorted by "
+                "(hash, group) with each key once (docs/formats.md)"
+            )
+        previous = key
+        cached[key] = tuple(
+            _int(b, f"cached[{index}].blocks") for b in _list(entry["blocks"], "blocks")
+        )
     return PoolState(
         config=config,
         blocks=tuple(blocks),
-        free_queue=tuple(_int(b, "free_queue") for b in _list(obj.get("free_queue"), "free_queue")),
+        free_queue=tuple(
+            _int(b, "state field free_queue")
+            for b in _list(obj["free_queue"], "state field free_queue")
+        ),
         cached=cached,
         pending_events=tuple(
-            decode_event(e) for e in _list(obj.get("pending_events", []), "pending_events")
+            decode_event(e) for e in _list(obj["pending_events"], "state field pending_events")
         ),
     )
+
+
+def _fields(value: Json, what: str, names: Sequence[str]) -> dict[str, Json]:
+    """``value`` as an object with exactly the fields ``names``, else ProtocolError naming one."""
+    obj = _object(value, what)
+    missing = [n for n in names if n not in obj]
+    if missing:
+        raise ProtocolError(f"{what}: missing field {missing[0]!r}")
+    unknown = [n for n in obj if n not in names]
+    if unknown:
+        raise ProtocolError(f"{what}: unknown field {_short(unknown[0])}")
+    return obj
 
 
 # --------------------------------------------------------------------------
@@ -311,7 +436,7 @@ def _call(target: PoolTarget, op: str, args: Mapping[str, Json]) -> Any:
         if not isinstance(target, Snapshottable):
             raise ProtocolError("this target has no snapshot")
         return target.snapshot()
-    raise ProtocolError(f"unknown operation {op!r}")
+    raise ProtocolError(f"unknown operation {_short(op)}")
 
 
 def encode_result(op: str, result: Any) -> Json:
@@ -332,7 +457,7 @@ def encode_result(op: str, result: Any) -> Json:
         return [encode_event(e) for e in result]
     if op == "snapshot":
         return encode_state(result)
-    raise ProtocolError(f"unknown operation {op!r}")
+    raise ProtocolError(f"unknown operation {_short(op)}")
 
 
 def apply(target: PoolTarget, op: str, args: Mapping[str, Json]) -> Json:
@@ -382,21 +507,30 @@ def encode_args(op: str, *args: Any) -> dict[str, Json]:
 # --------------------------------------------------------------------------
 
 
+def _short(value: Json) -> str:
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
 def _object(value: Json, what: str) -> dict[str, Json]:
     if not isinstance(value, dict):
-        raise ProtocolError(f"{what} must be a JSON object, got {value!r}")
+        raise ProtocolError(f"{what} must be a JSON object, got {_short(value)}")
     return value
 
 
 def _list(value: Json, what: str) -> list[Json]:
     if not isinstance(value, list):
-        raise ProtocolError(f"{what} must be a JSON array, got {value!r}")
+        raise ProtocolError(f"{what} must be a JSON array, got {_short(value)}")
+    if len(value) > MAX_ITEMS:
+        raise ProtocolError(f"{what} has {len(value)} items; the protocol allows {MAX_ITEMS}")
     return value
 
 
 def _int(value: Json, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ProtocolError(f"{what} must be an integer, got {value!r}")
+        raise ProtocolError(f"{what} must be an integer, got {_short(value)}")
+    if not -MAX_INT <= value <= MAX_INT:
+        raise ProtocolError(f"{what} is {_short(value)}, beyond the protocol's integers (2**53)")
     return value
 
 
@@ -406,13 +540,15 @@ def _optional_int(value: Json, what: str) -> int | None:
 
 def _bool(value: Json, what: str) -> bool:
     if not isinstance(value, bool):
-        raise ProtocolError(f"{what} must be true or false, got {value!r}")
+        raise ProtocolError(f"{what} must be true or false, got {_short(value)}")
     return value
 
 
 def _optional_str(value: Json, what: str) -> str | None:
     if value is not None and not isinstance(value, str):
-        raise ProtocolError(f"{what} must be a string or null, got {value!r}")
+        raise ProtocolError(f"{what} must be a string or null, got {_short(value)}")
+    if value is not None and len(value) > MAX_STRING:
+        raise ProtocolError(f"{what} is longer than {MAX_STRING} characters")
     return value
 
 
@@ -420,7 +556,7 @@ def check_result(op: str, value: Json) -> None:
     """Raise ProtocolError unless ``value`` has the shape of ``op``'s JSON result."""
     if op in ("touch", "free_blocks", "cache_full_blocks", "evict_blocks"):
         if value is not None:
-            raise ProtocolError(f"{op} returns null, got {value!r}")
+            raise ProtocolError(f"{op} returns null, got {_short(value)}")
     elif op == "get_new_blocks":
         _ids({"r": value}, "r")
     elif op == "get_cached_block":
@@ -434,7 +570,7 @@ def check_result(op: str, value: Json) -> None:
         _int(value, "get_num_free_blocks's result")
     elif op == "get_usage":
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ProtocolError(f"get_usage returns a number, got {value!r}")
+            raise ProtocolError(f"get_usage returns a number, got {_short(value)}")
     elif op == "take_events":
         for e in _list(value, "take_events's result"):
             decode_event(e)

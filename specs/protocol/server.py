@@ -18,7 +18,11 @@ from kvpool.specs.protocol.codec import (
     ProtocolError,
     apply,
     decode_config,
+    loads,
 )
+
+MAX_LINE = 16 * 1024 * 1024
+"""Characters one request line may have."""
 
 
 def hello_result(
@@ -46,11 +50,24 @@ class Server:
         self.target: PoolTarget | None = None
 
     def handle(self, message: Json) -> dict[str, Json]:
-        """The response to one decoded request."""
-        request = message if isinstance(message, dict) else {}
-        reply: dict[str, Json] = {"id": request.get("id")}
-        op, args = request.get("op"), request.get("args") or {}
+        """The response to one decoded request; never raises for what the request holds.
+
+        A malformed request is answered with ``"error": "ProtocolError"``; a
+        target that raises something other than a rejection is answered with
+        that exception's class name (which the kit reports as a target error).
+        """
+        if not isinstance(message, dict):
+            return _protocol_error(None, f"a request is a JSON object, not {_kind(message)}")
+        request_id = message.get("id")
+        if isinstance(request_id, bool) or not isinstance(request_id, int):
+            return _protocol_error(None, f"a request's id is an integer, not {_kind(request_id)}")
+        reply: dict[str, Json] = {"id": request_id}
+        op, args = message.get("op"), message.get("args", {})
         try:
+            if not isinstance(op, str):
+                raise ProtocolError(f"a request's op is a string, not {_kind(op)}")
+            if not isinstance(args, dict):
+                raise ProtocolError(f"a request's args are a JSON object, not {_kind(args)}")
             if op == "hello":
                 probe = self.make_target(PoolConfig(2))
                 reply["ok"] = hello_result(self.name, snapshot=isinstance(probe, Snapshottable))
@@ -59,30 +76,55 @@ class Server:
                 self.target = self.make_target(decode_config(args))
                 reply["ok"] = None
             elif self.target is None:
-                raise ProtocolError(f"{op!r} before new_pool")
+                raise ProtocolError(f"{op[:100]!r} before new_pool")
             else:
-                reply["ok"] = apply(self.target, str(op), args)
+                reply["ok"] = apply(self.target, op, args)
         except PoolError as error:
             reply["error"] = type(error).__name__
             reply["message"] = str(error)
         except ProtocolError as error:
             reply["error"] = "ProtocolError"
             reply["message"] = str(error)
+        except Exception as error:  # the served target's own crash: say what it raised
+            reply["error"] = type(error).__name__
+            reply["message"] = f"the target raised {type(error).__name__}: {error}"[:2000]
         return reply
+
+
+def _kind(value: Json) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _protocol_error(request_id: Json, message: str) -> dict[str, Json]:
+    return {"id": request_id, "error": "ProtocolError", "message": message}
 
 
 def serve(
     make_target: TargetFactory, stdin: IO[str], stdout: IO[str], name: str = "python"
 ) -> None:
-    """Answer requests from ``stdin`` on ``stdout`` until stdin closes."""
+    """Answer requests from ``stdin`` on ``stdout`` until stdin closes.
+
+    Each line is read as bounded data (``codec.loads``; lines of at most
+    ``MAX_LINE`` characters): garbage is answered with a ProtocolError, and
+    the server goes on with the next line.
+    """
     server = Server(make_target, name)
-    for line in stdin:
-        if not line.strip():
+    while True:
+        line = stdin.readline(MAX_LINE + 1)
+        if not line:
+            return
+        if len(line) > MAX_LINE and not line.endswith("\n"):
+            while (rest := stdin.readline(MAX_LINE)) and not rest.endswith("\n"):
+                pass
+            reply = _protocol_error(None, f"a request line is longer than {MAX_LINE} characters")
+        elif not line.strip():
             continue
-        try:
-            message = json.loads(line)
-        except ValueError:
-            message = None
-        reply = server.handle(message)
+        else:
+            try:
+                reply = server.handle(loads(line))
+            except ProtocolError as error:
+                reply = _protocol_error(
+                    None, f"the request is not JSON the protocol reads: {error}"
+                )
         stdout.write(json.dumps(reply) + "\n")
         stdout.flush()

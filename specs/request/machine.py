@@ -440,7 +440,8 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
             self._agree(model, target, tables)
             pool = model.managers.pool
         if isinstance(target, ManagerSnapshottable):
-            snapshot = target.snapshot()
+            snapshotted = target
+            snapshot = self._call("snapshot()", lambda _: snapshotted.snapshot())
             if self.lockstep and snapshot != model:
                 raise ManagerDivergence(
                     f"the target's state differs from the model's:\nmodel:  {model}\n"

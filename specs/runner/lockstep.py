@@ -14,7 +14,12 @@ that raises something other than a rejection diverges, unless it is a
 ``TargetError`` (the target could not be run), which passes through.
 
 Every call the target received is kept in ``trace``, with the model's
-result, so a failure can name the program in the protocol's terms.
+result, so a failure can name the program in the protocol's terms
+(``program_lines``: one numbered step per operation the target received,
+hashes in hex).
+
+A target that recurses without end (``RecursionError``) or exhausts memory
+is not diverging, it cannot be checked: those become ``TargetError``.
 """
 
 import difflib
@@ -25,12 +30,30 @@ from hypothesis import event
 
 from kvpool.model.errors import PoolError
 from kvpool.specs.errors import Divergence, TargetError
+from kvpool.specs.runner.show import show
 
 S = TypeVar("S")
 """The model's state type of the layer."""
 Tgt = TypeVar("Tgt")
 """The target protocol of the layer."""
 T = TypeVar("T")
+
+
+class _Rejected:
+    """The model's answer to a call it rejects, as a trace shows it."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"rejected: {self.name}"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Rejected) and other.name == self.name
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
 
 _NOTE = object()
 """The result of a trace line that is not a call (``LockStep._note``)."""
@@ -110,20 +133,28 @@ class LockStep(Generic[S, Tgt]):
         if self.level < 2:
             event(f"level 1: invalid {description.split('(')[0]} not sent")
             return
-        self.trace.append((description, expected.__name__))
+        self.trace.append((description, _Rejected(expected.__name__)))
         self._expect_rejection(description, expected, on_target)
 
     def _call(self, description: str, on_target: Callable[[Tgt], Any]) -> Any:
         """The target's answer to a call the model accepts; any rejection diverges."""
         assert self.target is not None
+        watched = _Watched(self.target)
         try:
-            return on_target(self.target)
+            return on_target(watched)  # type: ignore[arg-type]
         except TargetError:
             raise
+        except (RecursionError, MemoryError) as error:
+            raise _cannot_check(description, error) from None
         except PoolError as error:
             self._diverge(description, f"the model accepts it, the target rejects it: {error!r}")
         except Exception as error:
-            self._diverge(description, f"the model accepts it, the target raises {error!r}")
+            if watched.answered:
+                raise TargetError(
+                    f"target error during {description}: the target answered something the "
+                    f"kit cannot read ({type(error).__name__}: {show(error)} while reading it)"
+                ) from None
+            self._diverge(description, f"the model accepts it, the target raises {show(error)}")
 
     def _expect_rejection(
         self,
@@ -139,6 +170,8 @@ class LockStep(Generic[S, Tgt]):
             on_target(self.target)
         except TargetError:
             raise
+        except (RecursionError, MemoryError) as error:
+            raise _cannot_check(description, error) from None
         except PoolError as error:
             if type(error) is not expected:
                 self._diverge(
@@ -162,8 +195,18 @@ class LockStep(Generic[S, Tgt]):
         """Called after every step both sides applied; layers keep history here."""
 
     def _compare(self, description: str, expected: object, actual: object) -> None:
-        if expected != actual:
-            self._diverge(description, f"model returned {expected!r}, target returned {actual!r}")
+        try:
+            differ = bool(expected != actual)
+        except Exception as error:
+            raise TargetError(
+                f"target error during {description}: the target answered {show(actual)}, "
+                f"which cannot be compared with the model's answer ({type(error).__name__}: "
+                f"{error})"
+            ) from None
+        if differ:
+            self._diverge(
+                description, f"model returned {show(expected)}, target returned {show(actual)}"
+            )
 
     def _diverge(self, description: str, what: str) -> NoReturn:
         raise self.divergence(f"{description}: {what}")
@@ -173,8 +216,55 @@ class LockStep(Generic[S, Tgt]):
         self.trace.append((line, _NOTE))
 
     def trace_lines(self) -> list[str]:
-        """The calls of this program, one per line, with the model's results."""
-        return [call if result is _NOTE else f"{call} -> {result!r}" for call, result in self.trace]
+        """The calls of this program, one per line, with the model's results (hashes in hex)."""
+        return [
+            call if result is _NOTE else f"{call} -> {show(result)}" for call, result in self.trace
+        ]
+
+    def program_lines(self) -> list[str]:
+        """The operations the target received, numbered as reports count steps.
+
+        Lines that are not calls (how the program began) are not numbered.
+        """
+        lines = []
+        number = 0
+        for call, result in self.trace:
+            if result is _NOTE:
+                lines.append(call)
+                continue
+            number += 1
+            lines.append(f"step {number}: {call} -> {show(result)}")
+        return lines
+
+
+class _Watched:
+    """The target, telling whether its latest method call returned (then a failure that
+    follows is in reading the answer, not in the target's call)."""
+
+    def __init__(self, target: object) -> None:
+        self._target = target
+        self.answered = False
+
+    def __getattr__(self, name: str) -> Any:
+        found = getattr(self._target, name)
+        if not callable(found):
+            return found
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self.answered = False
+            answer = found(*args, **kwargs)
+            self.answered = True
+            return answer
+
+        return call
+
+
+def _cannot_check(description: str, error: BaseException) -> TargetError:
+    what = "recursed without end" if isinstance(error, RecursionError) else "ran out of memory"
+    return TargetError(
+        f"target error during {description}: the target {what} ({type(error).__name__}); "
+        "it cannot be checked"
+    )
 
 
 def dump_diff(expected: str, actual: str) -> str:

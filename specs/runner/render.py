@@ -4,13 +4,15 @@ import dataclasses
 import difflib
 import io
 import json
+import re
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
-from xml.sax.saxutils import escape
+from xml.sax.saxutils import escape as escape_xml
 
 from rich.console import Console
+from rich.markup import escape
 from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
@@ -20,55 +22,116 @@ from kvpool.specs.runner.report import ConformanceReport, Counterexample
 T = TypeVar("T")
 
 
+VERDICTS = {
+    None: "conforms",
+    "divergence": "diverges",
+    "invariant": "diverges (an invariant broke)",
+    "target-error": "no verdict: target error",
+    "flaky": "no verdict: the target is flaky",
+    "nothing-ran": "no verdict: nothing ran",
+    "kit-error": "no verdict: the kit failed",
+}
+"""The one-line result of a run, by ``ConformanceReport.failure_kind``."""
+
+TITLES = {
+    "divergence": "diverges from the model",
+    "invariant": "diverges from the model",
+    "target-error": "could not be run",
+    "flaky": "is flaky",
+    "nothing-ran": "was not checked",
+    "kit-error": "could not be checked",
+}
+
+
+def verdict(report: ConformanceReport) -> str:
+    """The result line of ``report``: conforms, diverges, or why there is no verdict."""
+    if report.conforms and report.examples_run == 0:
+        return VERDICTS["nothing-ran"]
+    return VERDICTS.get(report.failure_kind, f"no verdict: {report.failure_kind}")
+
+
 def print_terminal(console: Console, report: ConformanceReport) -> None:
     """The report as ``kvpool check`` prints it: the failure, if any, then a summary table."""
     if not report.conforms:
-        broken = report.failure_kind == "target-error"
-        title = "could not be run" if broken else "diverges from the model"
-        console.rule(f"[red]{report.target} {title}[/red]")
-        if report.program:
-            console.print("[bold]Minimal failing program:[/bold]")
+        title = TITLES.get(report.failure_kind or "", "could not be checked")
+        console.rule(Text(f"{report.target} {title}", style="red"))
+        if report.program and report.failure_kind not in ("flaky",):
+            console.print(
+                "[bold]Minimal failing program[/bold] (the operations the target received):"
+            )
             console.print(report.program, markup=False, highlight=False)
         if report.counterexample is not None:
             print_counterexample(console, report.counterexample)
         else:
-            console.print(f"[bold]What went wrong ({report.failure_kind}):[/bold]")
+            console.print(f"[bold]What went wrong ({escape(report.failure_kind or '')}):[/bold]")
             console.print(report.failure or "", markup=False, highlight=False)
-    if report.verdicts:
-        for note in report.notes:
-            console.print(note, markup=False, highlight=False)
+    for note in report.notes:
+        console.print(Text(f"note: {note}", style="yellow"))
     table = Table(title="kvpool check", show_header=False)
-    table.add_row("target", report.target)
+    table.add_row("target", Text(report.target))
+    table.add_row("layer", report.layer)
     table.add_row("level", str(report.level))
-    table.add_row("semantics profile(s)", ", ".join(report.profiles))
+    table.add_row("semantics profile(s)", Text(", ".join(report.profiles)))
     for profile, verdict in report.verdicts.items():
         claim = "claimed" if profile in report.claimed else "not claimed"
-        table.add_row(f"verdict under {profile} ({claim})", verdict)
-    table.add_row("Hypothesis profile", report.hypothesis_profile)
-    table.add_row("programs run", str(report.examples_run))
+        table.add_row(Text(f"verdict under {profile} ({claim})"), Text(verdict))
+    table.add_row("Hypothesis profile", Text(report.hypothesis_profile))
+    asked = f" (the run asked for {report.max_examples})" if report.max_examples else ""
+    longest = f", up to {report.steps_per_program} steps each" if report.steps_per_program else ""
+    table.add_row("programs run", f"{report.examples_run}{asked}{longest}")
     table.add_row("time", f"{report.seconds:.1f} s")
-    verdict = "[green]conforms[/green]" if report.conforms else "[red]diverges[/red]"
-    if report.failure_kind == "target-error":
-        verdict = "[red]target error[/red]"
-    table.add_row("result", verdict)
+    good = report.exit_code == 0
+    table.add_row("result", Text(verdict(report), style="green" if good else "red"))
     console.print(table)
+    if good:
+        console.print(Text(deeper(report), style="dim"))
+
+
+def deeper(report: ConformanceReport) -> str:
+    """One line on how to check more than this run did."""
+    return (
+        f"{report.examples_run} programs found no difference. To check deeper: "
+        "--hypothesis-profile deep (20,000 programs of up to 120 steps) or --examples N; "
+        "docs/how-to/how-much-checking.md says how much is enough."
+    )
 
 
 def to_json(report: ConformanceReport) -> str:
-    """The report as a JSON document (every field of ``ConformanceReport``)."""
-    return json.dumps(dataclasses.asdict(report), indent=2)
+    """The report as a JSON document (every field of ``ConformanceReport``, and the exit code)."""
+    document = dataclasses.asdict(report)
+    document["exit_code"] = report.exit_code
+    document["verdict"] = verdict(report)
+    return json.dumps(document, indent=2)
+
+
+_NOT_XML = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+"""Characters XML 1.0 cannot hold at all, escaped or not (control characters, lone surrogates)."""
+
+
+def xml_text(text: str) -> str:
+    r"""``text`` made safe inside an XML element or a double-quoted attribute.
+
+    >>> xml_text('a "b" <c>')
+    'a &quot;b&quot; &lt;c&gt;'
+    >>> xml_text(chr(27) + "[31m")
+    '\\x1b[31m'
+    """
+    cleaned = _NOT_XML.sub(lambda m: repr(m.group())[1:-1], text)
+    return escape_xml(cleaned, {'"': "&quot;"})
 
 
 def to_junit(report: ConformanceReport) -> str:
     """The report as a JUnit XML test suite of one test case."""
-    name = escape(f"kvpool check {report.target} level {report.level}")
+    name = xml_text(f"kvpool check {report.target} level {report.level}")
     failure = ""
-    if not report.conforms:
-        body = escape(f"{report.program or ''}\n\n{report.failure or ''}")
-        failure = f'<failure message="{escape(report.failure_kind or "")}">{body}</failure>'
+    counted = "failures" if report.exit_code == 1 else "errors"
+    if report.exit_code != 0:
+        body = xml_text(f"{report.program or ''}\n\n{report.failure or ''}")
+        tag = "failure" if report.exit_code == 1 else "error"
+        failure = f'<{tag} message="{xml_text(verdict(report))}">{body}</{tag}>'
     return (
         '<?xml version="1.0" encoding="utf-8"?>\n'
-        f'<testsuite name="kvpool" tests="1" failures="{0 if report.conforms else 1}" '
+        f'<testsuite name="kvpool" tests="1" {counted}="{0 if report.exit_code == 0 else 1}" '
         f'time="{report.seconds:.3f}">\n'
         f'  <testcase classname="kvpool.check" name="{name}" time="{report.seconds:.3f}">'
         f"{failure}</testcase>\n</testsuite>\n"

@@ -7,7 +7,10 @@
 * ``mutation``: ``ci`` without shrinking or database, for mutation testing.
 
 Loading one is the caller's choice (``settings.load_profile``); importing this
-module only registers them.
+module only registers them. Where a profile with a database keeps its
+examples is the runner's choice (``kvpool.specs.runner.database``): kvpool's
+own directory per layer and target, never ``.hypothesis/`` in the working
+directory.
 """
 
 import os
@@ -42,12 +45,6 @@ settings.register_profile(
     stateful_step_count=40,
     phases=[Phase.explicit, Phase.generate],
 )
-
-if os.environ.get("KVPOOL_REDIS_URL"):
-    # Workers sharing failures through one Redis server (docs/fuzzing.md).
-    from kvpool.specs.runner.database import use_shared_database_from_env
-
-    use_shared_database_from_env()
 
 PROFILE_NAMES = ("ci", "dev", "deep", "fuzz", "mutation")
 

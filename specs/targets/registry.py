@@ -55,6 +55,7 @@ check needs: the factory, the profiles the target claims, the operations it
 supports, its preflight, and whether it runs in a child interpreter.
 """
 
+import inspect
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -496,6 +497,19 @@ def _sglang_class(spec: str) -> tuple[str, Any]:
 # --------------------------------------------------------------------------
 
 
+def _signature_problem(factory: Callable[..., Any]) -> str | None:
+    """Why ``factory`` cannot be called with one positional argument, or None if it can."""
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):
+        return None  # a builtin or C callable: it will say so when called
+    try:
+        signature.bind(object())
+    except TypeError as error:
+        return f"its signature {signature} does not allow that ({error})"
+    return None
+
+
 def _module_factory(layer: str, spec: str) -> TargetDescriptor:
     if ":" not in spec:
         raise TargetSpecError(
@@ -514,6 +528,13 @@ def _module_factory(layer: str, spec: str) -> TargetDescriptor:
         return _from_scope(spec, factory)
     if not callable(factory):
         raise TargetSpecError(f"{module_name!r} has no callable {attribute!r}")
+    problem = _signature_problem(factory)
+    if problem is not None:
+        setup = {"pool": "PoolConfig", "request": "ManagerSetup", "v0": "V0Config"}[layer]
+        raise TargetSpecError(
+            f"{spec} cannot be a {layer} target factory: it must take one argument "
+            f"(a {setup}) and {problem}"
+        )
     unsupported = getattr(factory, "unsupported_operations", None)
     return TargetDescriptor(
         layer,

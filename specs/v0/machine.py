@@ -377,10 +377,10 @@ class V0Machine(LockStep[V0State, V0Target], RuleBasedStateMachine):
         self._compare(
             "get_num_free_blocks()",
             model.get_num_free_blocks(self.model),
-            self.target.get_num_free_blocks(),
+            self._call("get_num_free_blocks()", lambda t: t.get_num_free_blocks()),
         )
         check_all(self.model)
-        snapshot = self.target.snapshot()
+        snapshot = self._call("snapshot()", lambda t: t.snapshot())
         if snapshot != self.model:
             raise V0Divergence(
                 self._history(

@@ -22,8 +22,10 @@ from kvpool.specs.vectors.format import (
     LoadedVector,
     VectorFormatError,
     bundled_corpus,
+    count_valid,
     load,
     load_schema,
+    scan,
     validators,
 )
 from kvpool.specs.vectors.generate import (
@@ -62,6 +64,7 @@ __all__ = [
     "VectorFormatError",
     "bundled_corpus",
     "check_step",
+    "count_valid",
     "dump_line",
     "export",
     "generate",
@@ -73,6 +76,7 @@ __all__ = [
     "run_corpus",
     "run_vector",
     "same_result",
+    "scan",
     "state_of",
     "state_problem",
     "validators",

@@ -9,12 +9,13 @@ the schema. docs/formats.md describes the format.
 
 import hashlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
-from kvpool.specs.protocol.codec import Json
+from kvpool.specs.protocol.codec import Json, ProtocolError, loads
 
 FORMAT = "kvpool-vectors"
 FORMAT_VERSION = 1
@@ -113,47 +114,81 @@ def _short(text: str) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
+MAX_LINE = 16 * 1024 * 1024
+"""Bytes one vector line may have."""
+MAX_MANIFEST = 1024 * 1024
+"""Bytes a manifest may have."""
+
+
 def load(path: Path, max_errors: int = 20, layer: str = "pool") -> list[LoadedVector]:
     """Read and validate vectors from a directory with a manifest, or from one .jsonl file.
 
     Raises VectorFormatError listing every problem (file, line and field).
-    ``layer`` names the format (``pool`` or ``request``).
+    ``layer`` names the format (``pool`` or ``request``). Holds every vector
+    in memory: ``scan`` streams them instead.
+    """
+    return list(scan(path, max_errors, layer))
+
+
+def count_valid(path: Path, max_errors: int = 20, layer: str = "pool") -> int:
+    """How many vectors ``path`` holds, all validated; VectorFormatError as ``load``. Streams."""
+    return sum(1 for _ in scan(path, max_errors, layer))
+
+
+def scan(path: Path, max_errors: int = 20, layer: str = "pool") -> Iterator[LoadedVector]:
+    """The valid vectors of ``path``, one at a time, as they are read.
+
+    Memory stays bounded whatever the corpus size, and each byte is read a
+    bounded number of times (once for the manifest's checksum, once to parse).
+    After the last vector, or as soon as ``max_errors`` problems are found,
+    raises VectorFormatError listing them; a consumer that must not act on a
+    corpus with problems collects first (``load``).
     """
     validator, manifest_validator = validators(layer)
     problems: list[str] = []
     if path.is_dir():
         files = _manifest_files(path, manifest_validator, problems)
-    elif path.is_file():
+    elif path.exists():  # a file, or a pipe (/dev/stdin)
         files = [(path, None)]
     else:
         raise VectorFormatError(f"{path}: no such file or directory")
-    loaded: list[LoadedVector] = []
     for file, count in files:
+        found = 0
         try:
-            text = file.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as error:
+            stream = file.open("rb")
+        except OSError as error:
             problems.append(f"{file.name}: cannot read: {error}")
             continue
-        lines = text.splitlines()
-        if count is not None and count != sum(1 for x in lines if x.strip()):
-            problems.append(
-                f"{file.name}: the manifest says {count} vectors, the file has "
-                f"{sum(1 for x in lines if x.strip())}"
-            )
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            where = f"{file.name} line {number}"
-            try:
-                value = json.loads(line)
-            except ValueError as error:
-                problems.append(f"{where}: not JSON: {error}")
-                continue
-            errors = _schema_errors(validator, value, where)
-            if errors:
-                problems.extend(errors)
-            else:
-                loaded.append(LoadedVector(file.name, number, value))
+        with stream:
+            for number, raw in enumerate(_lines(stream), 1):
+                if len(problems) >= max_errors:
+                    break
+                where = f"{file.name} line {number}"
+                if raw is None:
+                    problems.append(f"{where}: longer than {MAX_LINE} bytes")
+                    continue
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as error:
+                    problems.append(f"{where}: not UTF-8: {error}")
+                    continue
+                if not line.strip():
+                    continue
+                found += 1
+                try:
+                    value = loads(line)
+                except ProtocolError as error:
+                    problems.append(f"{where}: {error}")
+                    continue
+                errors = (
+                    [] if validator.is_valid(value) else _schema_errors(validator, value, where)
+                )
+                if errors:
+                    problems.extend(errors)
+                elif not problems:
+                    yield LoadedVector(file.name, number, value)
+        if count is not None and count != found and len(problems) < max_errors:
+            problems.append(f"{file.name}: the manifest says {count} vectors, the file has {found}")
         if len(problems) >= max_errors:
             break
     if problems:
@@ -162,7 +197,28 @@ def load(path: Path, max_errors: int = 20, layer: str = "pool") -> list[LoadedVe
         raise VectorFormatError(
             "\n".join(shown) + (f"\n... and {more} more problem(s)" if more > 0 else "")
         )
-    return loaded
+
+
+def _lines(stream: BinaryIO) -> Iterator[bytes | None]:
+    """The lines of ``stream`` without their newline; None for one longer than ``MAX_LINE``."""
+    while True:
+        line = stream.readline(MAX_LINE + 1)
+        if not line:
+            return
+        if len(line) > MAX_LINE and not line.endswith(b"\n"):
+            while (rest := stream.readline(MAX_LINE)) and not rest.endswith(b"\n"):
+                pass
+            yield None
+            continue
+        yield line.rstrip(b"\r\n")
+
+
+def _file_sha256(file: Path) -> str:
+    digest = hashlib.sha256()
+    with file.open("rb") as stream:
+        while chunk := stream.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _manifest_files(
@@ -170,13 +226,20 @@ def _manifest_files(
 ) -> list[tuple[Path, int | None]]:
     manifest_path = directory / MANIFEST
     try:
-        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        with manifest_path.open("rb") as stream:
+            text = stream.read(MAX_MANIFEST + 1)
     except FileNotFoundError:
         raise VectorFormatError(
             f"{manifest_path}: missing (a vectors directory needs one)"
         ) from None
-    except (OSError, ValueError) as error:
-        raise VectorFormatError(f"{manifest_path}: not a JSON manifest: {error}") from error
+    except OSError as error:
+        raise VectorFormatError(f"{manifest_path}: cannot read: {error}") from None
+    if len(text) > MAX_MANIFEST:
+        raise VectorFormatError(f"{manifest_path}: larger than {MAX_MANIFEST} bytes")
+    try:
+        manifest = loads(text)
+    except ProtocolError as error:
+        raise VectorFormatError(f"{manifest_path}: not a JSON manifest: {error}") from None
     errors = _schema_errors(validator, manifest, MANIFEST)
     if errors:
         raise VectorFormatError("\n".join(errors))
@@ -184,14 +247,13 @@ def _manifest_files(
     for entry in manifest["files"]:
         file = directory / entry["name"]
         try:
-            data = file.read_bytes()
+            digest = _file_sha256(file)
         except OSError as error:
             problems.append(f"{MANIFEST}: lists {entry['name']}, which cannot be read: {error}")
             continue
-        if sha256(data) != entry["sha256"]:
+        if digest != entry["sha256"]:
             problems.append(
-                f"{entry['name']}: sha256 {sha256(data)} does not match the "
-                f"manifest's {entry['sha256']}"
+                f"{entry['name']}: sha256 {digest} does not match the manifest's {entry['sha256']}"
             )
             continue
         files.append((file, int(entry["count"])))

@@ -7,7 +7,7 @@ mismatch; ``run_corpus`` stops at the first one.
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvpool.model import PoolConfig, PoolError
@@ -170,16 +170,35 @@ class RunResult:
     skipped: int = 0
     mismatches: list[Mismatch] = field(default_factory=list)
     target_error: str | None = None
+    skipped_kinds: set[tuple[int, str]] = field(default_factory=set)
+    """The (level, profile) of the vectors skipped."""
+    kept_mismatches: int = 20
+    """How many mismatches are kept in full (the rest are only counted in ``failed``)."""
+    failed: int = 0
+
+    def why_nothing_ran(self, levels: Sequence[int] | None, profiles: Sequence[str] | None) -> str:
+        """Why ``run`` is 0, in words (the corpus was empty, or every vector was filtered out)."""
+        if not self.skipped:
+            return "the vectors hold no vector at all"
+        found = ", ".join(f"level {lv} {pr}" for lv, pr in sorted(self.skipped_kinds))
+        return (
+            f"none of the {self.skipped} vectors is of a chosen level and profile "
+            f"(levels {list(levels) if levels is not None else 'any'}, profiles "
+            f"{list(profiles) if profiles is not None else 'any'}); the vectors are: {found}"
+        )
 
 
 def run_corpus(
     factory: TargetFactory,
-    vectors: Sequence[LoadedVector],
+    vectors: Iterable[LoadedVector],
     levels: Sequence[int] | None = None,
     profiles: Sequence[str] | None = None,
     fail_fast: bool = False,
 ) -> RunResult:
-    """Replay every vector whose level and profile are chosen; count what happened."""
+    """Replay every vector whose level and profile are chosen; count what happened.
+
+    ``vectors`` may be a stream (``format.scan``): each is dropped once run.
+    """
     result = RunResult()
     for vector in vectors:
         config = vector.data["config"]
@@ -187,6 +206,7 @@ def run_corpus(
             profiles is not None and config["profile"] not in profiles
         ):
             result.skipped += 1
+            result.skipped_kinds.add((vector.data["level"], config["profile"]))
             continue
         result.run += 1
         try:
@@ -201,7 +221,9 @@ def run_corpus(
         if mismatch is None:
             result.passed += 1
         else:
-            result.mismatches.append(mismatch)
+            result.failed += 1
+            if len(result.mismatches) < result.kept_mismatches:
+                result.mismatches.append(mismatch)
             if fail_fast:
                 break
     return result

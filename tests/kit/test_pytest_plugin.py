@@ -30,7 +30,7 @@ def test_a_diverging_target_fails_with_the_counterexample(pytester: pytest.Pytes
     result.stdout.fnmatch_lines(
         [
             "*tests.kit.buggy_pool:WrongUsage: divergence*",
-            "*Minimal failing program:*",
+            "*Minimal failing program*",
             "*Where they part: step 1 of 1, get_usage*",
             "*the model returns 0.0, the target returned 0.25*",
             "*def test_kvpool_regression_*",

@@ -41,8 +41,8 @@ def test_the_report_shows_the_program_the_parting_step_and_the_states(
     result, _ = planted
     out = result.stdout
     assert result.returncode == 1, out + result.stderr
-    assert "Minimal failing program:" in out
-    assert re.search(r"state\.(free_blocks|finish)\(block_ids=\[[\d, ]+\]\)", out)
+    assert "Minimal failing program" in out
+    assert re.search(r'step \d+: free_blocks \{"block_ids": \[[\d, ]+\]\} -> null', out)
     assert re.search(r'Where they part: step (\d) of \1, free_blocks \{"block_ids": \[', out)
     assert "The two states side by side" in out
     side_by_side = [line for line in out.splitlines() if line.startswith("│") and "≠" in line]

@@ -9,29 +9,27 @@ failing program.
 
 import json
 import sys
-import unittest
 
 from hypothesis import Phase, settings
 
 from kvpool.specs.conformance import run_conformance
+from kvpool.specs.runner.database import DatabaseChoice, database_for
 from kvpool.specs.runner.settings import default_profile_name
 from tests.corpus.bugs import BUGS, target_of
 
 
 def main() -> None:
-    name, mode, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    # The seed names the worker only: a seeded run uses no example database.
+    name, mode = sys.argv[1], sys.argv[2]
     bug = next(b for b in BUGS if b.name == name)
-    fuzz = settings.get_profile("fuzz")
-    assert fuzz.database is not None and "Multiplexed" in type(fuzz.database).__name__, (
-        "KVPOOL_REDIS_URL did not reach the fuzz profile"
-    )
+    notes: list[str] = []
+    shared = database_for("pool", "target", DatabaseChoice.REDIS, notes)
+    assert "Multiplexed" in type(shared).__name__, "KVPOOL_REDIS_URL did not reach the database"
     phases = [Phase.reuse] if mode == "reuse-only" else [Phase.reuse, Phase.generate, Phase.shrink]
+    fuzz = settings.get_profile("fuzz")
     settings.register_profile("worker", fuzz, phases=phases, max_examples=5000)
-    try:
-        report = run_conformance(
-            target_of(bug.pool), level=bug.level, hypothesis_profile="worker", seed=seed
-        )
-    except unittest.SkipTest:
+    report = run_conformance(target_of(bug.pool), level=bug.level, hypothesis_profile="worker")
+    if report.failure_kind == "nothing-ran":
         # reuse-only with nothing saved: Hypothesis has no program to run.
         print(json.dumps({"conforms": True, "examples_run": 0, "program": None}))
         return

@@ -6,19 +6,17 @@ program once and keeps it; each program of the machine begins with
 ``new_consumer``. A program that crashes, hangs, prints something that is
 not an answer, answers out of turn, answers with an ``error`` (a consumer
 has no rejections) or returns scores of the wrong shape is a target error,
-and the target stays broken from then on.
+and the target stays broken from then on. The exchange runs on the
+layer-neutral ``Session`` (``kvpool.specs.targets.cmd.session``): answers
+are bounded data, the program runs in a process group of its own and the
+whole group is ended.
 """
 
-import json
 import shlex
-from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import NoReturn
 
-from hypothesis import currently_in_test_context
-
 from kvpool.model import EVENT_SEMANTICS, KVCacheEvent
-from kvpool.specs.errors import TargetAbort, TargetError
 from kvpool.specs.events.target import ConsumerConfig, Query
 from kvpool.specs.protocol import codec
 from kvpool.specs.protocol.codec import Json, ProtocolError
@@ -28,17 +26,36 @@ from kvpool.specs.protocol.consumer import (
     encode_consumer_config,
     encode_query,
 )
-from kvpool.specs.targets.cmd.process import (
-    Failure,
-    Process,
-    clip,
-    default_timeout,
-    reply_problem,
-    show,
-    signal_name,
-)
+from kvpool.specs.targets.cmd.session import Dialect, Session, SessionFailure, clip
 
-RECENT_REQUESTS = 12
+
+def _check_hello(hello: dict[str, Json]) -> dict[str, Json]:
+    semantics = hello.get("event_semantics", [])
+    if not isinstance(semantics, list) or any(s not in EVENT_SEMANTICS for s in semantics):
+        raise SessionFailure(
+            f"hello: event_semantics must list some of {list(EVENT_SEMANTICS)}, "
+            f"got {clip(semantics)}"
+        )
+    if not isinstance(hello.get("remove_worker", False), bool):
+        raise SessionFailure("hello: remove_worker must be true or false")
+    return hello
+
+
+def _check_result(op: str, value: Json) -> None:
+    # Scores are checked against the consumer's worker count where they are read.
+    if op in ("new_consumer", "apply_events", "remove_worker") and value is not None:
+        raise ProtocolError(f"{op} answered {clip(value)}, not null")
+
+
+CONSUMER_DIALECT = Dialect(
+    version=CONSUMER_PROTOCOL_VERSION,
+    check_hello=_check_hello,
+    is_rejection=lambda name: False,
+    check_result=_check_result,
+    hello_args={"layer": "events"},
+    unknown_error="a consumer has no rejections",
+)
+"""The consumer protocol (``kvpool.specs.protocol.consumer``) as a session dialect."""
 
 
 class CmdConsumerFactory:
@@ -51,148 +68,63 @@ class CmdConsumerFactory:
     def __init__(
         self, argv: Sequence[str], timeout: float | None = None, cwd: str | None = None
     ) -> None:
-        if not argv:
-            raise ValueError("cmd: needs a program to run")
-        self.argv = list(argv)
-        self.timeout = default_timeout() if timeout is None else timeout
-        self.cwd = cwd
-        self.process: Process | None = None
-        self.hello: dict[str, Json] | None = None
-        self.broken: str | None = None
+        self.session = Session(argv, CONSUMER_DIALECT, timeout, cwd)
         self.generation = 0
-        self.next_id = 0
-        self.recent: deque[str] = deque(maxlen=RECENT_REQUESTS)
 
     @classmethod
     def from_spec(cls, spec: str, timeout: float | None = None) -> "CmdConsumerFactory":
-        """The factory for a ``cmd:PROGRAM ARGS`` string (split like a shell)."""
+        """The factory for a ``cmd:PROGRAM ARGS`` string (split like a shell).
+
+        ValueError if the string names no program or KVPOOL_CMD_TIMEOUT is unusable.
+        """
         _, _, command = spec.partition(":")
         return cls(shlex.split(command), timeout)
 
     @property
+    def argv(self) -> list[str]:
+        return self.session.argv
+
+    @property
+    def timeout(self) -> float:
+        return self.session.timeout
+
+    @property
     def command(self) -> str:
-        return shlex.join(self.argv)
+        return self.session.command
 
     @property
     def event_semantics(self) -> tuple[str, ...]:
         """The event semantics the program's hello claims."""
-        return tuple(self._hello().get("event_semantics") or ())
+        semantics = self.session.hello_answer().get("event_semantics") or []
+        assert isinstance(semantics, list)
+        return tuple(str(s) for s in semantics)
 
     @property
     def removes_workers(self) -> bool:
-        return bool(self._hello().get("remove_worker", False))
+        return bool(self.session.hello_answer().get("remove_worker", False))
 
     def preflight(self, level: int, semantics: Sequence[str]) -> None:
         """Start the program and read its hello; TargetError if it cannot be checked."""
-        self._hello()
+        self.session.hello_answer()
 
     def __call__(self, config: ConsumerConfig) -> "CmdConsumer":
         self.generation += 1
-        self.recent.clear()
+        self.session.recent.clear()
         self.request("new_consumer", encode_consumer_config(config))
         cls = RemovingCmdConsumer if self.removes_workers else CmdConsumer
         return cls(self, config, self.generation)
 
     def close(self) -> None:
-        if self.process is not None:
-            self.process.stop()
-            self.process = None
-
-    # The exchange -------------------------------------------------------------
+        """End the program and its process group."""
+        self.session.close()
 
     def request(self, op: str, args: dict[str, Json]) -> Json:
         """Send one request and return its ``ok`` value; TargetError (or Abort) otherwise."""
-        if self.broken is None:
-            try:
-                return self._exchange(op, args)["ok"]
-            except Failure as failure:
-                self.broken = str(failure)
-        self._raise_broken()
+        return self.session.request(op, args)["ok"]
 
     def fail(self, message: str) -> NoReturn:
         """Mark the program broken with ``message`` and raise it."""
-        if self.broken is None:
-            self.broken = message
-            self.close()
-        self._raise_broken()
-
-    def _raise_broken(self) -> NoReturn:
-        error = TargetError(self.broken or "the consumer program is broken")
-        if currently_in_test_context():
-            raise TargetAbort(error)
-        raise error
-
-    def _hello(self) -> dict[str, Json]:
-        if self.hello is None and self.broken is None:
-            try:
-                self.process = Process(self.argv, self.cwd)
-                args = {"protocol": CONSUMER_PROTOCOL_VERSION, "kit": "kvpool", "layer": "events"}
-                self.hello = _check_hello(self._exchange("hello", args, starting=True))
-            except Failure as failure:
-                self.broken = str(failure)
-                self.close()
-        if self.hello is None:
-            self._raise_broken()
-        return self.hello
-
-    def _exchange(self, op: str, args: dict[str, Json], starting: bool = False) -> dict[str, Json]:
-        if not starting:
-            self._hello()
-        process = self.process
-        assert process is not None
-        request_id = self.next_id
-        self.next_id += 1
-        what = f"{op} {show(args)}" if args else op
-        line = json.dumps({"id": request_id, "op": op, "args": args}, separators=(",", ":"))
-        try:
-            process.send(line.encode() + b"\n")
-            raw = process.receive(self.timeout)
-        except TimeoutError:
-            raise Failure(
-                self._report(
-                    what, f"it did not answer within {self.timeout:g} s (it hangs?)", alive=True
-                )
-            ) from None
-        except OSError as error:
-            raise Failure(self._report(what, f"it stopped reading its input ({error})")) from None
-        if raw is None:
-            raise Failure(self._report(what, "it closed its output (crashed?)"))
-        try:
-            reply = json.loads(raw)
-        except ValueError:
-            raise Failure(
-                self._report(what, f"it printed something that is not JSON: {clip(raw)}", True)
-            ) from None
-        problem = reply_problem(reply, request_id)
-        if problem is None and "error" in reply:
-            problem = (
-                f"it answered with error {reply.get('error')!r} "
-                f"({reply.get('message')!r}); a consumer has no rejections"
-            )
-        if problem is not None:
-            raise Failure(self._report(what, problem, alive=True))
-        self.recent.append(what)
-        assert isinstance(reply, dict)
-        return reply
-
-    def _report(self, what: str, problem: str, alive: bool = False) -> str:
-        process = self.process
-        lines = [f"target error during {what}: the consumer program failed: {problem}."]
-        if process is not None:
-            if alive:
-                process.popen.kill()
-            code = process.exit_code(2.0)
-            if not alive and code is not None:
-                lines.append(f"exit code: {code}{signal_name(code)}")
-            tail = process.stderr_tail()
-            lines.append("last lines of its stderr:" if tail else "its stderr is empty.")
-            lines.extend(f"  {t}" for t in tail)
-        if self.recent:
-            lines.append("requests before it in this program (oldest first):")
-            lines.extend(f"  {r}" for r in self.recent)
-        lines.append(f"command: {self.command}")
-        self.close()
-        return "\n".join(lines)
+        self.session.fail_now(message)
 
 
 class CmdConsumer:
@@ -212,15 +144,14 @@ class CmdConsumer:
         answer = self._request(
             "apply_events", {"worker": worker, "events": [codec.encode_event(e) for e in events]}
         )
-        if answer is not None:
-            self.factory.fail(f"apply_events answered {answer!r}, not null")
+        assert answer is None  # the dialect checked it
 
     def scores(self, query: Query) -> Mapping[int, int]:
         answer = self._request("scores", {"query": encode_query(query)})
         try:
             return decode_scores(answer, self.config.num_workers)
         except ProtocolError as error:
-            self.factory.fail(f"scores answered {clip(json.dumps(answer).encode())}: {error}")
+            self.factory.fail(f"scores answered {clip(answer)}: {error}")
 
 
 class RemovingCmdConsumer(CmdConsumer):
@@ -229,21 +160,3 @@ class RemovingCmdConsumer(CmdConsumer):
     def remove_worker(self, worker: int) -> None:
         self._request("remove_worker", {"worker": worker})
 
-
-def _check_hello(reply: dict[str, Json]) -> dict[str, Json]:
-    hello = reply.get("ok")
-    if not isinstance(hello, dict):
-        raise Failure(f"the consumer answered hello with {hello!r}, not an object")
-    if hello.get("protocol") != CONSUMER_PROTOCOL_VERSION:
-        raise Failure(
-            f"the consumer speaks protocol version {hello.get('protocol')!r}; this kit speaks "
-            f"{CONSUMER_PROTOCOL_VERSION}"
-        )
-    semantics = hello.get("event_semantics", [])
-    if not isinstance(semantics, list) or any(s not in EVENT_SEMANTICS for s in semantics):
-        raise Failure(
-            f"hello: event_semantics must list some of {list(EVENT_SEMANTICS)}, got {semantics!r}"
-        )
-    if not isinstance(hello.get("remove_worker", False), bool):
-        raise Failure("hello: remove_worker must be true or false")
-    return hello

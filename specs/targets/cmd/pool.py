@@ -1,54 +1,43 @@
 """``cmd:PROGRAM ARGS``: a pool in any language, spoken to over JSON lines.
 
-The kit starts the program once per run and keeps it: every test case
-begins with a ``new_pool`` request, which replaces the program's pool, so a
-run of thousands of programs does not pay for thousands of process starts.
-The exchange is described in docs/formats.md and ``kvpool.specs.protocol.codec``.
+The kit starts the program once per run and keeps it (a ``Session``,
+``kvpool.specs.targets.cmd.session``): every test case begins with a
+``new_pool`` request, which replaces the program's pool, so a run of
+thousands of programs does not pay for thousands of process starts. The
+exchange is described in docs/formats.md and ``kvpool.specs.protocol.codec``;
+this module adds what is the pool's: its hello (levels, profiles, snapshot),
+its rejections (``kvpool.model.errors``) and the shape of each result.
 
 Every request waits at most ``timeout`` seconds for its answer (default 5,
 or the ``KVPOOL_CMD_TIMEOUT`` environment variable). A program that crashes,
 hangs, prints something that is not a JSON answer, or answers out of turn
 raises ``TargetError`` naming the operation, what happened, the exit code
-and the last lines of its stderr. From then on the target is *broken*:
-every further call raises the same error at once. Inside a Hypothesis test
-the error travels as ``TargetAbort`` (a ``BaseException`` carrying it), so
-that Hypothesis does not try to replay and shrink a program on a target that
-cannot be replayed; ``run_conformance`` turns it back into the TargetError.
+and the last lines of its stderr (the session module says more). The
+program runs in a process group of its own, ended as a whole.
 
-POSIX only (it waits on the program's stdout with ``select``).
+POSIX only.
 """
 
-import json
-import shlex
-from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import Any, NoReturn
 
-from hypothesis import currently_in_test_context
-
 from kvpool import model
 from kvpool.model import CacheRequest, HashKey, KVCacheEvent, PoolConfig, PoolError, PoolState
-from kvpool.specs.errors import TargetAbort, TargetError
 from kvpool.specs.protocol import codec as protocol
 from kvpool.specs.protocol.codec import Json, ProtocolError
-from kvpool.specs.targets.cmd.process import (
+from kvpool.specs.targets.cmd.session import (
     DEFAULT_TIMEOUT,
-    MAX_LINE,
-    STDERR_LINES,
     TIMEOUT_ENV,
+    Dialect,
+    Session,
+    SessionFailure,
     default_timeout,
+    show_args,
 )
-from kvpool.specs.targets.cmd.process import Failure as _Failure
-from kvpool.specs.targets.cmd.process import Process as _Process
-from kvpool.specs.targets.cmd.process import clip as _clip
-from kvpool.specs.targets.cmd.process import reply_problem as _reply_problem
-from kvpool.specs.targets.cmd.process import show as _show
-from kvpool.specs.targets.cmd.process import signal_name as _signal_name
 
 __all__ = [
     "DEFAULT_TIMEOUT",
-    "MAX_LINE",
-    "STDERR_LINES",
+    "POOL_DIALECT",
     "TIMEOUT_ENV",
     "CmdTarget",
     "CmdTargetFactory",
@@ -56,9 +45,44 @@ __all__ = [
     "default_timeout",
 ]
 
-RECENT_REQUESTS = 12
 _CHECKS = ("get_num_free_blocks", "get_usage", "snapshot")
 """Requests the kit makes to compare after each step: not listed as the program's operations."""
+
+
+def _check_hello(hello: dict[str, Json]) -> dict[str, Json]:
+    levels, profiles = hello.get("levels", [1]), hello.get("profiles", [])
+    if (
+        not isinstance(levels, list)
+        or not levels
+        or not all(x in (1, 2) and not isinstance(x, bool) for x in levels)
+    ):
+        raise SessionFailure(f"hello: levels must be a list of 1 and/or 2, got {levels!r:.200}")
+    if not isinstance(profiles, list) or not all(isinstance(p, str) for p in profiles):
+        raise SessionFailure(
+            f"hello: profiles must be a list of profile names, got {profiles!r:.200}"
+        )
+    unknown = [p for p in profiles if p not in model.PROFILES]
+    if unknown:
+        raise SessionFailure(
+            f"hello: unknown profile(s) {unknown!r:.200}; the profiles are "
+            f"{', '.join(model.PROFILES)}"
+        )
+    if not isinstance(hello.get("snapshot", False), bool):
+        raise SessionFailure(
+            f"hello: snapshot must be true or false, got {hello['snapshot']!r:.100}"
+        )
+    return hello
+
+
+POOL_DIALECT = Dialect(
+    version=protocol.PROTOCOL_VERSION,
+    check_hello=_check_hello,
+    is_rejection=lambda name: protocol.error_class(name) is not None,
+    check_result=protocol.check_result,
+    unchecked=frozenset({"hello", "new_pool"}),
+    queries=frozenset(_CHECKS),
+)
+"""The pool layer's protocol (docs/formats.md) as a session dialect."""
 
 
 class CmdTargetFactory:
@@ -72,44 +96,46 @@ class CmdTargetFactory:
     def __init__(
         self, argv: Sequence[str], timeout: float | None = None, cwd: str | None = None
     ) -> None:
-        if not argv:
-            raise ValueError("cmd: needs a program to run")
-        self.argv = list(argv)
-        self.timeout = default_timeout() if timeout is None else timeout
-        self.cwd = cwd
-        self.process: _Process | None = None
-        self.hello: dict[str, Json] | None = None
-        self.broken: str | None = None
+        self.session = Session(argv, POOL_DIALECT, timeout, cwd)
         self.generation = 0
-        self.next_id = 0
-        self.recent: deque[str] = deque(maxlen=RECENT_REQUESTS)
-        self.last: tuple[str, str] | None = None
 
     @classmethod
     def from_spec(cls, spec: str, timeout: float | None = None) -> "CmdTargetFactory":
-        """The factory for a ``cmd:PROGRAM ARGS`` target string (split like a shell)."""
+        """The factory for a ``cmd:PROGRAM ARGS`` target string (split like a shell).
+
+        ValueError if the string names no program or KVPOOL_CMD_TIMEOUT is unusable.
+        """
+        import shlex
+
         _, _, command = spec.partition(":")
         return cls(shlex.split(command), timeout)
 
     @property
+    def argv(self) -> list[str]:
+        return self.session.argv
+
+    @property
+    def timeout(self) -> float:
+        return self.session.timeout
+
+    @property
     def command(self) -> str:
-        return shlex.join(self.argv)
+        return self.session.command
 
     # What the target says it supports -------------------------------------------
 
     @property
     def levels(self) -> tuple[int, ...]:
-        hello = self._hello()
-        return tuple(hello.get("levels") or (1,))
+        return tuple(self.session.hello_answer().get("levels") or (1,))
 
     @property
     def profiles(self) -> tuple[str, ...]:
-        hello = self._hello()
+        hello = self.session.hello_answer()
         return tuple(hello.get("profiles") or (model.DEFAULT_PROFILE.name,))
 
     @property
     def has_snapshot(self) -> bool:
-        return bool(self._hello().get("snapshot", False))
+        return bool(self.session.hello_answer().get("snapshot", False))
 
     def preflight(self, level: int, profiles: Sequence[str]) -> None:
         """Start the program; raise TargetError if it cannot run ``level`` and ``profiles``."""
@@ -134,8 +160,8 @@ class CmdTargetFactory:
                 f"implement (its hello lists {list(self.profiles)})"
             )
         self.generation += 1
-        self.recent.clear()
-        self.last = None
+        self.session.recent.clear()
+        self.session.last = None
         try:
             self.request("new_pool", protocol.encode_config(config))
         except PoolError as rejection:
@@ -144,17 +170,15 @@ class CmdTargetFactory:
             except PoolError:
                 raise rejection from None
             self._fail_now(
-                f"the target rejected new_pool {_show(protocol.encode_config(config))} with "
+                f"the target rejected new_pool {show_args(protocol.encode_config(config))} with "
                 f"{type(rejection).__name__}, but the configuration is valid"
             )
         cls = SnapshotCmdTarget if self.has_snapshot else CmdTarget
         return cls(self, config, self.generation)
 
     def close(self) -> None:
-        """Stop the program (closing its stdin first, so it can exit on its own)."""
-        if self.process is not None:
-            self.process.stop()
-            self.process = None
+        """Stop the program and its process group (closing its stdin first)."""
+        self.session.close()
 
     # The exchange -------------------------------------------------------------
 
@@ -163,148 +187,13 @@ class CmdTargetFactory:
 
         Raises TargetError when the program misbehaves (and from then on).
         """
-        reply: dict[str, Json] | None = None
-        if self.broken is None:
-            try:
-                reply = self._exchange(op, args)
-            except _Failure as failure:
-                self.broken = str(failure)
-        if reply is None:
-            self._raise_broken()
+        reply = self.session.request(op, args)
         if "error" in reply:
             raise _rejection(reply)
         return reply["ok"]
 
-    def _raise_broken(self) -> NoReturn:
-        error = TargetError(self.broken or "the target is broken")
-        if currently_in_test_context():
-            raise TargetAbort(error)
-        raise error
-
     def _fail_now(self, message: str) -> NoReturn:
-        if self.broken is None:
-            self.broken = message
-            self.close()
-        self._raise_broken()
-
-    def _hello(self) -> dict[str, Json]:
-        if self.hello is None:
-            self._ensure_started()
-        if self.hello is None:
-            self._raise_broken()
-        return self.hello
-
-    def _ensure_started(self) -> None:
-        if self.process is not None or self.broken is not None:
-            return
-        try:
-            self.process = _Process(self.argv, self.cwd)
-            reply = self._exchange(
-                "hello", {"protocol": protocol.PROTOCOL_VERSION, "kit": "kvpool"}, starting=True
-            )
-            self.hello = _check_hello(reply)
-        except _Failure as failure:
-            self.broken = str(failure)
-            self.close()
-
-    def _exchange(self, op: str, args: dict[str, Json], starting: bool = False) -> dict[str, Json]:
-        if not starting:
-            self._ensure_started()
-            if self.broken is not None:
-                raise _Failure(self.broken)
-        process = self.process
-        assert process is not None
-        request_id = self.next_id
-        self.next_id += 1
-        line = json.dumps({"id": request_id, "op": op, "args": args}, separators=(",", ":"))
-        what = f"{op} {_show(args)}" if args else op
-        if self.last is not None and self.last[0] not in _CHECKS:
-            self.recent.append(self.last[1])
-        self.last = (op, what)
-        try:
-            process.send(line.encode() + b"\n")
-            raw = process.receive(self.timeout)
-        except TimeoutError:
-            raise _Failure(
-                self._report(
-                    process,
-                    what,
-                    f"the target did not answer within {self.timeout:g} s "
-                    f"(it hangs?); it was stopped",
-                    alive=True,
-                )
-            ) from None
-        except OSError as error:
-            raise _Failure(
-                self._report(process, what, f"the target stopped reading its input ({error})")
-            ) from None
-        if raw is None:
-            raise _Failure(self._report(process, what, "the target closed its output (crashed?)"))
-        try:
-            reply = json.loads(raw)
-        except ValueError:
-            raise _Failure(
-                self._report(
-                    process,
-                    what,
-                    f"the target printed something that is not JSON: {_clip(raw)}",
-                    alive=True,
-                )
-            ) from None
-        problem = _reply_problem(reply, request_id)
-        if problem is not None:
-            raise _Failure(self._report(process, what, problem, alive=True))
-        assert isinstance(reply, dict)
-        if "error" in reply:
-            name = reply["error"]
-            if name == "ProtocolError":
-                raise _Failure(
-                    self._report(
-                        process,
-                        what,
-                        f"the target could not read the request: {reply.get('message')}",
-                        alive=True,
-                    )
-                )
-            if protocol.error_class(name) is None:
-                raise _Failure(
-                    self._report(
-                        process,
-                        what,
-                        f"the target answered with error {name!r}, which is not an exception "
-                        f"of kvpool.model.errors (message: {reply.get('message')!r})",
-                        alive=True,
-                    )
-                )
-        elif op not in ("hello", "new_pool"):
-            try:
-                protocol.check_result(op, reply["ok"])
-            except ProtocolError as error:
-                raise _Failure(
-                    self._report(process, what, f"malformed result: {error}", alive=True)
-                ) from None
-        return reply
-
-    def _report(self, process: _Process, what: str, problem: str, alive: bool = False) -> str:
-        lines = [f"target error during {what}: {problem}."]
-        if alive:
-            process.popen.kill()
-        code = process.exit_code(2.0)
-        if not alive and code is not None:
-            lines.append(f"exit code: {code}{_signal_name(code)}")
-        tail = process.stderr_tail()
-        if tail:
-            lines.append("last lines of its stderr:")
-            lines.extend(f"  {t}" for t in tail)
-        else:
-            lines.append("its stderr is empty.")
-        earlier = list(self.recent)
-        if earlier:
-            lines.append("operations before it in this test case (oldest first):")
-            lines.extend(f"  {r}" for r in earlier)
-        lines.append(f"command: {self.command}")
-        self.close()
-        return "\n".join(lines)
+        self.session.fail_now(message)
 
 
 class CmdTarget:
@@ -400,26 +289,6 @@ class SnapshotCmdTarget(CmdTarget):
         except ProtocolError as error:
             message = f"target error during snapshot: malformed state: {error}"
         self.factory._fail_now(message)
-
-
-def _check_hello(reply: dict[str, Json]) -> dict[str, Json]:
-    if "error" in reply:
-        raise _Failure(f"the target refused hello: {reply.get('error')} {reply.get('message')}")
-    hello = reply.get("ok")
-    if not isinstance(hello, dict):
-        raise _Failure(f"the target answered hello with {hello!r}, not an object")
-    version = hello.get("protocol")
-    if version != protocol.PROTOCOL_VERSION:
-        raise _Failure(
-            f"the target speaks protocol version {version!r}; this kit speaks "
-            f"{protocol.PROTOCOL_VERSION}"
-        )
-    levels, profiles = hello.get("levels", [1]), hello.get("profiles", [])
-    if not isinstance(levels, list) or not all(x in (1, 2) for x in levels):
-        raise _Failure(f"hello: levels must be a list of 1 and/or 2, got {levels!r}")
-    if not isinstance(profiles, list) or not all(isinstance(p, str) for p in profiles):
-        raise _Failure(f"hello: profiles must be a list of profile names, got {profiles!r}")
-    return hello
 
 
 def _rejection(reply: dict[str, Json]) -> PoolError:

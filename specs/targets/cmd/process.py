@@ -1,164 +1,217 @@
-"""Running a target program that speaks JSON lines: start it, exchange lines, report failures.
+"""One target program, whatever the layer: started in its own session, ended as a group.
 
-Shared by the ``cmd:`` pool targets (``kvpool.specs.targets.cmd.pool``) and
-consumers (``kvpool.specs.targets.cmd.consumer``). POSIX only: it waits on
-the program's stdout with ``select``.
+``TargetProcess`` runs a program with pipes on stdin, stdout and stderr and
+offers the two things a JSON-lines exchange needs: write a line, read a line
+within a deadline. Everything the program sends is bounded:
+
+* an answer line longer than ``MAX_LINE`` bytes is an error (``LineTooLong``),
+  and reading is linear in what arrived (each byte is looked at once);
+* stderr is drained by a thread into a tail of at most ``STDERR_TAIL`` bytes,
+  so a program that writes gigabytes there costs the kit nothing.
+
+The program is the leader of a new session (``setsid``), so it and every
+process it starts (a shell, ``npm``, ``cargo run``, a fork) share one process
+group. ``stop`` closes stdin, gives the program a moment to exit, then kills
+the whole group; ``kill`` kills it at once. The group is also killed when the
+object is collected or the interpreter exits. A descendant that starts a
+session of its own leaves the group, and no kit can follow it.
+
+POSIX only.
 """
 
 import contextlib
-import json
+import math
 import os
 import select
 import shlex
+import signal
 import subprocess
-import tempfile
+import threading
 import time
 import weakref
 from collections.abc import Sequence
-from typing import IO
 
-from kvpool.specs.protocol.codec import Json
-
-DEFAULT_TIMEOUT = 5.0
-TIMEOUT_ENV = "KVPOOL_CMD_TIMEOUT"
-MAX_LINE = 64 * 1024 * 1024
+MAX_LINE = 16 * 1024 * 1024
+"""Bytes one answer line may have (a whole pool snapshot is a few kilobytes)."""
+STDERR_TAIL = 64 * 1024
+"""Bytes of the program's stderr kept (the latest ones)."""
 STDERR_LINES = 10
+"""Lines of that tail a report shows."""
+MAX_TIMEOUT = 24 * 3600.0
+"""The longest wait for one answer a user may ask for, in seconds."""
+GRACE = 1.0
+"""Seconds a program has to exit on its own after its stdin closes."""
 
 
-def default_timeout() -> float:
-    """Seconds to wait for one answer: ``KVPOOL_CMD_TIMEOUT`` if set, else 5."""
-    raw = os.environ.get(TIMEOUT_ENV)
-    if not raw:
-        return DEFAULT_TIMEOUT
+class ProcessFailure(Exception):
+    """The program cannot be started, or sent something the kit does not accept."""
+
+
+class LineTooLong(ProcessFailure):
+    """An answer line longer than ``MAX_LINE`` bytes."""
+
+
+def parse_timeout(text: str, source: str) -> float:
+    """Seconds from a user's setting: a finite number above 0, at most ``MAX_TIMEOUT``.
+
+    Raises ValueError naming ``source`` (where the text came from) otherwise.
+
+    >>> parse_timeout("2.5", "KVPOOL_CMD_TIMEOUT")
+    2.5
+    >>> parse_timeout("inf", "KVPOOL_CMD_TIMEOUT")
+    Traceback (most recent call last):
+    ...
+    ValueError: KVPOOL_CMD_TIMEOUT must be a number of seconds above 0 and at most 86400, not 'inf'
+    """
     try:
-        value = float(raw)
+        value = float(text)
     except ValueError:
-        return DEFAULT_TIMEOUT
-    return value if value > 0 else DEFAULT_TIMEOUT
+        value = math.nan
+    if not (math.isfinite(value) and 0 < value <= MAX_TIMEOUT):
+        raise ValueError(
+            f"{source} must be a number of seconds above 0 and at most {MAX_TIMEOUT:g}, "
+            f"not {text!r}"
+        )
+    return value
 
 
-class Failure(Exception):
-    """Internal: one exchange went wrong; the text is the whole report."""
+class TargetProcess:
+    """A running target program: write a line, read a line with a deadline, end its group."""
 
-
-class Process:
-    """One running target program: write a line, read a line, with a deadline."""
-
-    def __init__(self, argv: Sequence[str], cwd: str | None) -> None:
+    def __init__(self, argv: Sequence[str], cwd: str | None = None, max_line: int = MAX_LINE):
         self.argv = list(argv)
-        self.stderr: IO[bytes] = tempfile.TemporaryFile()  # noqa: SIM115  (closed by _stop)
+        self.max_line = max_line
         try:
             self.popen = subprocess.Popen(
                 self.argv,
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
-                stderr=self.stderr,
+                stderr=subprocess.PIPE,
                 cwd=cwd,
                 bufsize=0,
+                start_new_session=True,
             )
-        except OSError as error:
-            self.stderr.close()
-            raise Failure(
+        except (OSError, ValueError) as error:
+            raise ProcessFailure(
                 f"cannot start the target program {shlex.join(self.argv)}: {error}"
             ) from None
-        self.buffer = b""
-        self._finalizer = weakref.finalize(self, _stop, self.popen, self.stderr)
+        self.pending = bytearray()
+        self.scanned = 0
+        """How much of ``pending`` is known to hold no newline."""
+        self.tail = bytearray()
+        self.tail_lock = threading.Lock()
+        self.tail_reader = threading.Thread(target=self._drain_stderr, daemon=True)
+        self.tail_reader.start()
+        self._finalizer = weakref.finalize(self, _end_group, self.popen, GRACE)
+
+    @property
+    def command(self) -> str:
+        return shlex.join(self.argv)
 
     def send(self, line: bytes) -> None:
+        """Write ``line`` (with its newline) to stdin; OSError if the program stopped reading."""
         stdin = self.popen.stdin
         assert stdin is not None
         stdin.write(line)
         stdin.flush()
 
     def receive(self, timeout: float) -> bytes | None:
-        """The next line, or None on end of file; raise TimeoutError past ``timeout``."""
+        """The next line (without its newline), or None at end of output.
+
+        Raises TimeoutError past ``timeout`` seconds and LineTooLong past ``max_line`` bytes.
+        """
         stdout = self.popen.stdout
         assert stdout is not None
         fd = stdout.fileno()
         deadline = time.monotonic() + timeout
-        while b"\n" not in self.buffer:
+        while True:
+            end = self.pending.find(b"\n", self.scanned)
+            if end >= 0:
+                line = bytes(self.pending[:end])
+                del self.pending[: end + 1]
+                self.scanned = 0
+                return line
+            self.scanned = len(self.pending)
+            if self.scanned > self.max_line:
+                raise LineTooLong(
+                    f"the target printed more than {self.max_line} bytes without a newline"
+                )
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TimeoutError
             ready, _, _ = select.select([fd], [], [], remaining)
             if not ready:
                 raise TimeoutError
-            chunk = os.read(fd, 1 << 16)
+            chunk = os.read(fd, 1 << 20)
             if not chunk:
                 return None
-            self.buffer += chunk
-            if len(self.buffer) > MAX_LINE:
-                raise Failure(f"the target printed more than {MAX_LINE} bytes without a newline")
-        line, _, self.buffer = self.buffer.partition(b"\n")
-        return line
+            self.pending += chunk
+
+    def _drain_stderr(self) -> None:
+        stderr = self.popen.stderr
+        assert stderr is not None
+        with contextlib.suppress(OSError, ValueError):
+            while chunk := os.read(stderr.fileno(), 1 << 16):
+                with self.tail_lock:
+                    self.tail += chunk
+                    if len(self.tail) > 2 * STDERR_TAIL:
+                        del self.tail[:-STDERR_TAIL]
+
+    def stderr_tail(self, lines: int = STDERR_LINES) -> list[str]:
+        """The last ``lines`` lines of the program's stderr (what arrived so far)."""
+        self.tail_reader.join(0.2)
+        with self.tail_lock:
+            text = bytes(self.tail[-STDERR_TAIL:]).decode("utf-8", "replace")
+        shown = [_printable(line) for line in text.splitlines()[-lines:]]
+        return [line if len(line) <= 300 else line[:297] + "..." for line in shown]
 
     def exit_code(self, wait: float) -> int | None:
+        """The program's exit code, waiting up to ``wait`` seconds; None if it still runs."""
         try:
             return self.popen.wait(wait)
         except subprocess.TimeoutExpired:
             return None
 
-    def stderr_tail(self) -> list[str]:
-        try:
-            self.stderr.seek(0)
-            text = self.stderr.read().decode("utf-8", "replace")
-        except (OSError, ValueError):
-            return []
-        return text.splitlines()[-STDERR_LINES:]
+    def kill(self) -> None:
+        """Kill the program and every process of its group, now."""
+        _kill_group(self.popen)
 
     def stop(self) -> None:
+        """Close stdin, give the program ``GRACE`` seconds to exit, then end its whole group."""
         self._finalizer()
 
 
-def _stop(popen: "subprocess.Popen[bytes]", stderr: IO[bytes]) -> None:
-    if popen.poll() is None:
-        try:
-            if popen.stdin is not None:
-                popen.stdin.close()
-            popen.wait(1.0)
-        except (OSError, subprocess.TimeoutExpired):
-            popen.kill()
-            popen.wait()
-    for stream in (popen.stdin, popen.stdout):
+def _printable(line: str) -> str:
+    return "".join(c if c.isprintable() or c == "\t" else repr(c)[1:-1] for c in line)
+
+
+def _kill_group(popen: "subprocess.Popen[bytes]") -> None:
+    # The leader is not reaped yet (a zombie at worst), so its id still names the group.
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(popen.pid, signal.SIGKILL)
+
+
+def _end_group(popen: "subprocess.Popen[bytes]", grace: float) -> None:
+    """Let the leader exit on its own (stdin closed), then kill the group, then reap."""
+    if popen.stdin is not None:
+        with contextlib.suppress(OSError):
+            popen.stdin.close()
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and not _exited(popen.pid):
+        time.sleep(0.01)
+    _kill_group(popen)
+    with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+        popen.wait(5.0)
+    for stream in (popen.stdout, popen.stderr):
         if stream is not None:
             with contextlib.suppress(OSError):
                 stream.close()
-    stderr.close()
 
 
-def reply_problem(reply: Json, request_id: int) -> str | None:
-    if not isinstance(reply, dict):
-        return f"the target answered with {clip(json.dumps(reply).encode())}, not a JSON object"
-    if "id" not in reply:
-        return (
-            f"the answer has no id (expected id {request_id}): {clip(json.dumps(reply).encode())}"
-        )
-    if reply["id"] != request_id:
-        return (
-            f"the target answered out of turn: expected id {request_id}, got id "
-            f"{reply['id']!r}: {clip(json.dumps(reply).encode())}"
-        )
-    if ("ok" in reply) == ("error" in reply):
-        return f"an answer has exactly one of ok and error: {clip(json.dumps(reply).encode())}"
-    return None
-
-
-def show(args: Json) -> str:
-    text = json.dumps(args, separators=(", ", ": "))
-    return text if len(text) <= 300 else text[:297] + "..."
-
-
-def clip(raw: bytes) -> str:
-    text = raw.decode("utf-8", "replace")
-    return repr(text if len(text) <= 200 else text[:197] + "...")
-
-
-def signal_name(code: int) -> str:
-    if code >= 0:
-        return ""
-    import signal
-
+def _exited(pid: int) -> bool:
+    """Whether the child ``pid`` has exited, without reaping it."""
     try:
-        return f" (killed by {signal.Signals(-code).name})"
-    except ValueError:
-        return " (killed by a signal)"
+        found = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return True
+    return found is not None

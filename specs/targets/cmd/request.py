@@ -12,9 +12,9 @@ checks them against the token ground truth,
 hash function, so the hash vectors apply).
 
 A program that crashes, hangs, prints garbage or answers out of turn is a
-``TargetError`` naming the operation, exactly as at the pool layer: the
-session (``kvpool.specs.targets.cmd.interim_session``) is the pool's
-process handling behind the layer-neutral ``Session`` and ``Dialect``.
+``TargetError`` naming the operation, exactly as at the pool layer: both
+run on the layer-neutral ``Session`` (``kvpool.specs.targets.cmd.session``),
+with the same bounds, timeouts and process group.
 """
 
 import shlex
@@ -28,7 +28,7 @@ from kvpool.model.request import Request
 from kvpool.specs.protocol import request_codec as codec
 from kvpool.specs.protocol.codec import Json, ProtocolError
 from kvpool.specs.request.target import HYBRID_LAYOUTS, LAYOUTS, ManagerSetup
-from kvpool.specs.targets.cmd.interim_session import Dialect, Session, SessionFailure
+from kvpool.specs.targets.cmd.session import Dialect, Session, SessionFailure
 
 QUERIES = frozenset({"get_block_ids", "usage", "num_free_blocks", "snapshot", "block_hashes"})
 """What the kit asks after every step to compare: not listed as the program's operations."""
