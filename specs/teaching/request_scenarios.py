@@ -66,7 +66,7 @@ from kvpool.model.single_type import (
     mamba,
     sliding_window,
 )
-from kvpool.specs.protocol.codec import Json, encode_event
+from kvpool.specs.protocol.codec import Json, encode_event, loads
 from kvpool.specs.request.target import ManagerSetup
 from kvpool.specs.teaching.scenarios import ScenarioError, Step
 
@@ -807,7 +807,7 @@ def is_request_file(path: Path) -> bool:
         with path.open(encoding="utf-8") as file:
             for line in file:
                 if line.strip():
-                    first = json.loads(line)
+                    first = loads(line)  # bounded: a hostile file is data, never a crash
                     return isinstance(first, dict) and first.get("layer") == LAYER
     except (OSError, UnicodeDecodeError, ValueError):
         return False
@@ -826,7 +826,7 @@ def load(path: Path, scenario_id: str | None = None) -> RequestScenario:
     for number, line in enumerate(text.splitlines(), 1):
         if line.strip():
             try:
-                found.append((number, json.loads(line)))
+                found.append((number, loads(line)))
             except ValueError as error:
                 raise ScenarioError(f"{path.name} line {number}: not JSON: {error}") from None
     if not found:

@@ -47,9 +47,10 @@ def test_a_planted_bug_is_reported_with_its_program(
     output = result.output
     assert result.exit_code == 1, output
     assert "Minimal failing program" in output
-    program = output.split("Minimal failing program:")[1]
-    assert "state = KVPoolConformance()" in program
-    assert "state.new_pool(" in program
+    # The program as the protocol operations vLLM's pool received, numbered as steps.
+    program = output.split("Minimal failing program")[1].split("Where they part")[0]
+    assert program.splitlines()[1].startswith("new_pool {")
+    assert "step 1: " in program
     assert where in output
 
 
