@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any, Unpack
 
-from kvpool.model import EVENT_SEMANTICS, PROFILES, InvalidConfig, PoolError
+from kvpool.model import EVENT_SEMANTICS, InvalidConfig, PoolError
 from kvpool.model.profiles import profile_named
 from kvpool.model.radix import POLICIES
 from kvpool.specs.errors import TargetAbort, TargetError
@@ -106,9 +106,9 @@ def check(
             scope = replace(scope, profiles=tuple(profile_named(p) for p in chosen))
         return run_request_conformance(scope, level=level, **options)
     if layer == "events":
-        return _check_events(descriptor, list(profiles or ()), **options)
+        return _check_events(descriptor, factory, list(profiles or ()), **options)
     if layer == "radix":
-        return _check_radix(descriptor, chosen, level, options)
+        return _check_radix(descriptor, factory, chosen, level, options)
     unknown = [d for d in chosen if d not in DISCIPLINES]
     if unknown or len(chosen) > 1:
         raise TargetSpecError(
@@ -147,17 +147,20 @@ class GuardedFactory:
 
 
 def _check_radix(
-    descriptor: TargetDescriptor, chosen: Sequence[str], level: int, options: RunOptions
+    descriptor: TargetDescriptor,
+    factory: Any,
+    chosen: Sequence[str],
+    level: int,
+    options: RunOptions,
 ) -> ConformanceReport:
     """The radix layer: its profile is the eviction policy the target is built with."""
     if len(chosen) > 1 or any(p not in POLICIES for p in chosen):
         raise TargetSpecError(
             f"the radix layer takes one eviction policy as its profile: {', '.join(POLICIES)}"
         )
-    assert descriptor.factory is not None
     preflight = descriptor.preflight
     return check_radix(
-        descriptor.factory,
+        factory,
         chosen[0] if chosen else "lru",
         level,
         events=descriptor.scope.get("events", (True, False)),
@@ -175,7 +178,10 @@ def _known_profiles(profiles: Sequence[str]) -> None:
 
 
 def _check_events(
-    descriptor: TargetDescriptor, semantics: list[str], **options: Unpack[RunOptions]
+    descriptor: TargetDescriptor,
+    factory: Any,
+    semantics: list[str],
+    **options: Unpack[RunOptions],
 ) -> ConformanceReport:
     """The events layer: a consumer against the model's engines, or a producer against the fold.
 
@@ -188,11 +194,10 @@ def _check_events(
         raise TargetSpecError(
             f"unknown event semantics {unknown}; the events layer takes {list(EVENT_SEMANTICS)}"
         )
-    assert descriptor.factory is not None
     producer = descriptor.scope.get("role") == "producer"
     return check_events(
-        None if producer else descriptor.factory,
-        descriptor.factory if producer else None,
+        None if producer else factory,
+        factory if producer else None,
         semantics=semantics or None,
         claimed=semantics or (None if descriptor.profiles is None else list(descriptor.profiles)),
         preflight=descriptor.preflight,

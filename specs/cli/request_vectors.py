@@ -6,10 +6,12 @@ from typing import Any
 import typer
 from rich.console import Console
 
+from kvpool.model import InvalidConfig
+from kvpool.model.profiles import profile_named
 from kvpool.specs.checking import replay_request_vectors
 from kvpool.specs.errors import TargetAbort, TargetError
 from kvpool.specs.targets import TargetSpecError, resolve
-from kvpool.specs.vectors.format import VectorFormatError, bundled_corpus, load
+from kvpool.specs.vectors.format import VectorFormatError, bundled_corpus, count_valid, load
 from kvpool.specs.vectors.request_generate import export_request_corpus
 from kvpool.specs.vectors.request_replay import RequestRunResult
 
@@ -34,11 +36,11 @@ def validate_request(path: Path) -> None:
     """Check request-layer vectors against their schema and manifest."""
     console = Console()
     try:
-        loaded = load(path, layer="request")
+        count = count_valid(path, layer="request")
     except VectorFormatError as error:
         console.print(str(error), markup=False, highlight=False)
         raise typer.Exit(EXIT_ERROR) from None
-    console.print(f"{len(loaded)} valid request-layer vectors in {path}")
+    console.print(f"{count} valid request-layer vectors in {path}", markup=False, highlight=False)
 
 
 def run_request(
@@ -54,6 +56,12 @@ def run_request(
     console = Console()
     source = path or bundled_corpus("request")
     factory: Any = None
+    for name in profile or ():
+        try:
+            profile_named(name)
+        except InvalidConfig as error:
+            console.print(f"kvpool: {error}", style="red", markup=False, highlight=False)
+            raise typer.Exit(EXIT_ERROR) from None
     try:
         vectors = load(source, layer="request")
         descriptor = resolve("request", target)
@@ -99,6 +107,12 @@ def _report(console: Console, result: RequestRunResult, target: str, source: Pat
     if result.target_error is not None:
         raise typer.Exit(EXIT_ERROR)
     if result.run == 0:
-        console.print("no vector was run: none is in the target's levels, profiles and scope")
+        console.print(
+            "kvpool: no vector ran, so nothing was checked: none is in the target's levels, "
+            "profiles and scope",
+            style="red",
+            markup=False,
+            highlight=False,
+        )
         raise typer.Exit(EXIT_ERROR)
     raise typer.Exit(EXIT_MISMATCH if failed else EXIT_OK)

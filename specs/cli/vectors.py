@@ -15,7 +15,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.text import Text
 
-from kvpool.model import PROFILES
+from kvpool.model import EVENT_SEMANTICS, PROFILES, InvalidConfig
+from kvpool.model.profiles import profile_named
 from kvpool.specs.cli import request_vectors
 from kvpool.specs.errors import TargetAbort, TargetError
 from kvpool.specs.pool.target import TargetFactory
@@ -135,7 +136,7 @@ def run_command(
     if _layer(layer) == "events":
         _run_events(console, path, target, profile, fail_fast, against_known)
     source = path or bundled_corpus()
-    unknown = [p for p in profile or () if p not in PROFILES]
+    unknown = [p for p in profile or () if not _known_profile(p)]
     if unknown:
         _stop(console, f"unknown profile(s) {unknown}; the profiles are {', '.join(PROFILES)}")
     factory: TargetFactory | None = None
@@ -182,6 +183,14 @@ def run_command(
     raise typer.Exit(EXIT_MISMATCH if result.failed else EXIT_OK)
 
 
+def _known_profile(name: str) -> bool:
+    try:
+        profile_named(name)
+    except InvalidConfig:
+        return False
+    return True
+
+
 def _stop(console: Console, message: str) -> NoReturn:
     console.print(f"kvpool: {message}", style="red", markup=False, highlight=False, soft_wrap=True)
     raise typer.Exit(EXIT_ERROR)
@@ -213,6 +222,9 @@ def _run_events(
     """``kvpool vectors run --layer events``: replay event vectors on a consumer; always exits."""
     source = path or event_vectors.bundled_event_corpus()
     target = "model" if target == "impl" else target
+    unknown = [s for s in semantics or () if s not in EVENT_SEMANTICS]
+    if unknown:
+        _stop(console, f"unknown event semantics {unknown}; use {', '.join(EVENT_SEMANTICS)}")
     try:
         vectors = event_vectors.load(source)
         descriptor = resolve("events", target)
@@ -246,6 +258,9 @@ def _run_events(
         f"({result.run} run from {source})",
         highlight=False,
     )
+    if result.run == 0:
+        why = f"none is under the event semantics {semantics}" if semantics else "none was read"
+        _stop(console, f"no vector ran, so nothing was checked: {why}")
     if against_known:
         raise typer.Exit(EXIT_MISMATCH if result.unexpected else EXIT_OK)
     if result.target_errors:

@@ -68,6 +68,7 @@ def check_events(
         level=1,
         profiles=tuple(chosen),
         hypothesis_profile=options.get("hypothesis_profile", "ci"),
+        layer="events",
     )
     try:
         if preflight is not None:
@@ -110,12 +111,19 @@ def check_events(
 def _merge(report: ConformanceReport, part: ConformanceReport, name: str, claimed: bool) -> None:
     report.examples_run += part.examples_run
     report.seconds += part.seconds
-    verdict = "conforms" if part.conforms else "diverges"
+    report.max_examples = part.max_examples
+    report.steps_per_program = part.steps_per_program
+    report.from_database = report.from_database or (claimed and part.from_database)
+    verdict = {0: "conforms", 1: "diverges"}.get(part.exit_code, "no verdict")
     if part.failure_kind == "target-error":
         verdict = "target error"
+    elif verdict == "no verdict":
+        verdict = f"no verdict ({part.failure_kind or 'nothing ran'})"
     report.verdicts[name] = verdict
-    if part.conforms:
+    if part.exit_code == 0:
         return
+    if part.conforms:  # nothing ran under this semantics: no verdict, whatever was claimed
+        part.fail("nothing-ran", f"no program was run under {name}, so nothing was checked")
     if claimed and report.conforms:
         report.conforms = False
         report.failure_kind = part.failure_kind

@@ -3,7 +3,7 @@
 from collections.abc import Collection, Sequence
 from typing import Unpack
 
-from kvpool.model import DEFAULT_PROFILE, PROFILES, InvalidConfig, Profile
+from kvpool.model import DEFAULT_PROFILE, InvalidConfig, Profile
 from kvpool.model.profiles import profile_named
 from kvpool.specs.pool.counterexample import explain, program_lines
 from kvpool.specs.pool.machine import pool_machine

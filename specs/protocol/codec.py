@@ -15,8 +15,8 @@ named by the model's exception class names (``kvpool.model.errors``).
 
 import json
 import math
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
+from typing import IO, Any
 
 from kvpool import model
 from kvpool.model import (
@@ -87,6 +87,32 @@ def loads(text: str | bytes, max_depth: int = MAX_DEPTH) -> Json:
     if _depth_exceeds(value, max_depth):
         raise ProtocolError(f"nested deeper than {max_depth} levels")
     return value
+
+
+MAX_REQUEST_LINE = 16 * 1024 * 1024
+"""Characters one request line a protocol server reads may have."""
+
+
+def read_requests(stdin: IO[str]) -> Iterator[Json | ProtocolError]:
+    """The requests on ``stdin`` until it closes, each read as bounded data (``loads``).
+
+    A line that is not one (garbage, too deep, longer than ``MAX_REQUEST_LINE``)
+    comes as the ProtocolError saying why, so a server answers it and goes on.
+    Blank lines are skipped.
+    """
+    while True:
+        line = stdin.readline(MAX_REQUEST_LINE + 1)
+        if not line:
+            return
+        if len(line) > MAX_REQUEST_LINE and not line.endswith("\n"):
+            while (rest := stdin.readline(MAX_REQUEST_LINE)) and not rest.endswith("\n"):
+                pass
+            yield ProtocolError(f"a request line is longer than {MAX_REQUEST_LINE} characters")
+        elif line.strip():
+            try:
+                yield loads(line)
+            except ProtocolError as error:
+                yield ProtocolError(f"the request is not JSON the protocol reads: {error}")
 
 
 def _no_constant(name: str) -> Json:

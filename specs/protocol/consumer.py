@@ -41,6 +41,7 @@ from kvpool.specs.protocol.codec import (
     decode_event,
     decode_hash,
     encode_hash,
+    read_requests,
 )
 
 CONSUMER_PROTOCOL_VERSION = 1
@@ -123,13 +124,25 @@ class ConsumerServer:
     def handle(self, message: Json) -> dict[str, Json]:
         """The response to one decoded request."""
         request = message if isinstance(message, dict) else {}
-        reply: dict[str, Json] = {"id": request.get("id")}
+        request_id = request.get("id")
+        reply: dict[str, Json] = {
+            "id": request_id
+            if isinstance(request_id, int) and not isinstance(request_id, bool)
+            else None
+        }
         op, args = request.get("op"), request.get("args") or {}
         try:
+            if not isinstance(message, dict):
+                raise ProtocolError("a request is a JSON object")
+            if reply["id"] is None:
+                raise ProtocolError("a request's id is an integer")
             reply["ok"] = self._answer(op, args)
         except ProtocolError as error:
             reply["error"] = "ProtocolError"
             reply["message"] = str(error)
+        except Exception as error:  # the served consumer's own crash: say what it raised
+            reply["error"] = type(error).__name__
+            reply["message"] = f"the consumer raised {type(error).__name__}: {error}"[:2000]
         return reply
 
     def _answer(self, op: Json, args: Json) -> Json:
@@ -178,16 +191,18 @@ class ConsumerServer:
 def serve_consumer(
     make_consumer: ConsumerFactory, stdin: IO[str], stdout: IO[str], name: str = "python"
 ) -> None:
-    """Answer requests from ``stdin`` on ``stdout`` until stdin closes."""
+    """Answer requests from ``stdin`` on ``stdout`` until stdin closes.
+
+    Each line is read as bounded data (``codec.read_requests``): garbage is
+    answered with a ProtocolError, and the server goes on with the next line.
+    """
     server = ConsumerServer(make_consumer, name)
-    for line in stdin:
-        if not line.strip():
-            continue
-        try:
-            message = json.loads(line)
-        except ValueError:
-            message = None
-        stdout.write(json.dumps(server.handle(message)) + "\n")
+    for message in read_requests(stdin):
+        if isinstance(message, ProtocolError):
+            reply: dict[str, Json] = {"id": None, "error": "ProtocolError", "message": str(message)}
+        else:
+            reply = server.handle(message)
+        stdout.write(json.dumps(reply) + "\n")
         stdout.flush()
 
 

@@ -18,11 +18,8 @@ from kvpool.specs.protocol.codec import (
     ProtocolError,
     apply,
     decode_config,
-    loads,
+    read_requests,
 )
-
-MAX_LINE = 16 * 1024 * 1024
-"""Characters one request line may have."""
 
 
 def hello_result(
@@ -104,27 +101,14 @@ def serve(
 ) -> None:
     """Answer requests from ``stdin`` on ``stdout`` until stdin closes.
 
-    Each line is read as bounded data (``codec.loads``; lines of at most
-    ``MAX_LINE`` characters): garbage is answered with a ProtocolError, and
-    the server goes on with the next line.
+    Each line is read as bounded data (``codec.read_requests``): garbage is
+    answered with a ProtocolError, and the server goes on with the next line.
     """
     server = Server(make_target, name)
-    while True:
-        line = stdin.readline(MAX_LINE + 1)
-        if not line:
-            return
-        if len(line) > MAX_LINE and not line.endswith("\n"):
-            while (rest := stdin.readline(MAX_LINE)) and not rest.endswith("\n"):
-                pass
-            reply = _protocol_error(None, f"a request line is longer than {MAX_LINE} characters")
-        elif not line.strip():
-            continue
+    for message in read_requests(stdin):
+        if isinstance(message, ProtocolError):
+            reply = _protocol_error(None, str(message))
         else:
-            try:
-                reply = server.handle(loads(line))
-            except ProtocolError as error:
-                reply = _protocol_error(
-                    None, f"the request is not JSON the protocol reads: {error}"
-                )
+            reply = server.handle(message)
         stdout.write(json.dumps(reply) + "\n")
         stdout.flush()

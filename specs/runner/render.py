@@ -72,9 +72,9 @@ def print_terminal(console: Console, report: ConformanceReport) -> None:
     table.add_row("layer", report.layer)
     table.add_row("level", str(report.level))
     table.add_row("semantics profile(s)", Text(", ".join(report.profiles)))
-    for profile, verdict in report.verdicts.items():
+    for profile, outcome in report.verdicts.items():
         claim = "claimed" if profile in report.claimed else "not claimed"
-        table.add_row(Text(f"verdict under {profile} ({claim})"), Text(verdict))
+        table.add_row(Text(f"verdict under {profile} ({claim})"), Text(outcome))
     table.add_row("Hypothesis profile", Text(report.hypothesis_profile))
     asked = f" (the run asked for {report.max_examples})" if report.max_examples else ""
     longest = f", up to {report.steps_per_program} steps each" if report.steps_per_program else ""

@@ -30,7 +30,7 @@ from kvpool.specs.errors import TargetAbort, TargetError
 from kvpool.specs.events.machine import scores_problem, show_events
 from kvpool.specs.events.target import ConsumerConfig, ConsumerFactory, RemovesWorkers
 from kvpool.specs.protocol import codec
-from kvpool.specs.protocol.codec import Json, ProtocolError
+from kvpool.specs.protocol.codec import Json, ProtocolError, loads
 from kvpool.specs.protocol.consumer import decode_query
 from kvpool.specs.vectors.format import LoadedVector, VectorFormatError, load_schema, sha256
 
@@ -134,9 +134,9 @@ def _parse(line: str, where: str, problems: list[str]) -> Json:
         problems.append(f"{where}: longer than {MAX_LINE_BYTES} characters")
         return None
     try:
-        value = json.loads(line)
-    except (ValueError, RecursionError) as error:
-        problems.append(f"{where}: not JSON: {str(error)[:200]}")
+        value = loads(line)
+    except ProtocolError as error:
+        problems.append(f"{where}: {str(error)[:200]}")
         return None
     if not isinstance(value, dict):
         problems.append(f"{where}: a vector is a JSON object")
@@ -181,10 +181,11 @@ def _manifest_files(
 ) -> list[tuple[Path, int | None]]:
     manifest_path = directory / MANIFEST
     try:
-        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        with manifest_path.open("rb") as stream:
+            manifest = loads(stream.read(MAX_LINE_BYTES))
     except FileNotFoundError:
         raise VectorFormatError(f"{manifest_path}: missing (a directory needs one)") from None
-    except (OSError, ValueError, RecursionError) as error:
+    except (OSError, ProtocolError) as error:
         raise VectorFormatError(f"{manifest_path}: not a JSON manifest: {error}") from error
     errors = _schema_errors(validator, manifest, MANIFEST)
     if errors:

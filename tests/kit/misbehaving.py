@@ -16,8 +16,12 @@ from typing import Any
 
 from kvpool.model import PoolConfig
 from kvpool.model.errors import InvalidBlockCount, PoolError
+from kvpool.model.radix import RadixConfig
 from kvpool.model.v0 import V0Config
+from kvpool.specs.events.model_target import ReferenceConsumer
+from kvpool.specs.events.target import ConsumerConfig
 from kvpool.specs.pool.model_target import ModelTarget
+from kvpool.specs.radix.model_target import ModelRadixTarget
 from kvpool.specs.request.model_target import ModelManagerTarget
 from kvpool.specs.request.target import ManagerSetup
 from kvpool.specs.v0.model_target import ModelV0Target
@@ -35,6 +39,14 @@ class V0Target(ModelV0Target):
     """The ``module:factory`` kind at the v0 layer."""
 
 
+class Consumer(ReferenceConsumer):
+    """The ``module:factory`` kind at the events layer (a KV-event consumer)."""
+
+
+class RadixTarget(ModelRadixTarget):
+    """The ``module:factory`` kind at the radix layer."""
+
+
 def pool_factory(config: PoolConfig) -> PoolTarget:
     return PoolTarget(config)
 
@@ -45,6 +57,14 @@ def manager_factory(setup: ManagerSetup) -> ManagerTarget:
 
 def v0_factory(config: V0Config) -> V0Target:
     return V0Target(config)
+
+
+def consumer_factory(config: ConsumerConfig) -> Consumer:
+    return Consumer(config)
+
+
+def radix_factory(config: RadixConfig) -> RadixTarget:
+    return RadixTarget(config)
 
 
 def factory_without_argument() -> PoolTarget:
@@ -165,6 +185,14 @@ PATCH_POINTS: dict[tuple[str, str], tuple[str, str, str]] = {
         "model",
         "kvpool.specs.v0.model_target.ModelV0Target",
         "get_num_free_blocks",
+    ),
+    ("module", "events"): (f"{_HERE}:consumer_factory", f"{_HERE}.Consumer", "scores"),
+    ("model", "events"): ("model", "kvpool.specs.events.model_target.ReferenceConsumer", "scores"),
+    ("module", "radix"): (f"{_HERE}:radix_factory", f"{_HERE}.RadixTarget", "match_prefix"),
+    ("model", "radix"): (
+        "model",
+        "kvpool.specs.radix.model_target.ModelRadixTarget",
+        "match_prefix",
     ),
     ("vllm", "pool"): ("vllm", "kvpool.specs.targets.vllm.pool.VllmTarget", "get_new_blocks"),
     ("vllm", "request"): (

@@ -277,3 +277,59 @@ def _config() -> object:
     from kvpool.model import PoolConfig
 
     return PoolConfig(4)
+
+
+LAYER_GARBAGE = [*GARBAGE[:11], "x" * (17 * 2**20)]
+"""What no layer's protocol reads: garbage, deep nesting, numbers that are not, other values,
+requests without an id or op, arguments that are not an object, a line past the bound."""
+
+
+def _serve_request_layer(stdin: io.StringIO, stdout: io.StringIO) -> None:
+    from kvpool.specs.protocol.request_server import serve_requests
+    from kvpool.specs.request.model_target import ModelManagerTarget
+
+    serve_requests(ModelManagerTarget, stdin, stdout)
+
+
+def _serve_consumer(stdin: io.StringIO, stdout: io.StringIO) -> None:
+    from kvpool.specs.events.model_target import ReferenceConsumer
+    from kvpool.specs.protocol.consumer import serve_consumer
+
+    serve_consumer(ReferenceConsumer, stdin, stdout)
+
+
+@pytest.mark.parametrize(
+    "serve_layer",
+    [lambda i, o: serve(ModelTarget, i, o), _serve_request_layer, _serve_consumer],
+    ids=["pool", "request", "events"],
+)
+def test_every_layers_protocol_server_answers_garbage_and_goes_on(serve_layer: object) -> None:
+    lines = [*LAYER_GARBAGE, '{"id": 99, "op": "hello", "args": {}}']
+    out = io.StringIO()
+    serve_layer(io.StringIO("\n".join(lines) + "\n"), out)  # type: ignore[operator]
+    replies = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert len(replies) == len(lines)
+    for line, reply in zip(LAYER_GARBAGE, replies[:-1], strict=True):
+        assert reply.get("error") == "ProtocolError", (line[:80], reply)
+        assert reply["id"] in (None, 1), reply
+    assert replies[-1]["id"] == 99 and "ok" in replies[-1], replies[-1]
+
+
+@pytest.mark.parametrize(
+    ("args", "phrase"),
+    [
+        (["--layer", "request", "--profile", "nope"], "unknown profile 'nope'"),
+        (["--layer", "events", "--profile", "nope"], "unknown event semantics ['nope']"),
+        (["--layer", "events", "EMPTY"], "no vector ran, so nothing was checked"),
+        (["--layer", "request", "EMPTY"], "no vector ran, so nothing was checked"),
+    ],
+)
+def test_a_run_of_zero_vectors_at_the_other_layers_is_exit_2_saying_why(
+    tmp_path: Path, args: list[str], phrase: str
+) -> None:
+    empty = _file(tmp_path, "empty.jsonl", "")
+    result = run_kvpool("vectors", "run", *(str(empty) if a == "EMPTY" else a for a in args))
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output
+    assert phrase in output, output
+    assert_no_traceback(result)

@@ -12,6 +12,8 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 DEVELOPMENT_TOOLS = ("mypy", "crosshair", "z3", "pytest", "ruff", "redis", "mkdocs")
 
@@ -53,9 +55,13 @@ main()
 """
 
 
-def test_kvpool_check_runs_without_any_development_tool(tmp_path: Path) -> None:
+@pytest.mark.parametrize("layer", ["pool", "request", "v0", "events", "radix"])
+def test_kvpool_check_runs_without_any_development_tool(tmp_path: Path, layer: str) -> None:
     result = subprocess.run(
-        [sys.executable, "-c", BLOCKER, "check", "--examples", "20", "--hypothesis-profile", "ci"],
+        [
+            *(sys.executable, "-c", BLOCKER, "check", "--layer", layer),
+            *("--examples", "20", "--hypothesis-profile", "ci"),
+        ],
         cwd=tmp_path,
         capture_output=True,
         text=True,

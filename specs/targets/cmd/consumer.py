@@ -159,4 +159,3 @@ class RemovingCmdConsumer(CmdConsumer):
 
     def remove_worker(self, worker: int) -> None:
         self._request("remove_worker", {"worker": worker})
-

@@ -23,6 +23,7 @@ from typing import Any, NoReturn
 
 from kvpool import model
 from kvpool.model import CacheRequest, HashKey, KVCacheEvent, PoolConfig, PoolError, PoolState
+from kvpool.model.profiles import profile_named
 from kvpool.specs.protocol import codec as protocol
 from kvpool.specs.protocol.codec import Json, ProtocolError
 from kvpool.specs.targets.cmd.session import (
@@ -61,7 +62,7 @@ def _check_hello(hello: dict[str, Json]) -> dict[str, Json]:
         raise SessionFailure(
             f"hello: profiles must be a list of profile names, got {profiles!r:.200}"
         )
-    unknown = [p for p in profiles if p not in model.PROFILES]
+    unknown = [p for p in profiles if not _known_profile(p)]
     if unknown:
         raise SessionFailure(
             f"hello: unknown profile(s) {unknown!r:.200}; the profiles are "
@@ -72,6 +73,14 @@ def _check_hello(hello: dict[str, Json]) -> dict[str, Json]:
             f"hello: snapshot must be true or false, got {hello['snapshot']!r:.100}"
         )
     return hello
+
+
+def _known_profile(name: str) -> bool:
+    try:
+        profile_named(name)
+    except model.InvalidConfig:
+        return False
+    return True
 
 
 POOL_DIALECT = Dialect(

@@ -21,9 +21,10 @@ import shlex
 from collections.abc import Iterable, Sequence
 from typing import Any, NoReturn
 
-from kvpool.model import DEFAULT_PROFILE, KVCacheEvent, PoolError
+from kvpool.model import DEFAULT_PROFILE, PROFILES, InvalidConfig, KVCacheEvent, PoolError
 from kvpool.model import manager as model_manager
 from kvpool.model.manager import Blocks, KVCacheManagerState, PrefixCacheStats
+from kvpool.model.profiles import profile_named
 from kvpool.model.request import Request
 from kvpool.specs.protocol import request_codec as codec
 from kvpool.specs.protocol.codec import Json, ProtocolError
@@ -37,17 +38,33 @@ SCOPE_FIELDS = ("layouts", "events", "block_factors", "min_window")
 """What a hello may say about the part of the machine's space the target supports."""
 
 
+def _known_profile(name: str) -> bool:
+    try:
+        profile_named(name)
+    except InvalidConfig:
+        return False
+    return True
+
+
 def _check_hello(hello: dict[str, Json]) -> dict[str, Json]:
     if hello.get("layer") != codec.LAYER:
         raise SessionFailure(
-            f"the target answered hello for layer {hello.get('layer')!r}, not {codec.LAYER!r}: "
+            f"the target answered hello for layer {hello.get('layer')!r:.100}, "
+            f"not {codec.LAYER!r}: "
             "it speaks the pool's protocol, or another layer's (docs/formats.md)"
         )
     levels, profiles = hello.get("levels", [1]), hello.get("profiles", [DEFAULT_PROFILE.name])
     if not isinstance(levels, list) or not levels or not all(x in (1, 2) for x in levels):
-        raise SessionFailure(f"hello: levels must be a list of 1 and/or 2, got {levels!r}")
+        raise SessionFailure(f"hello: levels must be a list of 1 and/or 2, got {levels!r:.200}")
     if not isinstance(profiles, list) or not all(isinstance(p, str) for p in profiles):
-        raise SessionFailure(f"hello: profiles must be a list of profile names, got {profiles!r}")
+        raise SessionFailure(
+            f"hello: profiles must be a list of profile names, got {profiles!r:.200}"
+        )
+    unknown = [p for p in profiles if not _known_profile(str(p))]
+    if unknown:
+        raise SessionFailure(
+            f"hello: unknown profile(s) {unknown!r:.200}; the profiles are {', '.join(PROFILES)}"
+        )
     if not isinstance(hello.get("snapshot", False), bool):
         raise SessionFailure(f"hello: snapshot must be true or false, got {hello['snapshot']!r}")
     if hello.get("hasher", "none") not in codec.HASHERS:
@@ -58,21 +75,26 @@ def _check_hello(hello: dict[str, Json]) -> dict[str, Json]:
     known = (*LAYOUTS, *HYBRID_LAYOUTS)
     if not isinstance(layouts, list) or not layouts or not all(x in known for x in layouts):
         raise SessionFailure(
-            f"hello: layouts must be a list of layout names ({', '.join(known)}), got {layouts!r}"
+            f"hello: layouts must be a list of layout names ({', '.join(known)}), "
+            f"got {layouts!r:.200}"
         )
     events = hello.get("events", [False, True])
     if not isinstance(events, list) or not events or not all(isinstance(e, bool) for e in events):
-        raise SessionFailure(f"hello: events must be a list of true and/or false, got {events!r}")
+        raise SessionFailure(
+            f"hello: events must be a list of true and/or false, got {events!r:.200}"
+        )
     factors = hello.get("block_factors", [1, 2])
     if (
         not isinstance(factors, list)
         or not factors
         or not all(isinstance(f, int) and not isinstance(f, bool) and f >= 1 for f in factors)
     ):
-        raise SessionFailure(f"hello: block_factors must be integers >= 1, got {factors!r}")
+        raise SessionFailure(f"hello: block_factors must be integers >= 1, got {factors!r:.200}")
     window = hello.get("min_window", 1)
     if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= 6:
-        raise SessionFailure(f"hello: min_window must be an integer from 1 to 6, got {window!r}")
+        raise SessionFailure(
+            f"hello: min_window must be an integer from 1 to 6, got {window!r:.200}"
+        )
     return hello
 
 

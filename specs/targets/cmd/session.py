@@ -139,9 +139,7 @@ class Session:
                 )
             hello = reply.get("ok")
             if not isinstance(hello, dict):
-                raise SessionFailure(
-                    f"the target answered hello with {clip(hello)}, not an object"
-                )
+                raise SessionFailure(f"the target answered hello with {clip(hello)}, not an object")
             if hello.get("protocol") != self.dialect.version:
                 raise SessionFailure(
                     f"the target speaks protocol version {_brief(hello.get('protocol'))}; "
