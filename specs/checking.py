@@ -101,7 +101,9 @@ def check(
         )
     if layer == "request":
         _known_profiles(chosen)
-        scope = ManagerTargetSpec(factory, **descriptor.scope)
+        # The request layer's recorder guards its factory itself, naming the setup as the
+        # protocol writes it (kvpool.specs.request.record.build).
+        scope = ManagerTargetSpec(descriptor.factory, **descriptor.scope)
         if chosen:
             scope = replace(scope, profiles=tuple(profile_named(p) for p in chosen))
         return run_request_conformance(scope, level=level, **options)

@@ -229,8 +229,11 @@ def run_machine(
                 f"earlier run, in {databases.examples_home()}); --database none runs without it"
             )
     if caught is not None:
+        # Traced: the operations the target received, or none (it failed before the first);
+        # never Hypothesis's rule names, which are the kit's, not the user's.
         lines = program_lines(programs.machine) if traced_program else []
-        report.program = "\n".join(lines) or _program(printed, caught)
+        report.program = "\n".join(lines) if traced_program else _program(printed, caught)
+        report.program = report.program or None
     if report.conforms and report.examples_run == 0:
         report.fail("nothing-ran", "no program was run, so nothing was checked")
     if explain is not None and report.failure_kind in ("divergence", "invariant"):

@@ -66,7 +66,10 @@ def test_a_grandchild_behind_a_shell_does_not_outlive_the_check(
     assert result.returncode == exit_code, output
     assert_no_traceback(result)
     if then == "crash":
-        assert "closed its output" in output, output
+        # The kit notices the exit on writing hello or on reading its answer, whichever comes.
+        flat = " ".join(output.split())
+        assert "exit code: 3" in flat, output
+        assert "closed its output" in flat or "stopped reading its input" in flat, output
     grandchild = int(pidfile.read_text())
     assert _gone_soon(grandchild), f"the grandchild {grandchild} outlived the check at {layer}"
 
@@ -95,7 +98,8 @@ def test_what_a_target_sends_is_bounded_at_every_layer(
         timeout=300,
     )
     output = result.stdout + result.stderr
+    flat = " ".join(output.split())  # the report wraps long lines
     assert result.returncode == 2, output
     for phrase in phrases:
-        assert phrase in output, output
+        assert phrase in flat, output
     assert_no_traceback(result)
