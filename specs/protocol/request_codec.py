@@ -31,6 +31,8 @@ from kvpool.model.manager import (
 from kvpool.model.request import Request
 from kvpool.model.single_type import AttentionType, GroupTable, KVCacheSpec, ManagersState
 from kvpool.specs.protocol.codec import (
+    MAX_HASH_BLOCK_SIZE,
+    MAX_NUM_BLOCKS,
     Json,
     ProtocolError,
     _bool,
@@ -125,14 +127,29 @@ def decode_spec(value: Json) -> KVCacheSpec:
     obj = _object(value, "group spec")
     names = {name: kind for kind, name in ATTENTION_NAMES.items()}
     attention = obj.get("attention")
-    if attention not in names:
-        raise ProtocolError(f"unknown attention {attention!r}; known: {', '.join(names)}")
+    if not isinstance(attention, str) or attention not in names:
+        raise ProtocolError(f"unknown attention {attention!r:.100}; known: {', '.join(names)}")
     return KVCacheSpec(
         names[attention],
-        _int(obj.get("block_size"), "block_size"),
-        sliding_window=_int(obj.get("sliding_window", 0), "sliding_window"),
-        attention_chunk_size=_int(obj.get("attention_chunk_size", 0), "attention_chunk_size"),
+        _bounded(obj.get("block_size"), "block_size", MAX_TOKENS),
+        sliding_window=_bounded(obj.get("sliding_window", 0), "sliding_window", MAX_TOKENS),
+        attention_chunk_size=_bounded(
+            obj.get("attention_chunk_size", 0), "attention_chunk_size", MAX_TOKENS
+        ),
     )
+
+
+MAX_TOKENS = 65536
+"""The most tokens a setup's sizes (model length, block size, window, chunk) may name."""
+MAX_GROUPS = 16
+"""The most KV cache groups (specs) a setup may have."""
+
+
+def _bounded(value: Json, what: str, limit: int) -> int:
+    number = _int(value, what)
+    if number > limit:
+        raise ProtocolError(f"{what} is {number}; the protocol allows at most {limit}")
+    return number
 
 
 def encode_setup(setup: ManagerSetup) -> Json:
@@ -154,13 +171,18 @@ def decode_setup(value: Json) -> ManagerSetup:
     """The inverse of ``encode_setup``."""
     obj = _object(value, "setup")
     profile = obj.get("profile")
-    if profile not in PROFILES:
-        raise ProtocolError(f"unknown profile {profile!r}; known: {', '.join(PROFILES)}")
+    if not isinstance(profile, str) or profile not in PROFILES:
+        raise ProtocolError(f"unknown profile {profile!r:.100}; known: {', '.join(PROFILES)}")
+    specs = _list(obj.get("specs"), "specs")
+    if len(specs) > MAX_GROUPS:
+        raise ProtocolError(f"{len(specs)} specs; the protocol allows at most {MAX_GROUPS}")
     return ManagerSetup(
-        num_blocks=_int(obj.get("num_blocks"), "num_blocks"),
-        specs=tuple(decode_spec(s) for s in _list(obj.get("specs"), "specs")),
-        max_model_len=_int(obj.get("max_model_len"), "max_model_len"),
-        hash_block_size=_int(obj.get("hash_block_size"), "hash_block_size"),
+        num_blocks=_bounded(obj.get("num_blocks"), "num_blocks", MAX_NUM_BLOCKS),
+        specs=tuple(decode_spec(s) for s in specs),
+        max_model_len=_bounded(obj.get("max_model_len"), "max_model_len", MAX_TOKENS),
+        hash_block_size=_bounded(
+            obj.get("hash_block_size"), "hash_block_size", MAX_HASH_BLOCK_SIZE
+        ),
         enable_caching=_bool(obj.get("enable_caching"), "enable_caching"),
         use_eagle=_bool(obj.get("use_eagle"), "use_eagle"),
         log_stats=_bool(obj.get("log_stats"), "log_stats"),

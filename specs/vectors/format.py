@@ -104,10 +104,26 @@ def validators(layer: str = "pool") -> tuple[Any, Any]:
 
 def _schema_errors(validator: Any, value: Json, where: str) -> list[str]:
     problems = []
-    for error in sorted(validator.iter_errors(value), key=lambda e: list(e.absolute_path)):
+    found = [e for error in validator.iter_errors(value) for e in _innermost(error)]
+    for error in sorted(found, key=lambda e: [str(p) for p in e.absolute_path]):
         path = "/".join(str(p) for p in error.absolute_path) or "(top level)"
         problems.append(f"{where}: field {path}: {_short(error.message)}")
     return problems
+
+
+def _innermost(error: Any) -> list[Any]:
+    """For a value that fits none of a ``oneOf``'s kinds (a manager vector, a hash vector),
+    the errors of the kind it came closest to (the fewest errors, then the deepest), so the
+    report names the field, not the whole vector."""
+    if not error.context:
+        return [error]
+    branches: dict[Any, list[Any]] = {}
+    for inner in error.context:
+        branches.setdefault(inner.relative_schema_path[0], []).append(inner)
+    closest = min(
+        branches.values(), key=lambda es: (len(es), -max(len(e.absolute_path) for e in es))
+    )
+    return [e for inner in closest for e in _innermost(inner)]
 
 
 def _short(text: str) -> str:

@@ -333,3 +333,39 @@ def test_a_run_of_zero_vectors_at_the_other_layers_is_exit_2_saying_why(
     assert result.returncode == 2, output
     assert phrase in output, output
     assert_no_traceback(result)
+
+
+REQUEST_CORPUS = CORPUS / "request"
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("num_blocks", 10**12), ("max_model_len", 10**9), ("hash_block_size", 10**6)],
+)
+def test_a_request_vector_asking_for_a_huge_manager_is_refused_as_data(
+    tmp_path: Path, field: str, value: int
+) -> None:
+    """Sizes past the protocol's bounds are the vector's fault, found before anything runs."""
+    data = json.loads((REQUEST_CORPUS / "scenarios.jsonl").read_text().splitlines()[0])
+    data["setup"][field] = value
+    path = _file(tmp_path, "huge.jsonl", json.dumps(data) + "\n")
+    for command in ("validate", "run"):
+        result = run_kvpool("vectors", command, str(path), "--layer", "request")
+        output = result.stdout + result.stderr
+        assert result.returncode == 2, output
+        assert f"field setup/{field}" in output, output
+        assert_no_traceback(result)
+
+
+def test_the_request_codec_bounds_a_setup() -> None:
+    from kvpool.model.single_type import full_attention
+    from kvpool.specs.protocol.request_codec import decode_setup, encode_setup
+    from kvpool.specs.request.target import ManagerSetup
+
+    setup = encode_setup(ManagerSetup(4, (full_attention(2),), 16, 2))
+    assert isinstance(setup, dict)
+    for field, value in [("num_blocks", 10**12), ("specs", setup["specs"] * 17)]:
+        with pytest.raises(protocol.ProtocolError, match="the protocol allows at most"):
+            decode_setup({**setup, field: value})
+    with pytest.raises(protocol.ProtocolError, match="unknown profile"):
+        decode_setup({**setup, "profile": ["x"]})
