@@ -279,7 +279,9 @@ class VectorsItem(ConformanceItem):
         if result.target_error is not None:
             problems.append(f"target error: {result.target_error}")
         if result.run == 0:
-            problems.append("no vector was run: none is in the target's levels and scope")
+            problems.append(
+                "no vector ran, so nothing was checked: none is in the target's levels and scope"
+            )
         if problems:
             raise KvpoolFailure(
                 f"{len(result.mismatches)} of {result.run} request-layer vectors from {source} "

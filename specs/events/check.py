@@ -114,16 +114,16 @@ def _merge(report: ConformanceReport, part: ConformanceReport, name: str, claime
     report.max_examples = part.max_examples
     report.steps_per_program = part.steps_per_program
     report.from_database = report.from_database or (claimed and part.from_database)
+    if part.conforms and part.examples_run == 0:  # no verdict, whatever was claimed
+        part.fail("nothing-ran", f"no program was run under {name}, so nothing was checked")
     verdict = {0: "conforms", 1: "diverges"}.get(part.exit_code, "no verdict")
     if part.failure_kind == "target-error":
         verdict = "target error"
     elif verdict == "no verdict":
-        verdict = f"no verdict ({part.failure_kind or 'nothing ran'})"
+        verdict = f"no verdict ({part.failure_kind})"
     report.verdicts[name] = verdict
     if part.exit_code == 0:
         return
-    if part.conforms:  # nothing ran under this semantics: no verdict, whatever was claimed
-        part.fail("nothing-ran", f"no program was run under {name}, so nothing was checked")
     if claimed and report.conforms:
         report.conforms = False
         report.failure_kind = part.failure_kind

@@ -17,8 +17,10 @@ MAX_BATCHES = 6
 
 
 def batches(program: str | None) -> list[str]:
+    """The batches a failing program sent, from its numbered steps (``step N: apply_events(``)."""
     assert program is not None
-    return [line for line in program.splitlines() if line.startswith("apply_events(")]
+    steps = [line.partition(": ")[2] for line in program.splitlines() if line.startswith("step ")]
+    return [step for step in steps if step.startswith("apply_events(")]
 
 
 def test_the_reference_consumer_conforms_under_both_semantics() -> None:
@@ -50,17 +52,25 @@ def test_a_consumer_keeping_a_set_fails_under_multiset_and_passes_under_last_cop
 
 def test_only_claimed_semantics_decide_the_verdict() -> None:
     report = ConformanceReport("set", 1, ("multiset", "last-copy"), "ci", claimed=("last-copy",))
-    failed = ConformanceReport("set", 1, ("multiset",), "ci")
+    failed = ConformanceReport("set", 1, ("multiset",), "ci", examples_run=7)
     failed.fail("invariant", AssertionError("invariant no_missed_hits violated"))
     failed.program = "apply_events(...)"
     _merge(report, failed, "multiset", claimed=False)
-    _merge(report, ConformanceReport("set", 1, ("last-copy",), "ci"), "last-copy", claimed=True)
+    passed = ConformanceReport("set", 1, ("last-copy",), "ci", examples_run=20)
+    _merge(report, passed, "last-copy", claimed=True)
     assert report.conforms
     assert report.verdicts == {"multiset": "diverges", "last-copy": "conforms"}
     assert any("under multiset (not claimed): diverges" in note for note in report.notes)
     _merge(report, failed, "multiset", claimed=True)
     assert not report.conforms
     assert report.program == "apply_events(...)"
+
+
+def test_a_semantics_under_which_nothing_ran_is_no_verdict() -> None:
+    report = ConformanceReport("set", 1, ("multiset",), "ci", claimed=("multiset",))
+    _merge(report, ConformanceReport("set", 1, ("multiset",), "ci"), "multiset", claimed=True)
+    assert report.verdicts == {"multiset": "no verdict (nothing-ran)"}
+    assert report.exit_code == 2 and report.failure_kind == "nothing-ran"
 
 
 def test_a_consumer_ignoring_cleared_fails_under_both_semantics() -> None:

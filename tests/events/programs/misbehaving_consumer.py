@@ -31,7 +31,7 @@ for line in sys.stdin:
         sys.stdout.flush()
         continue
     if mode == "error" and op == "apply_events":
-        reply = {"id": reply["id"], "error": "ProtocolError", "message": "unknown block"}
+        reply = {"id": reply["id"], "error": "KeyError", "message": "unknown block"}
     if mode == "short" and op == "scores":
         reply["ok"] = reply["ok"][:-1]
     if mode == "hang" and op == "scores":
