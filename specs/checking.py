@@ -140,8 +140,8 @@ class GuardedFactory:
             raise
         except Exception as error:
             raise TargetError(
-                f"the target factory of {self._name} raised {type(error).__name__}: {error} "
-                f"when asked for a target of {setup!r:.300}"
+                f"the factory could not build a target for {setup!r:.300}: it raised "
+                f"{type(error).__name__}: {error} (target {self._name})"
             ) from error
 
     def __getattr__(self, name: str) -> Any:

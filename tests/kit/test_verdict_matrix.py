@@ -102,7 +102,8 @@ def test_a_factory_that_raises_is_a_target_error(
     monkeypatch.setattr(owner(class_path), "__init__", broken)
     code, output = check("--layer", layer, "--target", target)
     assert code == 2, output
-    assert "target factory" in output and "ImportError" in output, output
+    flat = " ".join(output.split())
+    assert "the factory could not build a target" in flat and "ImportError" in flat, output
     assert "Traceback" not in output
 
 
