@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from kvpool import impl
 from kvpool.model import PROFILES
 from kvpool.specs.checking import check as check_layer
 from kvpool.specs.cli.history import history_app, record_command
@@ -137,6 +138,10 @@ def check(
     report = _run_with_progress(
         console, descriptor, level, profile, chosen_profile, examples, steps, seed
     )
+    if target.split(":")[0] == "impl":
+        report.notes.append(impl_build())
+        if report_format is ReportFormat.terminal:
+            console.print(impl_build(), highlight=False)
     if report.counterexample is not None:
         try:
             save(report.counterexample, regression_dir)
@@ -153,6 +158,13 @@ def check(
     if report.failure_kind == "target-error":
         raise typer.Exit(EXIT_ERROR)
     raise typer.Exit(EXIT_CONFORMS if report.conforms else EXIT_DIVERGES)
+
+
+def impl_build() -> str:
+    """Which build of kvpool.impl this process runs (``pip install .`` compiles it when it can)."""
+    if impl.COMPILED:
+        return "kvpool.impl: compiled with mypyc"
+    return "kvpool.impl: pure Python (not compiled)"
 
 
 def _run_with_progress(

@@ -47,6 +47,13 @@ def print_terminal(console: Console, report: ConformanceReport) -> None:
     table.add_row("Hypothesis profile", report.hypothesis_profile)
     table.add_row("programs run", str(report.examples_run))
     table.add_row("time", f"{report.seconds:.1f} s")
+    if report.seconds_to_first_failure is not None:
+        table.add_row(
+            "first failure",
+            f"program {report.programs_to_first_failure}, "
+            f"after {report.seconds_to_first_failure:.2f} s (before shrinking)",
+        )
+        table.add_row("shrinking", f"{report.shrink_seconds or 0.0:.1f} s")
     verdict = "[green]conforms[/green]" if report.conforms else "[red]diverges[/red]"
     if report.failure_kind == "target-error":
         verdict = "[red]target error[/red]"

@@ -10,6 +10,7 @@ explain a divergence, and whether the failing program is the one Hypothesis
 printed or the calls the machine traced.
 """
 
+import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -47,6 +48,9 @@ class RunOptions(TypedDict, total=False):
     on_example: Callable[[int], None] | None
     program_timeout: float | None
 
+
+FAILURES = (Divergence, InvariantViolation, TargetError, TargetAbort)
+"""What ends a program as a failure of the target (anything else is Hypothesis's or the kit's)."""
 
 Explain = Callable[[BaseException], Counterexample | None]
 """Builds the counterexample of a failed run from the failure (divergences and invariants)."""
@@ -97,7 +101,10 @@ def run_machine(
             return report
     last = LastProgram()
     deadlines = Deadlines(None)
-    counted = _counting(machine, report, on_example, lambda: deadlines.start_program(), last)
+    started = time.perf_counter()
+    counted = _counting(
+        machine, report, on_example, lambda: deadlines.start_program(), last, started
+    )
     test = machine_test(
         counted,
         hypothesis_profile,
@@ -110,7 +117,6 @@ def run_machine(
         report.notes.append(f"seed {seed}")
 
     printed: list[str] = []
-    started = time.perf_counter()
     caught: BaseException | None = None
     try:
         with (
@@ -130,6 +136,8 @@ def run_machine(
         report.fail("target-error", abort.error)
     finally:
         report.seconds = time.perf_counter() - started
+        if report.seconds_to_first_failure is not None:
+            report.shrink_seconds = report.seconds - report.seconds_to_first_failure
     if caught is not None:
         trace = getattr(last.machine, "trace_lines", None)
         if traced_program and trace is not None:
@@ -213,8 +221,13 @@ def _counting(
     on_example: Callable[[int], None] | None,
     on_start: Callable[[], None],
     last: LastProgram,
+    started: float,
 ) -> type[RuleBasedStateMachine]:
-    """A subclass that counts the programs run (one machine instance per program)."""
+    """A subclass that counts the programs run (one machine instance per program).
+
+    It also notes when the first program fails: the time to detection, before
+    Hypothesis shrinks that program (the report shows the two apart).
+    """
 
     class Counted(machine):  # type: ignore[valid-type,misc]
         # No arguments, and the machine's own name below: Hypothesis derives the
@@ -226,6 +239,15 @@ def _counting(
             report.examples_run += 1
             if on_example is not None:
                 on_example(report.examples_run)
+
+        def teardown(self) -> None:
+            # Hypothesis calls teardown in a `finally`: a failing program's
+            # exception is the one being propagated here.
+            failed = isinstance(sys.exc_info()[1], FAILURES)
+            if failed and report.seconds_to_first_failure is None:
+                report.seconds_to_first_failure = time.perf_counter() - started
+                report.programs_to_first_failure = report.examples_run
+            super().teardown()
 
     Counted.__name__ = Counted.__qualname__ = machine.__name__
     return Counted
