@@ -73,7 +73,9 @@ def ext_modules() -> list[object]:
             from mypyc.build import mypycify
 
             os.environ["MYPYPATH"] = str(STAGE)
-            return list(mypycify(["--explicit-package-bases", *staged_sources()], opt_level="3"))
+            # --no-site-packages: an installed (older) kvpool must not stand in for the sources.
+            flags = ["--explicit-package-bases", "--no-site-packages"]
+            return list(mypycify([*flags, *staged_sources()], opt_level="3"))
         except (Exception, SystemExit) as failure:  # mypyc reports its errors by exiting
             reason = f"mypyc failed ({failure!r})"
     if reason != "editable install":

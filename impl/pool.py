@@ -1005,7 +1005,8 @@ class BlockPool:
             order.append("...")
         lines.append(f"  free list (front first, bounded walk): [{', '.join(order)}]")
         lines.append("  blocks:")
-        lines.extend(f"    {block!r}" for block in self.blocks)
+        everything: list[Any] = self.blocks  # a corrupted entry is shown, not type-checked
+        lines.extend(f"    {block!r}" for block in everything)
         lines.append("  hash map:")
         for key, entry in self._cached.items():
             ids = list(entry) if isinstance(entry, dict) else entry.block_id
