@@ -667,7 +667,8 @@ def bench_requests(
         print(f"  {name:8} {rates[name]:11,.0f} requests/s")
     for mine, other in RATIOS:
         if mine in rates and other in rates:
-            print(f"{mine}/{other:16} on the request layer {rates[mine] / rates[other]:8.2f}x")
+            pair = f"{mine}/{other}"
+            print(f"{pair:16} on the request layer {rates[mine] / rates[other]:8.2f}x")
 
 
 # --------------------------------------------------------------------------
