@@ -1,16 +1,19 @@
-"""Throughput of kvpool.impl against vLLM's BlockPool and the model, on the same traces.
+"""Throughput of kvpool.impl, pure and compiled, against vLLM's BlockPool and KVCacheManager.
 
-Run it with the project's interpreter::
+Run it with the project's interpreter (vLLM 0.33 installed light, as the
+developers' guide says, for the vLLM column)::
 
-    python bench/bench_pool.py            # impl and model; vLLM if importable
+    python bench/bench_pool.py --compiled .venv-compiled/lib/python3.11/site-packages
 
-and, for the vLLM column, with an interpreter that has both vLLM and kvpool
-(``pip install -e /path/to/kvpool --no-deps`` into vLLM's environment)::
-
-    /path/to/vllm-venv/bin/python bench/bench_pool.py
+``--compiled`` names a directory holding a mypyc-compiled ``kvpool/impl``
+(``pip install .`` into a second venv, as .ci/run does); both builds of the
+impl are then loaded into this one process and timed interleaved. Run under
+an interpreter whose own kvpool.impl is compiled, the pure-Python column
+comes from the sources beside this script instead. Without either, the
+compiled column is skipped with a note.
 
 ``--scale`` lengthens or shortens the traces, ``--only serving`` picks traces by
-name, ``--no-model`` and ``--no-scaling`` skip parts.
+name, ``--no-model``, ``--no-requests`` and ``--no-scaling`` skip parts.
 
 How it measures:
 
@@ -29,15 +32,21 @@ How it measures:
 * The model replays only the first few percent of each trace (it copies the
   pool on every operation); its rate is still calls per second.
 
-Printed: calls per second per trace and target, the impl/vLLM and impl/model
-ratios, and the impl's cost per operation for pools of 1e3 to 1e6 blocks on
-one allocate/cache/look-up/free cycle over a fixed working set.
+Printed: calls per second per trace and target; the pure/vLLM, compiled/vLLM,
+compiled/pure and pure/model ratios; requests per second through the request
+layer (``get_computed_blocks`` + ``allocate_slots`` + ``free`` per request,
+kvpool.impl.KVCacheManager against vLLM's); and each build's cost per
+operation for pools of 1e3 to 1e6 blocks on one allocate/cache/look-up/free
+cycle over a fixed working set.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
+import os
+import platform
 import random
 import statistics
 import sys
@@ -45,10 +54,14 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
+import kvpool.impl
 from kvpool import model
 from kvpool.impl import BlockPool as ImplPool
+from kvpool.model.single_type import full_attention
 
 BLOCK_SIZE = 16
 GROUPS = [0]
@@ -232,6 +245,15 @@ def traces(scale: float) -> list[Trace]:
             prepare=lambda pool: warm_prefixes(pool, hit_requests),
         ),
         Trace("serving, events on", True, True, 4096, serving_requests, serving(48, 4, True)),
+        Trace(
+            "serving, 100k-block pool",
+            True,
+            False,
+            100_000,
+            serving_requests,
+            serving(48, 4, False),
+            model_fraction=0.0,  # the model copies its 100k-block state on every call
+        ),
     ]
 
 
@@ -277,6 +299,59 @@ class ModelShim:
 
 def make_impl(num_blocks: int, caching: bool, events: bool) -> Any:
     return ImplPool(num_blocks, caching, BLOCK_SIZE, enable_kv_cache_events=events)
+
+
+def pool_factory(impl: ModuleType) -> PoolFactory:
+    def make(num_blocks: int, caching: bool, events: bool) -> Any:
+        return impl.BlockPool(num_blocks, caching, BLOCK_SIZE, enable_kv_cache_events=events)
+
+    return make
+
+
+def load_impl_copy(package_dir: Path) -> ModuleType:
+    """Another copy of kvpool.impl, loaded from ``package_dir``, beside the one imported above.
+
+    The copy's modules leave sys.modules again afterwards; its classes work
+    through the returned package (both copies share kvpool.model, its errors
+    included). A compiled copy's shared library (``*__mypyc``) sits in the
+    directory above ``kvpool/``, which goes on sys.path for the import.
+    """
+    prefix = "kvpool.impl"
+    mine = {k: v for k, v in sys.modules.items() if k == prefix or k.startswith(prefix + ".")}
+    for name in mine:
+        del sys.modules[name]
+    site = str(package_dir.parent.parent)
+    sys.path.append(site)
+    try:
+        spec = importlib.util.spec_from_file_location(
+            prefix, package_dir / "__init__.py", submodule_search_locations=[str(package_dir)]
+        )
+        assert spec is not None and spec.loader is not None
+        copy = importlib.util.module_from_spec(spec)
+        sys.modules[prefix] = copy
+        spec.loader.exec_module(copy)
+        return copy
+    finally:
+        sys.path.remove(site)
+        for name in [k for k in sys.modules if k == prefix or k.startswith(prefix + ".")]:
+            del sys.modules[name]
+        sys.modules.update(mine)
+
+
+def impl_builds(compiled_site: str | None) -> dict[str, ModuleType]:
+    """{"pure": ..., "compiled": ...}: the two builds of kvpool.impl, where both can be had."""
+    here = Path(__file__).resolve().parent.parent / "impl"
+    if kvpool.impl.COMPILED:
+        return {"pure": load_impl_copy(here), "compiled": kvpool.impl}
+    builds = {"pure": kvpool.impl}
+    if compiled_site is None:
+        print("note: no compiled kvpool.impl (--compiled DIR): its column is skipped.")
+        return builds
+    copy = load_impl_copy(Path(compiled_site) / "kvpool" / "impl")
+    if not copy.COMPILED:
+        raise SystemExit(f"{compiled_site}: its kvpool.impl is not the compiled build")
+    builds["compiled"] = copy
+    return builds
 
 
 def make_model(num_blocks: int, caching: bool, events: bool) -> Any:
@@ -422,7 +497,7 @@ def bench_traces(
     targets: dict[str, PoolFactory], scale: float, repeat: int, only: str | None = None
 ) -> None:
     print(f"\n== Traces: replayed pool calls per second (median of {repeat}) ==")
-    header = f"{'trace':36} {'target':6} {'calls':>8} {'calls/s':>11}"
+    header = f"{'trace':36} {'target':8} {'calls':>8} {'calls/s':>11}"
     print(header)
     print("-" * len(header))
     ratios: list[tuple[str, str, float]] = []
@@ -431,23 +506,169 @@ def bench_traces(
             continue
         setup, calls = record(trace)
         replayed = {name: calls for name in targets}
-        if "model" in targets:
+        runs = dict(targets)
+        if "model" in runs and trace.model_fraction == 0:
+            del runs["model"]
+        elif "model" in runs:
             replayed["model"] = calls[: max(50, int(len(calls) * trace.model_fraction))]
-        for name, make in targets.items():
+        for name, make in runs.items():
             verify(make(trace.num_blocks, trace.caching, trace.events), setup + replayed[name])
-        times: dict[str, list[float]] = {name: [] for name in targets}
+        times: dict[str, list[float]] = {name: [] for name in runs}
         for _ in range(repeat):
-            for name, make in targets.items():
+            for name, make in runs.items():
                 times[name].append(replay_once(make, trace, setup, replayed[name]))
-        rates = {name: len(replayed[name]) / statistics.median(times[name]) for name in targets}
-        for name in targets:
-            print(f"{trace.name:36} {name:6} {len(replayed[name]):8d} {rates[name]:11,.0f}")
-        for other in ("vllm", "model"):
-            if other in rates:
-                ratios.append((trace.name, other, rates["impl"] / rates[other]))
+        rates = {name: len(replayed[name]) / statistics.median(times[name]) for name in runs}
+        for name in runs:
+            print(f"{trace.name:36} {name:8} {len(replayed[name]):8d} {rates[name]:11,.0f}")
+        for mine, other in RATIOS:
+            if mine in rates and other in rates:
+                ratios.append((trace.name, f"{mine}/{other}", rates[mine] / rates[other]))
     print()
-    for trace_name, other, ratio in ratios:
-        print(f"impl/{other:5} on {trace_name:36} {ratio:8.2f}x")
+    for trace_name, pair, ratio in ratios:
+        print(f"{pair:16} on {trace_name:36} {ratio:8.2f}x")
+
+
+RATIOS = [("pure", "vllm"), ("compiled", "vllm"), ("compiled", "pure"), ("pure", "model")]
+"""The ratios printed, where both sides ran: (numerator, denominator)."""
+
+
+# --------------------------------------------------------------------------
+# The request layer: KVCacheManager
+# --------------------------------------------------------------------------
+
+
+class ManagerRequest:
+    """What vLLM's KVCacheManager and kvpool.impl's read from a request, for both alike."""
+
+    def __init__(self, request_id: str, block_hashes: list[bytes], status: Any) -> None:
+        self.request_id = request_id
+        self.block_hashes = block_hashes
+        self.all_token_ids = list(range(len(block_hashes) * BLOCK_SIZE))
+        self.num_tokens = self.num_prompt_tokens = len(self.all_token_ids)
+        self.num_computed_tokens = 0
+        self.hash_block_size = BLOCK_SIZE
+        self.num_preemptions = 0
+        self.skip_reading_prefix_cache = False
+        self.num_in_flight_tokens = 0
+        self.shared_prefix_boundary = 0
+        self.status = status
+        self.lora_request = None
+        self.mm_features: list[Any] = []
+        self.cache_salt = None
+        self.prompt_embeds = None
+        self.session_id = None
+
+
+ManagerFactory = Callable[[int, int], Any]
+"""(num_blocks, max_model_len) -> a KV cache manager of one full-attention group, caching on."""
+
+
+def impl_manager_factory(impl: ModuleType) -> ManagerFactory:
+    def make(num_blocks: int, max_model_len: int) -> Any:
+        config = impl.KVCacheConfig(num_blocks, (full_attention(BLOCK_SIZE),))
+        return impl.KVCacheManager(config, max_model_len, hash_block_size=BLOCK_SIZE)
+
+    return make
+
+
+def vllm_manager_factory() -> tuple[ManagerFactory, Any] | None:
+    """vLLM's KVCacheManager factory and its RUNNING status, or None if vLLM cannot be imported."""
+    try:
+        import torch  # type: ignore[import-not-found,unused-ignore]
+        from vllm.v1.core.kv_cache_manager import (  # type: ignore[import-not-found,unused-ignore]
+            KVCacheManager,
+        )
+        from vllm.v1.kv_cache_interface import (  # type: ignore[import-not-found,unused-ignore]
+            FullAttentionSpec,
+            KVCacheConfig,
+            KVCacheGroupSpec,
+        )
+        from vllm.v1.request import RequestStatus  # type: ignore[import-not-found,unused-ignore]
+    except Exception:  # reported once already by load_vllm
+        return None
+
+    def make(num_blocks: int, max_model_len: int) -> Any:
+        spec = FullAttentionSpec(
+            block_size=BLOCK_SIZE, num_kv_heads=1, head_size=8, dtype=torch.float32
+        )
+        config = KVCacheConfig(
+            num_blocks=num_blocks,
+            kv_cache_tensors=[],
+            kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)],
+        )
+        return KVCacheManager(
+            config,
+            max_model_len=max_model_len,
+            enable_caching=True,
+            hash_block_size=BLOCK_SIZE,
+            scheduler_block_size=BLOCK_SIZE,
+        )
+
+    return make, RequestStatus.RUNNING
+
+
+def manager_requests(requests: list[Request], status: Any) -> list[ManagerRequest]:
+    return [
+        ManagerRequest(f"req{i}", r.block_hashes[: r.num_prompt_blocks], status)
+        for i, r in enumerate(requests)
+    ]
+
+
+def admit(manager: Any, requests: list[ManagerRequest], window: int) -> tuple[int, int]:
+    """Each request: look up its prefix, allocate the rest, run; the oldest finish.
+
+    Returns (tokens found cached, blocks allocated), so the targets can be compared.
+    """
+    running: deque[ManagerRequest] = deque()
+    hit_tokens = allocated = 0
+    for request in requests:
+        request.num_computed_tokens = 0
+        hits, num_hit = manager.get_computed_blocks(request)[:2]
+        hit_tokens += num_hit
+        new = request.num_tokens - num_hit
+        while (blocks := manager.allocate_slots(request, new, num_hit, hits)) is None:
+            manager.free(running.popleft())
+        allocated += len(blocks.blocks[0])
+        request.num_computed_tokens = request.num_tokens
+        running.append(request)
+        if len(running) > window:
+            manager.free(running.popleft())
+    while running:
+        manager.free(running.popleft())
+    return hit_tokens, allocated
+
+
+def bench_requests(
+    targets: dict[str, ManagerFactory], status: Any, scale: float, repeat: int
+) -> None:
+    print(f"\n== Request layer: requests per second (median of {repeat}) ==")
+    n = max(50, int(4000 * scale))
+    requests = manager_requests(make_requests(1, n, 24, (8, 64), (1, 24), (0, 0)), status)
+    num_blocks, max_model_len = 4096, 128 * BLOCK_SIZE
+    outcomes = {
+        name: admit(make(num_blocks, max_model_len), requests, 48) for name, make in targets.items()
+    }
+    if len(set(outcomes.values())) != 1:
+        raise AssertionError(f"the managers disagree (hit tokens, blocks): {outcomes}")
+    times: dict[str, list[float]] = {name: [] for name in targets}
+    for _ in range(repeat):
+        for name, make in targets.items():
+            manager = make(num_blocks, max_model_len)
+            gc.collect()
+            gc.freeze()
+            start = time.perf_counter()
+            admit(manager, requests, 48)
+            times[name].append(time.perf_counter() - start)
+            gc.unfreeze()
+    rates = {name: len(requests) / statistics.median(times[name]) for name in targets}
+    hit, allocated = next(iter(outcomes.values()))
+    print(f"{len(requests)} requests, {hit} tokens from the cache, {allocated} blocks allocated")
+    for name in targets:
+        print(f"  {name:8} {rates[name]:11,.0f} requests/s")
+    for mine, other in RATIOS:
+        if mine in rates and other in rates:
+            pair = f"{mine}/{other}"
+            print(f"{pair:16} on the request layer {rates[mine] / rates[other]:8.2f}x")
 
 
 # --------------------------------------------------------------------------
@@ -479,30 +700,31 @@ def cycle(pool: ImplPool, request: Request, cycles: int) -> int:
     return cycles * (6 + n)
 
 
-def bench_scaling(repeat: int, cycles: int) -> None:
+def bench_scaling(builds: dict[str, ModuleType], repeat: int, cycles: int) -> None:
     print(f"\n== impl cost per call against pool size (median of {repeat}, {cycles} cycles) ==")
     working = 8
     request = Request(
         [f"s{i}".encode() for i in range(working)], list(range(working * BLOCK_SIZE)), working
     )
-    costs: dict[int, float] = {}
     sizes = (10**3, 10**4, 10**5, 10**6)
-    pools = {size: ImplPool(size, True, BLOCK_SIZE) for size in sizes}
-    times: dict[int, list[float]] = {size: [] for size in sizes}
+    runs = [(build, size) for build in builds for size in sizes]
+    pools = {(build, size): builds[build].BlockPool(size, True, BLOCK_SIZE) for build, size in runs}
+    times: dict[tuple[str, int], list[float]] = {run: [] for run in runs}
     calls = 0
     for _ in range(repeat):
-        for size in sizes:  # interleaved, as for the traces
+        for run in runs:  # interleaved, as for the traces
             gc.collect()
             gc.freeze()
             start = time.perf_counter()
-            calls = cycle(pools[size], request, cycles)
-            times[size].append(time.perf_counter() - start)
+            calls = cycle(pools[run], request, cycles)
+            times[run].append(time.perf_counter() - start)
             gc.unfreeze()
-    for size in sizes:
-        costs[size] = statistics.median(times[size]) / calls
-        print(f"  {size:>9,} blocks: {costs[size] * 1e9:7.1f} ns/call")
-    growth = costs[10**6] / costs[10**3] - 1
-    print(f"  growth 1e6 vs 1e3: {growth * 100:+.1f}%  (target: at most +10%)")
+    for build in builds:
+        costs = {size: statistics.median(times[build, size]) / calls for size in sizes}
+        for size in sizes:
+            print(f"  {build:8} {size:>9,} blocks: {costs[size] * 1e9:7.1f} ns/call")
+        growth = costs[10**6] / costs[10**3] - 1
+        print(f"  {build:8} growth 1e6 vs 1e3: {growth * 100:+.1f}%  (target: at most +10%)")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -512,19 +734,32 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cycles", type=int, default=20_000, help="cycles per pool size")
     parser.add_argument("--no-model", action="store_true", help="skip the model column")
     parser.add_argument("--no-scaling", action="store_true", help="skip the pool-size sweep")
+    parser.add_argument("--no-requests", action="store_true", help="skip the request layer")
     parser.add_argument("--only", help="run only the traces whose name contains this")
+    parser.add_argument("--compiled", help="site-packages directory of a compiled kvpool")
     args = parser.parse_args(argv)
 
-    print(f"Python {sys.version.split()[0]}")
-    targets: dict[str, PoolFactory] = {"impl": make_impl}
+    print(f"Python {sys.version.split()[0]} on {platform.machine()}, {os.cpu_count()} CPUs")
+    print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    builds = impl_builds(args.compiled)
+    targets: dict[str, PoolFactory] = {name: pool_factory(impl) for name, impl in builds.items()}
     vllm = load_vllm()
     if vllm is not None:
         targets["vllm"] = vllm
     if not args.no_model:
         targets["model"] = make_model
-    bench_traces(targets, args.scale, args.repeat, args.only)
-    if not args.no_scaling:
-        bench_scaling(args.repeat, args.cycles)
+    if args.only != "requests":
+        bench_traces(targets, args.scale, args.repeat, args.only)
+    if not args.no_requests:
+        managers = {name: impl_manager_factory(impl) for name, impl in builds.items()}
+        found = vllm_manager_factory() if vllm is not None else None
+        status = None
+        if found is not None:
+            managers["vllm"], status = found
+        bench_requests(managers, status, args.scale, args.repeat)
+    if not args.no_scaling and args.only is None:
+        bench_scaling(builds, args.repeat, args.cycles)
+    print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
 if __name__ == "__main__":

@@ -25,6 +25,16 @@ For each bug it prints:
 * ``CLI`` (request layer): the exit code and wall time of ``kvpool check --layer
   request --target tests.corpus.request_bugs:NAME --hypothesis-profile ci`` in a
   fresh process (1: it diverges; the time includes starting the interpreter).
+
+``--detection`` prints another table instead (docs/verification.md, "Time to
+detection"): for every bug of both layers, over ``--seeds`` seeds (20 for the
+published table), how many runs of the default profile (``dev``) and of
+``ci`` find it, and the median and worst seconds until the first failing
+program ends (the report's ``seconds_to_first_failure``; target import
+excluded). The runs are the profiles' own, with their own example budgets,
+minus shrinking and the example database: neither changes when the first
+failure happens, and a saved failure would make every later run find it at
+once.
 """
 
 from __future__ import annotations
@@ -41,6 +51,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from hypothesis import Phase
+from hypothesis import settings as Settings
 
 from kvpool.model import PoolConfig
 from kvpool.specs.conformance import run_conformance
@@ -259,9 +272,91 @@ def table(rows: list[dict[str, Any]], seeds: int, scope: str = "level") -> str:
     return "\n".join(lines)
 
 
+FIRST_FAILURE = [Phase.explicit, Phase.generate, Phase.target]
+"""The phases up to the first failure: shrinking only starts after it."""
+
+DETECTION_PROFILES = ("dev", "ci")
+
+
+def first_failure_profile(name: str) -> str:
+    """Register and return ``name`` without shrinking or example database."""
+    first = f"{name}-first-failure"
+    base = Settings.get_profile(name)
+    Settings.register_profile(first, base, database=None, phases=FIRST_FAILURE)
+    return first
+
+
+class CpuClock:
+    """A target factory that notes this process's CPU time whenever a program starts."""
+
+    def __init__(self, make: Any) -> None:
+        self.make = make
+        self.starts: list[float] = []
+
+    def __call__(self, config: Any) -> Any:
+        self.starts.append(time.process_time())
+        return self.make(config)
+
+
+def detections(bug: Bug | RequestBug, profile: str, seeds: int) -> list[tuple[float, float] | None]:
+    """Per seed: (wall, CPU) seconds to the first failing program, or None for a miss.
+
+    The machine is shared: wall time grows with its load, CPU time hardly. Without
+    shrinking the program after the first failing one is Hypothesis's replay of
+    it, so CPU time at the replay's start is the CPU time to the first failure.
+    """
+    chosen = first_failure_profile(profile)
+    times: list[tuple[float, float] | None] = []
+    for seed in range(seeds):
+        started = time.process_time()
+        if isinstance(bug, Bug):
+            clock = CpuClock(target_of(bug.pool))
+            report = run_conformance(clock, level=bug.level, hypothesis_profile=chosen, seed=seed)
+        else:
+            clock = CpuClock(manager_target_of(bug.manager))
+            report = run_request_conformance(
+                spec_of(bug, clock), hypothesis_profile=chosen, seed=seed
+            )
+        if report.failure_kind == "target-error":
+            print(f"  {bug.name} seed {seed}: target error: {report.failure}", file=sys.stderr)
+        if report.conforms or report.seconds_to_first_failure is None:
+            times.append(None)
+        else:
+            times.append((report.seconds_to_first_failure, clock.starts[-1] - started))
+    return times
+
+
+def detection_table(bugs: list[Bug | RequestBug], seeds: int) -> str:
+    head = "| bug | layer |"
+    rule = "| --- | --- |"
+    for profile in DETECTION_PROFILES:
+        head += f" {profile} found/{seeds} | {profile} median s (CPU) | {profile} worst s (CPU) |"
+        rule += " --- | --- | --- |"
+    lines = [head, rule]
+    for bug in bugs:
+        row = f"| {bug.name} | {'pool' if isinstance(bug, Bug) else 'request'} |"
+        for profile in DETECTION_PROFILES:
+            times = detections(bug, profile, seeds)
+            found = [t for t in times if t is not None]
+            median = "-"
+            if found:
+                wall = statistics.median(t[0] for t in found)
+                median = f"{wall:.2f} ({statistics.median(t[1] for t in found):.2f})"
+            worst = "-"
+            if found:
+                worst = f"{max(t[0] for t in found):.2f} ({max(t[1] for t in found):.2f})"
+            row += f" {len(found)} | {median} | {worst} |"
+        lines.append(row)
+        print(row, file=sys.stderr, flush=True)
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument(
+        "--detection", action="store_true", help="time to first failure under dev and ci"
+    )
     parser.add_argument("--budget", type=int, default=2000, help="max programs per seeded run")
     parser.add_argument("--only", nargs="*", help="bug names (of either layer)")
     parser.add_argument(
@@ -273,6 +368,16 @@ def main() -> None:
     request_bugs = [
         b for b in REQUEST_BUGS if args.layer != "pool" and (not names or b.name in names)
     ]
+    if args.detection:
+        started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        load = " ".join(f"{x:.1f}" for x in os.getloadavg())
+        print(detection_table([*pool_bugs, *request_bugs], args.seeds))
+        print(
+            f"\n{started}, {platform.node()}, {os.cpu_count()} CPUs, "
+            f"Python {platform.python_version()}; load average {load} at start, "
+            f"{' '.join(f'{x:.1f}' for x in os.getloadavg())} at end"
+        )
+        return
     rows = []
     for bug in pool_bugs:
         rows.append(measure(bug, args.seeds, args.budget))

@@ -16,6 +16,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from mypy_extensions import mypyc_attr
+
 from kvpool.impl.block import KVCacheBlock
 from kvpool.impl.pool import BlockPool
 from kvpool.impl.single_type import SingleTypeKVCacheManager, get_manager_for_kv_cache_spec
@@ -73,6 +75,7 @@ class KVCacheBlocks:
         return f"KVCacheBlocks({self.get_block_ids()})"
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class KVCacheManager:
     """A KV cache manager over ``kvpool.impl.BlockPool``, one single-type manager per group.
 

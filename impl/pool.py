@@ -27,6 +27,8 @@ from collections.abc import Iterable, Sequence
 from operator import length_hint
 from typing import Any, Protocol
 
+from mypy_extensions import mypyc_attr
+
 from kvpool.impl.block import KVCacheBlock
 from kvpool.impl.free_queue import FreeKVCacheBlockQueue
 from kvpool.model.errors import (
@@ -72,6 +74,8 @@ class MetricsCollector(Protocol):
     def reset(self) -> None: ...
 
 
+# Subclassable from Python code in the mypyc build too (the bug corpus and users do).
+@mypyc_attr(allow_interpreted_subclasses=True)
 class BlockPool:
     """A v1 block pool with prefix caching, call-compatible with vLLM's ``BlockPool``.
 
@@ -859,7 +863,8 @@ class BlockPool:
 
     def _check(self) -> None:
         """One assertion per representation invariant (sortedcontainers' ``_check``)."""
-        blocks = self.blocks
+        # list[Any]: a corrupted entry must fail the assertion below, not mypyc's type cast.
+        blocks: list[Any] = self.blocks
         n = self.num_gpu_blocks
         queue = self.free_block_queue
         head = queue.fake_free_list_head
@@ -1002,7 +1007,8 @@ class BlockPool:
             order.append("...")
         lines.append(f"  free list (front first, bounded walk): [{', '.join(order)}]")
         lines.append("  blocks:")
-        lines.extend(f"    {block!r}" for block in self.blocks)
+        everything: list[Any] = self.blocks  # a corrupted entry is shown, not type-checked
+        lines.extend(f"    {block!r}" for block in everything)
         lines.append("  hash map:")
         for key, entry in self._cached.items():
             ids = list(entry) if isinstance(entry, dict) else entry.block_id

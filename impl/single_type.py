@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
+from mypy_extensions import mypyc_attr
+
 from kvpool.impl.block import KVCacheBlock
 from kvpool.impl.pool import BlockPool
 from kvpool.model.errors import HitOnRunningRequest, InvalidTokenCount, UnknownGroup, UnknownRequest
@@ -31,6 +33,7 @@ def block_hashes_at(block_hashes: Sequence[bytes], hash_block_size: int, block_s
     return block_hashes[factor - 1 :: factor]
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class SingleTypeKVCacheManager:
     """The bookkeeping every attention type shares; subclasses decide hits and skips.
 
@@ -171,6 +174,7 @@ class SingleTypeKVCacheManager:
         )
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class FullAttentionManager(SingleTypeKVCacheManager):
     """Full attention: the longest run of cached blocks from the start."""
 
@@ -219,6 +223,7 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         return count
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class SlidingWindowManager(SingleTypeKVCacheManager):
     """Sliding window: enough contiguous cached blocks to cover the window, nulls before."""
 
@@ -268,6 +273,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             self._release_before(request_id, first_useful_token // self.block_size)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
     """Chunked local attention: nulls for earlier chunks, then a prefix hit in the current one."""
 
@@ -311,6 +317,7 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
             self._release_before(request_id, first_useful)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class MambaManager(SingleTypeKVCacheManager):
     """Mamba: one state block per request, never a hit, never cached."""
 

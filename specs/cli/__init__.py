@@ -21,6 +21,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from kvpool import impl
 from kvpool.model import PROFILES
 from kvpool.specs.checking import check as check_layer
 from kvpool.specs.cli.history import history_app, record_command
@@ -197,6 +198,7 @@ def check(
         raise typer.Exit(code if code in (0, 1, 2, EXIT_INTERRUPTED) else EXIT_ERROR)
     _choose_database(console, database, chosen_profile, seed)
 
+<<<<<<< HEAD
     try:
         report = _run_with_progress(
             console,
@@ -218,6 +220,15 @@ def check(
         _stop(console, f"{problem} (--database redis: stopped before running)")
     finally:
         _close(descriptor)
+=======
+    report = _run_with_progress(
+        console, descriptor, level, profile, chosen_profile, examples, steps, seed
+    )
+    if target.split(":")[0] == "impl":
+        report.notes.append(impl_build())
+        if report_format is ReportFormat.terminal:
+            console.print(impl_build(), highlight=False)
+>>>>>>> speed
     if report.counterexample is not None:
         try:
             save(report.counterexample, regression_dir)
@@ -299,6 +310,13 @@ def _close(descriptor: TargetDescriptor) -> None:
     close = getattr(descriptor.factory, "close", None)
     if close is not None:
         close()
+
+
+def impl_build() -> str:
+    """Which build of kvpool.impl this process runs (``pip install .`` compiles it when it can)."""
+    if impl.COMPILED:
+        return "kvpool.impl: compiled with mypyc"
+    return "kvpool.impl: pure Python (not compiled)"
 
 
 def _run_with_progress(

@@ -126,6 +126,14 @@ def _merge(report: ConformanceReport, part: ConformanceReport, name: str, claime
         return
     if claimed and report.conforms:
         report.conforms = False
+        if part.seconds_to_first_failure is not None:
+            # Counted from the start of the whole check: the profiles run before this one.
+            before = report.seconds - part.seconds
+            report.seconds_to_first_failure = before + part.seconds_to_first_failure
+            report.programs_to_first_failure = (
+                report.examples_run - part.examples_run + (part.programs_to_first_failure or 0)
+            )
+            report.shrink_seconds = part.shrink_seconds
         report.failure_kind = part.failure_kind
         report.failure = part.failure
         report.program = part.program

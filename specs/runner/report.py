@@ -77,6 +77,12 @@ class ConformanceReport:
     hypothesis_profile: str
     examples_run: int = 0
     seconds: float = 0.0
+    programs_to_first_failure: int | None = None
+    """Programs run up to and including the first failing one (None: none failed)."""
+    seconds_to_first_failure: float | None = None
+    """Seconds from the start of the run to the end of the first failing program."""
+    shrink_seconds: float | None = None
+    """Seconds after the first failure: shrinking it and replaying the minimal program."""
     conforms: bool = True
     failure_kind: str | None = None
     """One of ``FAILURE_KINDS`` when it does not conform."""

@@ -62,6 +62,9 @@ class RunOptions(TypedDict, total=False):
     program_timeout: float | None
 
 
+FAILURES = (Divergence, InvariantViolation, TargetError, TargetAbort)
+"""What ends a program as a failure of the target (anything else is Hypothesis's or the kit's)."""
+
 Explain = Callable[[BaseException], Counterexample | None]
 """Builds the counterexample of a failed run from the failure (divergences and invariants)."""
 
@@ -161,7 +164,10 @@ def run_machine(
             return report
     programs = Programs()
     deadlines = Deadlines(None)
-    counted = _counting(machine, report, on_example, lambda: deadlines.start_program(), programs)
+    started = time.perf_counter()
+    counted = _counting(
+        machine, report, on_example, lambda: deadlines.start_program(), programs, started
+    )
     database = _database(report, hypothesis_profile, seed)
     chosen_overrides = dict(overrides or {})
     if database is not None or _profile_has_database(hypothesis_profile) or seed is not None:
@@ -173,7 +179,6 @@ def run_machine(
         report.notes.append(f"seed {seed}: no example database is read or written")
 
     printed: list[str] = []
-    started = time.perf_counter()
     caught: BaseException | None = None
     with _user_interrupts() as interrupted:
         try:
@@ -221,6 +226,8 @@ def run_machine(
                 report.fail("target-error", _raised(report, error))
         finally:
             report.seconds = time.perf_counter() - started
+            if report.seconds_to_first_failure is not None:
+                report.shrink_seconds = report.seconds - report.seconds_to_first_failure
     if isinstance(database, databases.CountingDatabase) and programs.first_failure is not None:
         report.from_database = 0 < programs.first_failure[0] <= database.fetched
         if report.from_database and report.failure_kind in ("divergence", "invariant"):
@@ -435,8 +442,13 @@ def _counting(
     on_example: Callable[[int], None] | None,
     on_start: Callable[[], None],
     last: Programs,
+    started: float,
 ) -> type[RuleBasedStateMachine]:
-    """A subclass that counts the programs run (one machine instance per program)."""
+    """A subclass that counts the programs run (one machine instance per program).
+
+    It also notes when the first program fails: the time to detection, before
+    Hypothesis shrinks that program (the report shows the two apart).
+    """
 
     class Counted(machine):  # type: ignore[valid-type,misc]
         # No arguments, and the machine's own name below: Hypothesis derives the
@@ -453,6 +465,10 @@ def _counting(
         def teardown(self) -> None:
             # Runs in Hypothesis's ``finally``: an exception in flight is this program's failure.
             last.ended(self, self.program_number)
+            failed = isinstance(sys.exc_info()[1], FAILURES)
+            if failed and report.seconds_to_first_failure is None:
+                report.seconds_to_first_failure = time.perf_counter() - started
+                report.programs_to_first_failure = report.examples_run
             super().teardown()
 
     Counted.__name__ = Counted.__qualname__ = machine.__name__

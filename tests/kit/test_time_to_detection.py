@@ -1,0 +1,51 @@
+"""The report tells how long detection took: the first failure, then shrinking, apart.
+
+Also: which build of kvpool.impl is loaded, and that ``kvpool check`` says so.
+"""
+
+import importlib.machinery
+
+from typer.testing import CliRunner
+
+from kvpool import impl
+from kvpool.impl import pool as impl_pool
+from kvpool.specs.cli import app
+from kvpool.specs.conformance import run_conformance
+from kvpool.specs.pool.model_target import ModelTarget
+from kvpool.specs.runner.render import print_terminal, render_text
+from tests.kit.buggy_pool import make_target
+
+
+def test_a_divergence_reports_time_to_first_failure_apart_from_shrinking() -> None:
+    report = run_conformance(make_target, hypothesis_profile="ci")
+    assert not report.conforms
+    assert report.programs_to_first_failure is not None
+    assert 1 <= report.programs_to_first_failure <= report.examples_run
+    assert report.seconds_to_first_failure is not None and report.shrink_seconds is not None
+    assert 0 < report.seconds_to_first_failure <= report.seconds
+    total = report.seconds_to_first_failure + report.shrink_seconds
+    assert abs(total - report.seconds) < 1e-6
+    text = render_text(print_terminal, report)
+    assert f"program {report.programs_to_first_failure}, after" in text
+    assert "(before shrinking)" in text and "shrinking" in text
+
+
+def test_a_conforming_run_reports_no_first_failure() -> None:
+    report = run_conformance(ModelTarget, max_examples=5, steps=5)
+    assert report.conforms
+    assert report.programs_to_first_failure is None
+    assert report.seconds_to_first_failure is None and report.shrink_seconds is None
+    assert "first failure" not in render_text(print_terminal, report)
+
+
+def test_compiled_says_whether_the_impl_is_an_extension_module() -> None:
+    loaded = impl_pool.__file__ or ""
+    is_extension = loaded.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
+    assert impl.COMPILED is is_extension
+
+
+def test_kvpool_check_names_the_impl_build() -> None:
+    result = CliRunner().invoke(app, ["check", "--examples", "2", "--steps", "3"])
+    assert result.exit_code == 0, result.output
+    build = "compiled with mypyc" if impl.COMPILED else "pure Python (not compiled)"
+    assert f"kvpool.impl: {build}" in result.output
