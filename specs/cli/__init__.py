@@ -198,7 +198,6 @@ def check(
         raise typer.Exit(code if code in (0, 1, 2, EXIT_INTERRUPTED) else EXIT_ERROR)
     _choose_database(console, database, chosen_profile, seed)
 
-<<<<<<< HEAD
     try:
         report = _run_with_progress(
             console,
@@ -220,15 +219,10 @@ def check(
         _stop(console, f"{problem} (--database redis: stopped before running)")
     finally:
         _close(descriptor)
-=======
-    report = _run_with_progress(
-        console, descriptor, level, profile, chosen_profile, examples, steps, seed
-    )
     if target.split(":")[0] == "impl":
         report.notes.append(impl_build())
         if report_format is ReportFormat.terminal:
             console.print(impl_build(), highlight=False)
->>>>>>> speed
     if report.counterexample is not None:
         try:
             save(report.counterexample, regression_dir)

@@ -80,10 +80,6 @@ def print_terminal(console: Console, report: ConformanceReport) -> None:
     longest = f", up to {report.steps_per_program} steps each" if report.steps_per_program else ""
     table.add_row("programs run", f"{report.examples_run}{asked}{longest}")
     table.add_row("time", f"{report.seconds:.1f} s")
-<<<<<<< HEAD
-    good = report.exit_code == 0
-    table.add_row("result", Text(verdict(report), style="green" if good else "red"))
-=======
     if report.seconds_to_first_failure is not None:
         table.add_row(
             "first failure",
@@ -91,11 +87,8 @@ def print_terminal(console: Console, report: ConformanceReport) -> None:
             f"after {report.seconds_to_first_failure:.2f} s (before shrinking)",
         )
         table.add_row("shrinking", f"{report.shrink_seconds or 0.0:.1f} s")
-    verdict = "[green]conforms[/green]" if report.conforms else "[red]diverges[/red]"
-    if report.failure_kind == "target-error":
-        verdict = "[red]target error[/red]"
-    table.add_row("result", verdict)
->>>>>>> speed
+    good = report.exit_code == 0
+    table.add_row("result", Text(verdict(report), style="green" if good else "red"))
     console.print(table)
     if good:
         console.print(Text(deeper(report), style="dim"))
