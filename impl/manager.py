@@ -22,6 +22,7 @@ from kvpool.impl.single_type import SingleTypeKVCacheManager, get_manager_for_kv
 from kvpool.model.errors import (
     CachingDisabled,
     HitOnRunningRequest,
+    InvalidArgument,
     InvalidHit,
     InvalidManagerConfig,
     InvalidTokenCount,
@@ -208,6 +209,8 @@ class KVCacheManager:
 
         Complexity: O(blocks looked up).
         """
+        # Verify that the request has the fields the manager reads, of their types
+        _verify_request(request, lookup_only=True)
         # Verify that the request is hashed in the pool's hash blocks
         verify_hash_block_size(request, self.block_pool.hash_block_size)
         if not self.enable_caching or getattr(request, "skip_reading_prefix_cache", False):
@@ -246,12 +249,25 @@ class KVCacheManager:
         Complexity: O(blocks touched, allocated, released or cached).
         """
         managers = self.managers
+        # Verify that the arguments have the operation's types
+        _verify_request(request)
+        _verify_ints(
+            num_new_tokens=num_new_tokens,
+            num_new_computed_tokens=num_new_computed_tokens,
+            num_lookahead_tokens=num_lookahead_tokens,
+        )
+        if not isinstance(delay_cache_blocks, bool):
+            raise InvalidArgument("delay_cache_blocks must be a bool")
+        if new_computed_blocks is not None and not isinstance(new_computed_blocks, KVCacheBlocks):
+            raise InvalidArgument("new_computed_blocks must be KVCacheBlocks or None")
         rid = request.request_id
         hits: tuple[Sequence[KVCacheBlock], ...] = (
             self.empty_kv_cache_blocks.blocks
             if new_computed_blocks is None
             else new_computed_blocks.blocks
         )
+        if type(hits) is not tuple or not all(isinstance(g, Sequence) for g in hits):
+            raise InvalidArgument("new_computed_blocks.blocks must be a tuple of lists")
         # Verify that the request is hashed in the pool's hash blocks
         verify_hash_block_size(request, self.block_pool.hash_block_size)
         # Verify that at least one new token is asked for
@@ -266,8 +282,8 @@ class KVCacheManager:
         has_hits = False
         for group_hits in hits:
             for block in group_hits:
-                if block.pool is not self.block_pool:
-                    raise UnknownBlock(f"hit block {block!r} is not a block of the pool")
+                if type(block) is not KVCacheBlock or block.pool is not self.block_pool:
+                    raise UnknownBlock(f"hit {block!r} is not a block of the pool")
                 has_hits = True
         # Verify that hits come only with prefix caching
         if has_hits and not self.enable_caching:
@@ -276,9 +292,16 @@ class KVCacheManager:
         if has_hits and any(rid in m.req_to_blocks for m in managers):
             raise HitOnRunningRequest(f"request {rid!r} already holds blocks")
 
+        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        if self.enable_caching and not delay_cache_blocks:
+            # Verify that the hashes the caching step will read are bytes (read before
+            # anything changes, so a bad request is rejected whole)
+            self._verify_hashes_to_cache(
+                request, hits, min(num_computed + num_new_tokens, request.num_tokens)
+            )
+
         for manager in managers:
             manager.remove_skipped_blocks(rid, request.num_computed_tokens)
-        num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_slots = min(num_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
         needed = 0
         for manager, group_hits in zip(managers, hits, strict=True):
@@ -298,14 +321,37 @@ class KVCacheManager:
                 manager.cache_blocks(request, num_to_cache)
         return self.create_kv_cache_blocks(new_blocks)
 
+    def _verify_hashes_to_cache(
+        self, request: Any, hits: tuple[Sequence[KVCacheBlock], ...], num_tokens: int
+    ) -> None:
+        """Raise InvalidArgument unless each hash caching up to ``num_tokens`` reads is bytes."""
+        hbs = self.block_pool.hash_block_size
+        hashes = request.block_hashes
+        rid = request.request_id
+        start = min(
+            m.num_cached_block.get(rid, len(group_hits)) * m.block_size // hbs
+            for m, group_hits in zip(self.managers, hits, strict=True)
+        )
+        for i in range(start, min(num_tokens // hbs, len(hashes))):
+            if not isinstance(hashes[i], bytes):
+                raise InvalidArgument(f"block hash {i} of the request is not bytes")
+
     def free(self, request: Any) -> None:
         """Release every block of the request in every group, each group's last block first."""
+        # Verify that the request has an id
+        _verify_request_id(getattr(request, "request_id", None))
         for manager in self.managers:
             manager.free(request.request_id)
 
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
         """Cache the blocks full within ``num_computed_tokens``, if caching is on."""
+        # Verify that the arguments have the operation's types
+        _verify_request(request)
+        _verify_ints(num_computed_tokens=num_computed_tokens)
         if self.enable_caching:
+            self._verify_hashes_to_cache(
+                request, self.empty_kv_cache_blocks.blocks, num_computed_tokens
+            )
             for manager in self.managers:
                 manager.cache_blocks(request, num_computed_tokens)
 
@@ -343,6 +389,8 @@ class KVCacheManager:
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
         """Per group, the leading blocks every request holding blocks shares."""
+        # Verify that the id is a request id
+        _verify_request_id(running_request_id)
         return [
             m.get_num_common_prefix_blocks(running_request_id, len(m.req_to_blocks))
             for m in self.managers
@@ -350,6 +398,8 @@ class KVCacheManager:
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
         """The request's block table in each group."""
+        # Verify that the id is a request id
+        _verify_request_id(request_id)
         return KVCacheBlocks(tuple(m.req_to_blocks.get(request_id, ()) for m in self.managers))
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
@@ -378,3 +428,39 @@ class KVCacheManager:
             ),
             stats=self.prefix_cache_stats,
         )
+
+
+def _verify_ints(**values: object) -> None:
+    """Raise InvalidArgument naming the first value that is not an int (bool is not)."""
+    for name, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise InvalidArgument(f"{name} must be an int, got {type(value).__name__}")
+
+
+def _verify_request_id(request_id: object) -> None:
+    if not isinstance(request_id, str):
+        raise InvalidArgument(f"a request id is a str, not {type(request_id).__name__}")
+
+
+def _verify_request(request: Any, lookup_only: bool = False) -> None:
+    """Raise InvalidArgument unless ``request`` has the fields the manager reads, typed.
+
+    A lookup (``lookup_only``) reads the id, the token count, the hash block size
+    and the hashes; allocating and caching also read the computed tokens, the
+    preemptions and the token ids.
+    """
+    names = ["request_id", "num_tokens", "hash_block_size", "block_hashes"]
+    if not lookup_only:
+        names += ["num_computed_tokens", "num_preemptions", "all_token_ids"]
+    values = {}
+    for name in names:
+        try:
+            values[name] = getattr(request, name)
+        except AttributeError:
+            raise InvalidArgument(f"not a request: it has no {name!r}") from None
+    _verify_request_id(values.pop("request_id"))
+    sequences = {k: values.pop(k) for k in ("block_hashes", "all_token_ids") if k in values}
+    _verify_ints(**values)
+    for name, value in sequences.items():
+        if not isinstance(value, Sequence):
+            raise InvalidArgument(f"the request's {name} must be a sequence")

@@ -94,6 +94,14 @@ def state_diff(expected: PoolState, actual: PoolState) -> str:
 BLOCK_IDS = Bundle("block_ids")
 
 
+_BLIND_OPERATIONS = (
+    "move_block_hashes",
+    "is_block_writable",
+    "emit_cached_block_events",
+    "replace_existing_hashes",
+)
+"""The vLLM 0.33 operations ``extension_call`` draws from."""
+
 MEDIUMS = (model.MEDIUM_GPU, model.MEDIUM_CPU)
 LOOKAHEADS = (0, 0, 1, 2)
 """Look-ahead tokens a pool is built with: none half the time (vLLM's default)."""
@@ -300,7 +308,6 @@ class PoolMachine(LockStep[PoolState, PoolTarget], RuleBasedStateMachine):
         hash_blocks_more=st.integers(1, 3),
         size_factor=st.integers(2, 4),
         group=st.integers(0, 2),
-        replace=st.sampled_from([False, False, True]),
     )
     def cache_partial_block(
         self,
@@ -310,11 +317,12 @@ class PoolMachine(LockStep[PoolState, PoolTarget], RuleBasedStateMachine):
         hash_blocks_more: int,
         size_factor: int,
         group: int,
-        replace: bool,
+        replace: bool = False,
     ) -> None:
         """A partial entry ``whole_blocks`` blocks plus some hash blocks into the request.
 
-        ``replace``: with ``replace_existing_hashes`` (vLLM 0.33), a re-keying.
+        ``replace``: with ``replace_existing_hashes`` (vLLM 0.33), a re-keying
+        (``extension_call`` draws that one).
         """
         assert self.model is not None
         hbs = self.model.config.hash_block_size
@@ -476,16 +484,6 @@ class PoolMachine(LockStep[PoolState, PoolTarget], RuleBasedStateMachine):
             returns_none=True,
         )
 
-    @precondition(lambda self: self.offers("take_reuses"))
-    @rule()
-    def take_reuses(self) -> None:
-        """The watchers fired since the last take: which reader, which block, which key."""
-        self._step(
-            "take_reuses()",
-            model.take_reuses,
-            lambda t: tuple(_ext(t).take_reuses()),
-        )
-
     @precondition(
         lambda self: (
             self.offers("move_block_hashes")
@@ -513,40 +511,62 @@ class PoolMachine(LockStep[PoolState, PoolTarget], RuleBasedStateMachine):
         self.move_block_hashes(src, dst)
         return multiple(dst)
 
-    @precondition(lambda self: self.offers("move_block_hashes"))
-    @rule(src=block_ids, dst=block_ids)
+    @precondition(lambda self: any(self.offers(op) for op in _BLIND_OPERATIONS))
+    @rule(
+        op=st.sampled_from(_BLIND_OPERATIONS),
+        block_id=block_ids,
+        other=block_ids,
+        tokens=TOKENS,
+        num_cached_blocks=st.integers(0, 3),
+        size_factor=st.integers(1, 2),
+        group=st.integers(0, 2),
+    )
+    def extension_call(
+        self,
+        op: str,
+        block_id: int,
+        other: int,
+        tokens: list[int],
+        num_cached_blocks: int,
+        size_factor: int,
+        group: int,
+    ) -> None:
+        """One of vLLM 0.33's other operations, with drawn arguments (one rule for four:
+        every rule added reshuffles the derandomized ``ci`` programs, and more of them
+        lost bugs of the corpus at level 1).
+
+        ``move_block_hashes(block_id, other)`` (level 1 sends the valid ones: a held
+        keyless ``other``), ``is_block_writable(block_id)``, and
+        ``emit_cached_block_events`` (a full report of a cache hit).
+        """
+        assert self.model is not None
+        if not self.offers(op) and op != "replace_existing_hashes":
+            return
+        if op == "move_block_hashes":
+            self.move_block_hashes(block_id, other)
+        elif op == "replace_existing_hashes":
+            # A re-keying: cache_partial_block(..., replace_existing_hashes=True)
+            self.cache_partial_block(
+                block_id, tokens, group % 2, num_cached_blocks + 1, size_factor + 1, group, True
+            )
+        elif op == "is_block_writable":
+            self._query(
+                f"is_block_writable({block_id})",
+                lambda s: model.is_block_writable(s, block_id),
+                lambda t: bool(_ext(t).is_block_writable(block_id)),
+            )
+        else:
+            hbs = self.model.config.hash_block_size
+            self._emit_cached_block_events(
+                tokens, num_cached_blocks, hbs * size_factor, group % self.num_groups
+            )
+
     def move_block_hashes(self, src: int, dst: int) -> None:
         self._step(
             f"move_block_hashes({src}, {dst})",
             lambda s: model.move_block_hashes(s, src, dst),
             lambda t: _ext(t).move_block_hashes(src, dst),
             returns_none=True,
-        )
-
-    @precondition(lambda self: self.offers("is_block_writable"))
-    @rule(block_id=block_ids)
-    def is_block_writable(self, block_id: int) -> None:
-        self._query(
-            f"is_block_writable({block_id})",
-            lambda s: model.is_block_writable(s, block_id),
-            lambda t: bool(_ext(t).is_block_writable(block_id)),
-        )
-
-    @precondition(lambda self: self.offers("emit_cached_block_events"))
-    @rule(
-        tokens=TOKENS,
-        num_cached_blocks=st.integers(0, 3),
-        size_factor=st.integers(1, 2),
-        group=st.integers(0, 2),
-    )
-    def emit_cached_block_events(
-        self, tokens: list[int], num_cached_blocks: int, size_factor: int, group: int
-    ) -> None:
-        """A full report of a cache hit: the request's first blocks announced again."""
-        assert self.model is not None
-        hbs = self.model.config.hash_block_size
-        self._emit_cached_block_events(
-            tokens, num_cached_blocks, hbs * size_factor, group % self.num_groups
         )
 
     def _emit_cached_block_events(
@@ -757,6 +777,9 @@ class PoolMachine(LockStep[PoolState, PoolTarget], RuleBasedStateMachine):
                     + state_diff(expected, self._normal_state(snapshot))
                 )
             check_all(snapshot, self.history, self.taken_target, self.reannounced)
+        if self.offers("take_reuses"):
+            # Fired watchers are compared after every step: a reader must hear at once.
+            self._step("take_reuses()", model.take_reuses, lambda t: tuple(_ext(t).take_reuses()))
 
     # ------------------------------------------------------------------
     # Lock-step machinery (the rest is kvpool.specs.runner.lockstep)
@@ -804,17 +827,17 @@ def _unknown_block_among_known(
 
 
 _RULE_OPERATIONS: dict[str, tuple[str, ...]] = {
-    "unpin_blocks": ("unpin_blocks",),
-    "unpin_blocks_not_held": ("unpin_blocks",),
-    "take_reuses": ("take_reuses",),
+    "unpin_blocks": ("unpin_blocks", "take_reuses"),
+    "unpin_blocks_not_held": ("unpin_blocks", "take_reuses"),
     "relocate": ("move_block_hashes",),
-    "move_block_hashes": ("move_block_hashes",),
-    "is_block_writable": ("is_block_writable",),
-    "emit_cached_block_events": ("emit_cached_block_events",),
     "emit_cached_block_events_raw_arguments": ("emit_cached_block_events",),
 }
-"""The vLLM 0.33 operations (``EXTENSIONS``) each rule calls: dropped when one is unsupported."""
-assert {op for ops in _RULE_OPERATIONS.values() for op in ops} == set(EXTENSIONS)
+"""The vLLM 0.33 operations (``EXTENSIONS``) each rule needs: dropped when one is unsupported.
+``extension_call`` instead draws only the supported ones (``_without``)."""
+assert {op for ops in _RULE_OPERATIONS.values() for op in ops} | set(_BLIND_OPERATIONS) == {
+    *EXTENSIONS,
+    "replace_existing_hashes",
+}
 
 
 def _ext(target: PoolTarget) -> PoolTargetExtensions:
@@ -888,8 +911,12 @@ def _without(machine: type[PoolMachine], unsupported: frozenset[str]) -> type[Po
             changes.update(use_mask=st.just(False), mask=st.none())
         if "block_size_multiple" in unsupported and "partial" not in name:
             changes.update(size_factor=st.just(1), block_size=st.just(1))
-        if "replace_existing_hashes" in unsupported:
-            changes.update(replace=st.just(False))
+        blind = [op for op in _BLIND_OPERATIONS if op not in unsupported]
+        if name == "extension_call" and len(blind) < len(_BLIND_OPERATIONS):
+            if not blind:
+                attrs[name] = None
+                continue
+            changes.update(op=st.sampled_from(blind))
         changed = {k: v for k, v in changes.items() if k in arguments}
         if changed and not found.targets:
             arguments.update(changed)
