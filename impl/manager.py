@@ -86,17 +86,53 @@ class KVCacheManager:
 
     def __init__(
         self,
-        kv_cache_config: KVCacheConfig,
+        kv_cache_config: Any,
         max_model_len: int,
+        scheduler_block_size: int | None = None,
         hash_block_size: int | None = None,
+        max_in_flight_tokens: int | None = None,
         enable_caching: bool = True,
         use_eagle: bool = False,
+        num_hash_lookahead_tokens: int = 0,
+        num_prefill_lookahead: int = 0,
         log_stats: bool = False,
         enable_kv_cache_events: bool = False,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
+        metrics_collector: Any = None,
+        watermark: float = 0.0,
+        enable_mamba_shared_prefix_checkpoint: bool = False,
         *,
         profile: Profile = DEFAULT_PROFILE,
     ) -> None:
-        specs = tuple(kv_cache_config.kv_cache_groups)
+        """vLLM 0.33's constructor. ``kv_cache_config`` is this module's ``KVCacheConfig`` or
+        vLLM's (its groups' specs are read by class name: full attention, MLA and hidden
+        states, sliding window, chunked local attention, Mamba). Arguments kvpool does not
+        model must keep vLLM's defaults (``InvalidManagerConfig`` otherwise):
+        ``max_in_flight_tokens``, ``num_prefill_lookahead``, context parallelism,
+        ``watermark`` and the Mamba shared-prefix checkpoint.
+        """
+        # Verify that the arguments kvpool does not model keep vLLM's defaults
+        unmodelled = {
+            "max_in_flight_tokens": (max_in_flight_tokens, None),
+            "num_prefill_lookahead": (num_prefill_lookahead, 0),
+            "dcp_world_size": (dcp_world_size, 1),
+            "pcp_world_size": (pcp_world_size, 1),
+            "watermark": (watermark, 0.0),
+            "enable_mamba_shared_prefix_checkpoint": (enable_mamba_shared_prefix_checkpoint, False),
+        }
+        for name, (value, default) in unmodelled.items():
+            if value != default:
+                raise InvalidManagerConfig(f"{name}={value!r}: kvpool models only {default!r}")
+        specs = _specs_of(kv_cache_config)
+        # Verify that every group's block size divides the scheduler's
+        if scheduler_block_size is not None and any(
+            scheduler_block_size % s.block_size for s in specs
+        ):
+            raise InvalidManagerConfig(
+                f"scheduler_block_size={scheduler_block_size} is not a multiple of every "
+                "group's block size"
+            )
         # Verify that requests can hold at least one token
         if max_model_len < 1:
             raise InvalidManagerConfig(f"max_model_len={max_model_len} must be positive")
@@ -122,6 +158,8 @@ class KVCacheManager:
                 enable_caching,
                 hbs,
                 enable_kv_cache_events,
+                metrics_collector,
+                num_hash_lookahead_tokens,
                 profile=profile,
             )
         except ValueError as error:
@@ -464,3 +502,48 @@ def _verify_request(request: Any, lookup_only: bool = False) -> None:
     for name, value in sequences.items():
         if not isinstance(value, Sequence):
             raise InvalidArgument(f"the request's {name} must be a sequence")
+
+
+_VLLM_SPECS: dict[str, AttentionType] = {
+    "FullAttentionSpec": AttentionType.FULL,
+    "MLAAttentionSpec": AttentionType.FULL,
+    "HiddenStateCacheSpec": AttentionType.FULL,
+    "SlidingWindowSpec": AttentionType.SLIDING_WINDOW,
+    "SlidingWindowMLASpec": AttentionType.SLIDING_WINDOW,
+    "ChunkedLocalAttentionSpec": AttentionType.CHUNKED_LOCAL,
+    "MambaSpec": AttentionType.MAMBA,
+}
+"""vLLM 0.33's spec classes (``vllm/v1/kv_cache_interface.py``) kvpool models, by class name:
+each maps to the single-type manager vLLM's ``KVCacheSpecRegistry`` gives it."""
+
+
+def _specs_of(kv_cache_config: Any) -> tuple[KVCacheSpec, ...]:
+    """The groups of this module's ``KVCacheConfig``, or of vLLM's (read without importing it)."""
+    try:
+        groups = tuple(kv_cache_config.kv_cache_groups)
+        kv_cache_config.num_blocks  # noqa: B018 (read now: a config without it is no config)
+    except (AttributeError, TypeError) as error:
+        raise InvalidManagerConfig(f"not a KV cache configuration: {error}") from None
+    specs = []
+    for group in groups:
+        if isinstance(group, KVCacheSpec):
+            specs.append(group)
+            continue
+        spec = getattr(group, "kv_cache_spec", group)
+        kind = _VLLM_SPECS.get(type(spec).__name__)
+        # Verify that every group is of an attention type kvpool models
+        if kind is None:
+            raise InvalidManagerConfig(f"kvpool does not model {type(spec).__name__} groups")
+        specs.append(
+            KVCacheSpec(
+                kind,
+                spec.block_size,
+                sliding_window=getattr(spec, "sliding_window", 0) or 0
+                if kind is AttentionType.SLIDING_WINDOW
+                else 0,
+                attention_chunk_size=getattr(spec, "attention_chunk_size", 0) or 0
+                if kind is AttentionType.CHUNKED_LOCAL
+                else 0,
+            )
+        )
+    return tuple(specs)
