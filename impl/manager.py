@@ -18,7 +18,11 @@ from typing import Any
 
 from kvpool.impl.block import KVCacheBlock
 from kvpool.impl.pool import BlockPool
-from kvpool.impl.single_type import SingleTypeKVCacheManager, get_manager_for_kv_cache_spec
+from kvpool.impl.single_type import (
+    SingleTypeKVCacheManager,
+    get_manager_for_kv_cache_spec,
+    verify_hash_block_size,
+)
 from kvpool.model.errors import (
     CachingDisabled,
     HitOnRunningRequest,
@@ -37,7 +41,6 @@ from kvpool.model.manager import (
     record,
 )
 from kvpool.model.profiles import DEFAULT_PROFILE, Profile
-from kvpool.model.request import verify_hash_block_size
 from kvpool.model.single_type import AttentionType, KVCacheSpec, ManagersState
 
 
@@ -487,7 +490,7 @@ def _verify_request(request: Any, lookup_only: bool = False) -> None:
     and the hashes; allocating and caching also read the computed tokens, the
     preemptions and the token ids.
     """
-    names = ["request_id", "num_tokens", "hash_block_size", "block_hashes"]
+    names = ["request_id", "num_tokens", "block_hashes"]
     if not lookup_only:
         names += ["num_computed_tokens", "num_preemptions", "all_token_ids"]
     values = {}

@@ -88,6 +88,12 @@ class BlockPool:
     pool's blocks, ``InvalidArgument`` for other wrong types) and leaves the
     pool exactly as it was.
 
+    ``strict=False`` is the one switch for vLLM's own semantics where kvpool
+    is stricter on purpose: ``cache_partial_block`` then also takes a prefix
+    ending on a block boundary and blocks of one hash block, as vLLM 0.32+
+    do (docs/semantics.md, ``cache_partial_block``). It is off in every
+    conformance check: the model has no such switch.
+
     >>> pool = BlockPool(4, enable_caching=True, hash_block_size=1)
     >>> [b.block_id for b in pool.get_new_blocks(2)], pool.get_num_free_blocks()
     ([1, 2], 1)
@@ -112,6 +118,7 @@ class BlockPool:
         "num_gpu_blocks",
         "num_hash_lookahead_tokens",
         "profile",
+        "strict",
     )
 
     def __init__(
@@ -125,15 +132,19 @@ class BlockPool:
         medium: str = MEDIUM_GPU,
         *,
         profile: Profile = DEFAULT_PROFILE,
+        strict: bool = True,
     ) -> None:
         # Verify that the sizes are integers and the medium a string
         for name, value in (
             ("num_gpu_blocks", num_gpu_blocks),
             ("hash_block_size", hash_block_size),
-            ("num_hash_lookahead_tokens", num_hash_lookahead_tokens),
         ):
             if not _is_int(value):
                 raise InvalidArgument(f"{name} must be an int, got {type(value).__name__}")
+        # vLLM's callers pass a bool here (EAGLE's one look-ahead token): an int too
+        if not isinstance(num_hash_lookahead_tokens, int):
+            raise InvalidArgument("num_hash_lookahead_tokens must be an int")
+        num_hash_lookahead_tokens = int(num_hash_lookahead_tokens)
         if not isinstance(medium, str):
             raise InvalidArgument(f"medium must be a string, got {type(medium).__name__}")
         # Verify that the pool has room for the null block
@@ -153,6 +164,7 @@ class BlockPool:
         self.num_hash_lookahead_tokens = num_hash_lookahead_tokens
         self.medium = medium
         self.profile = profile
+        self.strict = strict
         self.blocks: list[KVCacheBlock] = [
             KVCacheBlock(i, pool=self) for i in range(num_gpu_blocks)
         ]
@@ -857,13 +869,19 @@ class BlockPool:
         if block.ref_cnt == 0:
             raise BlockNotHeld(f"block {block.block_id} is free: only held blocks can be cached")
         # Verify that a block holds more than one hash block, in whole hash blocks
-        if block_size <= hbs or block_size % hbs != 0:
+        # (not strict: vLLM 0.32+ also takes a block of one hash block)
+        if block_size < hbs + self.strict or block_size % hbs != 0:
             raise InvalidBlockSize(
                 f"block_size={block_size} must be a multiple of hash_block_size={hbs} "
                 f"and larger than it"
             )
         # Verify that the prefix ends on a hash-block boundary inside a block
-        if num_tokens <= 0 or num_tokens % hbs != 0 or num_tokens % block_size == 0:
+        # (not strict: vLLM 0.32+ also takes one on a block boundary)
+        if (
+            num_tokens <= 0
+            or num_tokens % hbs != 0
+            or (self.strict and num_tokens % block_size == 0)
+        ):
             raise InvalidPartialBlock(
                 f"num_tokens={num_tokens} must be a positive multiple of {hbs} "
                 f"that is not a multiple of the block size {block_size}"

@@ -12,6 +12,8 @@ from kvpool.model import (
     CacheRequest,
     InvalidArgument,
     InvalidBlockCount,
+    InvalidBlockSize,
+    InvalidPartialBlock,
     NotEnoughHashes,
     OverFree,
     UnknownBlock,
@@ -155,3 +157,17 @@ def test_maybe_evict_cached_block_says_whether_it_dropped_a_key() -> None:
     assert pool._maybe_evict_cached_block(a) is True
     assert pool.snapshot() == expected
     assert pool._maybe_evict_cached_block(a) is False
+
+
+def test_not_strict_takes_what_vllm_032_takes_in_cache_partial_block() -> None:
+    request = CacheRequest((b"p2", b"p4"), (1, 2, 3, 4))
+    strict = BlockPool(3, True, 2)
+    (b,) = strict.get_new_blocks(1)
+    assert_rejected(strict, InvalidPartialBlock, strict.cache_partial_block, request, b, 4, 0, 4)
+    assert_rejected(strict, InvalidBlockSize, strict.cache_partial_block, request, b, 2, 0, 2)
+    lenient = BlockPool(3, True, 2, strict=False)
+    (b,) = lenient.get_new_blocks(1)
+    assert lenient.cache_partial_block(request, b, 4, 0, 4) == (b"p4", 0)
+    (c,) = lenient.get_new_blocks(1)
+    assert lenient.cache_partial_block(request, c, 2, 0, 2) == (b"p2", 0)
+    lenient.check_invariants()
