@@ -692,7 +692,12 @@ class BlockPool:
             )
         if type(blocks) is not list:
             blocks = _as_list(blocks)
-        block_hashes, token_ids = _request_lists(request)
+        try:
+            block_hashes = request.block_hashes
+        except AttributeError:
+            raise InvalidArgument("the request has no block_hashes") from None
+        if type(block_hashes) is not list and type(block_hashes) is not tuple:
+            _verify_sequence("block_hashes", block_hashes)
         if block_mask is not None and type(block_mask) is not list:
             block_mask = _as_list(block_mask)
         # Verify that prefix caching is enabled
@@ -736,6 +741,7 @@ class BlockPool:
         events_on = self.enable_kv_cache_events
         if events_on:
             # Read before anything changes: a request that cannot be read is rejected whole.
+            token_ids = _token_ids(request)
             event_tokens = tuple(
                 token_ids[num_cached_blocks * block_size : num_full_blocks * block_size]
             )
@@ -773,9 +779,11 @@ class BlockPool:
             )
             last = factor - 1
             # Verify that every hash the blocks get is bytes
-            for i in range(num_cached_blocks, num_full_blocks):
-                if type(block_hashes[i * factor + last]) is not bytes:
-                    _verify_hash(block_hashes[i * factor + last])
+            for block_hash in block_hashes[
+                num_cached_blocks * factor + last : num_full_blocks * factor : factor
+            ]:
+                if type(block_hash) is not bytes:
+                    _verify_hash(block_hash)
             for i in range(num_cached_blocks, num_full_blocks):
                 block = blocks[i]
                 if block.is_null or (
@@ -1035,12 +1043,11 @@ class BlockPool:
             # Verify that the hash is bytes and the group ids a list of ints
             _verify_hash(block_hash)
             kv_cache_group_ids = _as_list(kv_cache_group_ids)
-        for group_id in kv_cache_group_ids:
-            if type(group_id) is not int:
-                _verify_ints(kv_cache_group_id=group_id)
         if len(kv_cache_group_ids) == 1:
             # The common case of one KV cache group, without the loops.
             group_id = kv_cache_group_ids[0]
+            if type(group_id) is not int:
+                _verify_ints(kv_cache_group_id=group_id)
             # Verify that no group id is negative
             if group_id < 0:
                 raise InvalidGroup(f"KV cache group id {group_id} is negative")
@@ -1050,6 +1057,9 @@ class BlockPool:
             if type(entry) is dict:
                 return [next(iter(entry.values()))]
             return [entry]
+        for group_id in kv_cache_group_ids:
+            if type(group_id) is not int:
+                _verify_ints(kv_cache_group_id=group_id)
         # Verify that no group id is negative
         for group_id in kv_cache_group_ids:
             if group_id < 0:
@@ -1527,11 +1537,20 @@ def _as_list(values: Any) -> list[Any]:
 def _request_lists(request: Any) -> tuple[Sequence[bytes], Sequence[int]]:
     """The request's block hashes and token ids; InvalidArgument unless both are sequences."""
     hashes = getattr(request, "block_hashes", None)
+    _verify_sequence("block_hashes", hashes)
+    return hashes, _token_ids(request)  # type: ignore[return-value]
+
+
+def _token_ids(request: Any) -> Sequence[int]:
     tokens = getattr(request, "all_token_ids", None)
-    for name, value in (("block_hashes", hashes), ("all_token_ids", tokens)):
-        if type(value) is not list and type(value) is not tuple and not isinstance(value, Sequence):
-            raise InvalidArgument(f"the request's {name} must be a sequence")
-    return hashes, tokens  # type: ignore[return-value]
+    if type(tokens) is not list and type(tokens) is not tuple:
+        _verify_sequence("all_token_ids", tokens)
+    return tokens  # type: ignore[return-value]
+
+
+def _verify_sequence(name: str, value: object) -> None:
+    if not isinstance(value, Sequence) or isinstance(value, str | bytes):
+        raise InvalidArgument(f"the request's {name} must be a sequence")
 
 
 def _lora_of(request: Any) -> tuple[int | None, str | None]:
