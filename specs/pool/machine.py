@@ -276,6 +276,42 @@ class PoolMachine(LockStep[PoolState, PoolTarget], RuleBasedStateMachine):
             mask,
         )
 
+    @precondition(lambda self: self.holds_blocks())
+    @rule(
+        block_ids=st.lists(held, unique=True, min_size=1, max_size=3),
+        tokens=TOKENS,
+        nulls=st.integers(1, 2),
+        skip=st.integers(0, 2),
+        size_factor=st.integers(1, 2),
+        group=st.integers(0, 2),
+    )
+    def cache_full_blocks_after_window(
+        self,
+        block_ids: list[int],
+        tokens: list[int],
+        nulls: int,
+        skip: int,
+        size_factor: int,
+        group: int,
+    ) -> None:
+        """A sliding-window caller's table: its first blocks are the null block.
+
+        The blocks before the window hold no tokens anyone reads, so vLLM's
+        sliding-window manager puts the null block there and caches the whole
+        table; the null positions are in the cached range.
+        """
+        assert self.model is not None
+        table = [model.NULL_BLOCK_ID] * nulls + block_ids
+        self._cache_full_blocks(
+            table,
+            tokens,
+            min(skip, nulls),
+            len(table),
+            self.model.config.hash_block_size * size_factor,
+            group % self.num_groups,
+            None,
+        )
+
     def _cache_full_blocks(
         self,
         block_ids: list[int],
