@@ -18,8 +18,10 @@ from kvpool.specs.pool.target import EXTENSIONS, PoolTarget, Snapshottable, Targ
 from kvpool.specs.protocol import codec as protocol
 from kvpool.specs.protocol.codec import Json
 
-QUERIES = ("get_num_free_blocks", "get_usage", "snapshot")
-"""Calls the machine makes after every step to compare; not part of the program."""
+QUERIES = ("get_num_free_blocks", "get_usage", "snapshot", "take_reuses")
+"""Calls the machine makes after every step to compare; not part of the program
+(unless the target parts from the model there). ``take_reuses`` is one: the
+machine takes the fired watchers after every step of a target that offers it."""
 
 
 @dataclass
