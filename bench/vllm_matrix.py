@@ -234,6 +234,10 @@ def run_release(version: str, examples: int) -> dict[str, Any]:
     if done.returncode != 0 or not lines:
         return {"version": version, "error": done.stderr.strip()[-2000:]}
     result: dict[str, Any] = json.loads(lines[-1])
+    if result.get("imported_version") != version:
+        # A broken cache entry (no vllm/__init__.py) lets the installed vLLM through.
+        found = result.get("imported_version")
+        return {"version": version, "error": f"the child imported vLLM {found}, not {version}"}
     result["seconds"] = round(time.perf_counter() - started, 1)
     return result
 
@@ -249,7 +253,7 @@ def _verdict(entry: dict[str, Any], workarounds: list[str]) -> str:
 
 def markdown(results: list[dict[str, Any]]) -> str:
     """The matrix as a Markdown table, one row per release."""
-    from kvpool.specs.targets.vllm.pool import known_finding
+    from kvpool.specs.targets.vllm.findings import known_finding
 
     rows = [
         "| release | left out | expected profile | level 1 | level 2 findings |",

@@ -15,6 +15,16 @@ First a baseline: vLLM's tests on unpatched vLLM. A test that does not pass
 there (a Hugging Face model config it cannot download, an API the release
 does not have) is left out of every count; the report says how many and why.
 
+With ``--swap impl`` (or ``impl-manager``) it instead runs vLLM 0.33's own
+``tests/v1/core`` block-pool and manager tests with ``kvpool.impl.BlockPool``
+(or ``kvpool.impl.KVCacheManager``) swapped in for every reference to vLLM's
+class, and lists what passes, what fails and why (issue #16, the drop-in)::
+
+    python bench/vllm_own_tests.py --swap impl --tests-dir /path/to/vllm-0.33.0
+
+``--tests-dir`` is an unpacked vLLM 0.33.0 source distribution (it has
+``tests/``; the wheel does not).
+
 Run it, from the repository root, with an interpreter that has vLLM::
 
     /work/vllm-venv/bin/python bench/vllm_own_tests.py
@@ -112,6 +122,44 @@ def _missing(name: str) -> Any:
     return missing
 
 
+SWAP_FILES = (
+    "tests/v1/core/test_prefix_caching.py",
+    "tests/v1/core/test_single_type_kv_cache_manager.py",
+    "tests/v1/core/test_kv_cache_utils.py",
+)
+"""vLLM 0.33's tests of the block pool, the managers and the cache utilities."""
+
+SWAPS = {
+    "impl": ("vllm.v1.core.block_pool", "BlockPool"),
+    "impl-manager": ("vllm.v1.core.kv_cache_manager", "KVCacheManager"),
+}
+"""What ``--swap`` replaces: vLLM's module and class, by kvpool.impl's class of that name."""
+
+
+def _swap_in(kind: str) -> None:
+    """Replace vLLM's class by kvpool.impl's everywhere it is (and will be) imported from."""
+    import importlib
+
+    module_name, class_name = SWAPS[kind]
+    module = importlib.import_module(module_name)
+    original = getattr(module, class_name)
+    replacement = getattr(importlib.import_module("kvpool.impl"), class_name)
+    if class_name == "BlockPool":
+        # vLLM's semantics where kvpool is stricter on purpose (the impl's one switch)
+        strict_pool = replacement
+
+        class VllmSemanticsBlockPool(strict_pool):  # type: ignore[valid-type,misc]
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                super().__init__(*args, strict=False, **kwargs)
+
+        replacement = VllmSemanticsBlockPool
+    for loaded in list(sys.modules.values()):
+        if getattr(loaded, "__name__", "").startswith(("vllm", "tests")) and (
+            getattr(loaded, class_name, None) is original
+        ):
+            setattr(loaded, class_name, replacement)
+
+
 def pytest_configure(config: Any) -> None:
     if "KVPOOL_VLLM_REPORT" not in os.environ:
         return
@@ -119,6 +167,9 @@ def pytest_configure(config: Any) -> None:
 
     logging.getLogger("vllm").setLevel(logging.ERROR)
     config.addinivalue_line("markers", "cpu_test: vLLM's marker for tests that need no GPU")
+    if os.environ.get("KVPOOL_VLLM_SWAP"):
+        _swap_in(os.environ["KVPOOL_VLLM_SWAP"])
+        return
     _alias_moved_names()
     bug = os.environ.get("KVPOOL_VLLM_BUG")
     if bug:
@@ -213,7 +264,12 @@ def release_path(vllm: str) -> list[str]:
 
 
 def run_vllm_tests(
-    vllm: str, bug: str | None, tests_dir: Path, excluded: list[str]
+    vllm: str,
+    bug: str | None,
+    tests_dir: Path,
+    excluded: list[str],
+    swap: str = "",
+    only_swap_files: bool = False,
 ) -> tuple[dict[str, dict[str, str]], float]:
     """vLLM's tests with ``bug`` planted (None: unpatched): outcome by test id, and seconds."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -226,6 +282,7 @@ def run_vllm_tests(
             KVPOOL_VLLM_REPORT=str(report),
             KVPOOL_VLLM_EXCLUDE=str(exclude),
             KVPOOL_VLLM_BUG=bug or "",
+            KVPOOL_VLLM_SWAP=swap,
             HF_HUB_OFFLINE="1",
             TRANSFORMERS_OFFLINE="1",
             VLLM_LOGGING_LEVEL="ERROR",
@@ -233,7 +290,10 @@ def run_vllm_tests(
         )
         command = [sys.executable, "-m", "pytest", "--noconftest", "-p", "no:cacheprovider"]
         command += ["-p", "vllm_own_tests", "-q", "--tb=no", "--continue-on-collection-errors"]
-        command += ["tests/v1/core"] + [f"--ignore={path}" for path in NOT_RUN]
+        if swap or only_swap_files:
+            command += list(SWAP_FILES)
+        else:
+            command += ["tests/v1/core"] + [f"--ignore={path}" for path in NOT_RUN]
         start = time.monotonic()
         done = subprocess.run(
             command, cwd=tests_dir, env=env, capture_output=True, text=True, timeout=3600
@@ -470,9 +530,15 @@ def main() -> None:
     parser.add_argument("--no-kvpool", action="store_true", help="run vLLM's tests only")
     parser.add_argument("--output", type=Path, help="write the results as JSON here")
     parser.add_argument("--render", type=Path, help="print the table of a results file")
+    parser.add_argument(
+        "--swap", choices=sorted(SWAPS), help="run vLLM 0.33's tests with kvpool.impl swapped in"
+    )
     args = parser.parse_args()
     if args.render:
         print(summarize(json.loads(args.render.read_text())))
+        return
+    if args.swap:
+        run_swap(args.swap, args.tests_dir, args.output)
         return
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(BENCH))
@@ -533,6 +599,58 @@ def main() -> None:
     print()
     print(summarize(results))
     print(f"\nwhole run: {results['seconds']:.0f} s")
+
+
+def run_swap(swap: str, tests_dir: Path, output: Path | None) -> None:
+    """vLLM's tests on vLLM, then with kvpool.impl swapped in: counts and every failure's reason."""
+    ensure_tests_deps()
+    vllm_outcomes, vllm_seconds = run_vllm_tests(
+        "installed", None, tests_dir, [], only_swap_files=True
+    )
+    vllm_outcomes = {n: o for n, o in vllm_outcomes.items() if not n.startswith("_")}
+    passing = sorted(n for n, o in vllm_outcomes.items() if o["outcome"] == "passed")
+    excluded = sorted(set(vllm_outcomes) - set(passing))
+    swapped, swapped_seconds = run_vllm_tests("installed", None, tests_dir, excluded, swap)
+    failures = {
+        n: swapped.get(n, {"outcome": "not run", "why": ""})
+        for n in passing
+        if swapped.get(n, {}).get("outcome") != "passed"
+    }
+    by_file: dict[str, list[int]] = {}
+    for name in passing:
+        counts = by_file.setdefault(name.split("::")[0].rsplit("/", 1)[-1], [0, 0])
+        counts[0] += 1
+        counts[1] += name not in failures
+    results = {
+        "swap": swap,
+        "vllm_tests": len(vllm_outcomes),
+        "pass_on_vllm": len(passing),
+        "pass_swapped": len(passing) - len(failures),
+        "by_file": by_file,
+        "failures": failures,
+        "seconds": [vllm_seconds, swapped_seconds],
+    }
+    if output:
+        output.write_text(json.dumps(results, indent=1))
+    print(
+        f"{swap}: {results['pass_swapped']} of the {len(passing)} tests that pass on vLLM pass "
+        f"({100 * results['pass_swapped'] / max(1, len(passing)):.1f} %); "
+        f"{len(vllm_outcomes) - len(passing)} do not pass on vLLM"
+    )
+    for file, (total, ok) in sorted(by_file.items()):
+        print(f"  {file}: {ok}/{total}")
+    reasons: dict[str, int] = {}
+    for entry in failures.values():
+        reasons[entry["why"][:110]] = reasons.get(entry["why"][:110], 0) + 1
+    for why, count in sorted(reasons.items(), key=lambda x: -x[1]):
+        print(f"  {count:3d} x {why}")
+
+
+def ensure_tests_deps() -> None:
+    """einops, which vLLM's test helpers import and the light install lacks."""
+    if not (DEPS_DIR / "einops").is_dir():
+        pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps"]
+        subprocess.run([*pip, "--target", str(DEPS_DIR), "einops"], check=True)
 
 
 if __name__ == "__main__":

@@ -20,10 +20,15 @@ from mypy_extensions import mypyc_attr
 
 from kvpool.impl.block import KVCacheBlock
 from kvpool.impl.pool import BlockPool
-from kvpool.impl.single_type import SingleTypeKVCacheManager, get_manager_for_kv_cache_spec
+from kvpool.impl.single_type import (
+    SingleTypeKVCacheManager,
+    get_manager_for_kv_cache_spec,
+    verify_hash_block_size,
+)
 from kvpool.model.errors import (
     CachingDisabled,
     HitOnRunningRequest,
+    InvalidArgument,
     InvalidHit,
     InvalidManagerConfig,
     InvalidTokenCount,
@@ -38,7 +43,6 @@ from kvpool.model.manager import (
     record,
 )
 from kvpool.model.profiles import DEFAULT_PROFILE, Profile
-from kvpool.model.request import verify_hash_block_size
 from kvpool.model.single_type import AttentionType, KVCacheSpec, ManagersState
 
 
@@ -88,17 +92,53 @@ class KVCacheManager:
 
     def __init__(
         self,
-        kv_cache_config: KVCacheConfig,
+        kv_cache_config: Any,
         max_model_len: int,
+        scheduler_block_size: int | None = None,
         hash_block_size: int | None = None,
+        max_in_flight_tokens: int | None = None,
         enable_caching: bool = True,
         use_eagle: bool = False,
+        num_hash_lookahead_tokens: int = 0,
+        num_prefill_lookahead: int = 0,
         log_stats: bool = False,
         enable_kv_cache_events: bool = False,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
+        metrics_collector: Any = None,
+        watermark: float = 0.0,
+        enable_mamba_shared_prefix_checkpoint: bool = False,
         *,
         profile: Profile = DEFAULT_PROFILE,
     ) -> None:
-        specs = tuple(kv_cache_config.kv_cache_groups)
+        """vLLM 0.33's constructor. ``kv_cache_config`` is this module's ``KVCacheConfig`` or
+        vLLM's (its groups' specs are read by class name: full attention, MLA and hidden
+        states, sliding window, chunked local attention, Mamba). Arguments kvpool does not
+        model must keep vLLM's defaults (``InvalidManagerConfig`` otherwise):
+        ``max_in_flight_tokens``, ``num_prefill_lookahead``, context parallelism,
+        ``watermark`` and the Mamba shared-prefix checkpoint.
+        """
+        # Verify that the arguments kvpool does not model keep vLLM's defaults
+        unmodelled = {
+            "max_in_flight_tokens": (max_in_flight_tokens, None),
+            "num_prefill_lookahead": (num_prefill_lookahead, 0),
+            "dcp_world_size": (dcp_world_size, 1),
+            "pcp_world_size": (pcp_world_size, 1),
+            "watermark": (watermark, 0.0),
+            "enable_mamba_shared_prefix_checkpoint": (enable_mamba_shared_prefix_checkpoint, False),
+        }
+        for name, (value, default) in unmodelled.items():
+            if value != default:
+                raise InvalidManagerConfig(f"{name}={value!r}: kvpool models only {default!r}")
+        specs = _specs_of(kv_cache_config)
+        # Verify that every group's block size divides the scheduler's
+        if scheduler_block_size is not None and any(
+            scheduler_block_size % s.block_size for s in specs
+        ):
+            raise InvalidManagerConfig(
+                f"scheduler_block_size={scheduler_block_size} is not a multiple of every "
+                "group's block size"
+            )
         # Verify that requests can hold at least one token
         if max_model_len < 1:
             raise InvalidManagerConfig(f"max_model_len={max_model_len} must be positive")
@@ -124,6 +164,8 @@ class KVCacheManager:
                 enable_caching,
                 hbs,
                 enable_kv_cache_events,
+                metrics_collector,
+                num_hash_lookahead_tokens,
                 profile=profile,
             )
         except ValueError as error:
@@ -211,6 +253,8 @@ class KVCacheManager:
 
         Complexity: O(blocks looked up).
         """
+        # Verify that the request has the fields the manager reads, of their types
+        _verify_request(request, lookup_only=True)
         # Verify that the request is hashed in the pool's hash blocks
         verify_hash_block_size(request, self.block_pool.hash_block_size)
         if not self.enable_caching or getattr(request, "skip_reading_prefix_cache", False):
@@ -249,12 +293,25 @@ class KVCacheManager:
         Complexity: O(blocks touched, allocated, released or cached).
         """
         managers = self.managers
+        # Verify that the arguments have the operation's types
+        _verify_request(request)
+        _verify_ints(
+            num_new_tokens=num_new_tokens,
+            num_new_computed_tokens=num_new_computed_tokens,
+            num_lookahead_tokens=num_lookahead_tokens,
+        )
+        if not isinstance(delay_cache_blocks, bool):
+            raise InvalidArgument("delay_cache_blocks must be a bool")
+        if new_computed_blocks is not None and not isinstance(new_computed_blocks, KVCacheBlocks):
+            raise InvalidArgument("new_computed_blocks must be KVCacheBlocks or None")
         rid = request.request_id
         hits: tuple[Sequence[KVCacheBlock], ...] = (
             self.empty_kv_cache_blocks.blocks
             if new_computed_blocks is None
             else new_computed_blocks.blocks
         )
+        if type(hits) is not tuple or not all(isinstance(g, Sequence) for g in hits):
+            raise InvalidArgument("new_computed_blocks.blocks must be a tuple of lists")
         # Verify that the request is hashed in the pool's hash blocks
         verify_hash_block_size(request, self.block_pool.hash_block_size)
         # Verify that at least one new token is asked for
@@ -269,8 +326,8 @@ class KVCacheManager:
         has_hits = False
         for group_hits in hits:
             for block in group_hits:
-                if block.pool is not self.block_pool:
-                    raise UnknownBlock(f"hit block {block!r} is not a block of the pool")
+                if type(block) is not KVCacheBlock or block.pool is not self.block_pool:
+                    raise UnknownBlock(f"hit {block!r} is not a block of the pool")
                 has_hits = True
         # Verify that hits come only with prefix caching
         if has_hits and not self.enable_caching:
@@ -279,9 +336,16 @@ class KVCacheManager:
         if has_hits and any(rid in m.req_to_blocks for m in managers):
             raise HitOnRunningRequest(f"request {rid!r} already holds blocks")
 
+        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        if self.enable_caching and not delay_cache_blocks:
+            # Verify that the hashes the caching step will read are bytes (read before
+            # anything changes, so a bad request is rejected whole)
+            self._verify_hashes_to_cache(
+                request, hits, min(num_computed + num_new_tokens, request.num_tokens)
+            )
+
         for manager in managers:
             manager.remove_skipped_blocks(rid, request.num_computed_tokens)
-        num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_slots = min(num_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
         needed = 0
         for manager, group_hits in zip(managers, hits, strict=True):
@@ -301,14 +365,37 @@ class KVCacheManager:
                 manager.cache_blocks(request, num_to_cache)
         return self.create_kv_cache_blocks(new_blocks)
 
+    def _verify_hashes_to_cache(
+        self, request: Any, hits: tuple[Sequence[KVCacheBlock], ...], num_tokens: int
+    ) -> None:
+        """Raise InvalidArgument unless each hash caching up to ``num_tokens`` reads is bytes."""
+        hbs = self.block_pool.hash_block_size
+        hashes = request.block_hashes
+        rid = request.request_id
+        start = min(
+            m.num_cached_block.get(rid, len(group_hits)) * m.block_size // hbs
+            for m, group_hits in zip(self.managers, hits, strict=True)
+        )
+        for i in range(start, min(num_tokens // hbs, len(hashes))):
+            if not isinstance(hashes[i], bytes):
+                raise InvalidArgument(f"block hash {i} of the request is not bytes")
+
     def free(self, request: Any) -> None:
         """Release every block of the request in every group, each group's last block first."""
+        # Verify that the request has an id
+        _verify_request_id(getattr(request, "request_id", None))
         for manager in self.managers:
             manager.free(request.request_id)
 
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
         """Cache the blocks full within ``num_computed_tokens``, if caching is on."""
+        # Verify that the arguments have the operation's types
+        _verify_request(request)
+        _verify_ints(num_computed_tokens=num_computed_tokens)
         if self.enable_caching:
+            self._verify_hashes_to_cache(
+                request, self.empty_kv_cache_blocks.blocks, num_computed_tokens
+            )
             for manager in self.managers:
                 manager.cache_blocks(request, num_computed_tokens)
 
@@ -346,6 +433,8 @@ class KVCacheManager:
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
         """Per group, the leading blocks every request holding blocks shares."""
+        # Verify that the id is a request id
+        _verify_request_id(running_request_id)
         return [
             m.get_num_common_prefix_blocks(running_request_id, len(m.req_to_blocks))
             for m in self.managers
@@ -353,6 +442,8 @@ class KVCacheManager:
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
         """The request's block table in each group."""
+        # Verify that the id is a request id
+        _verify_request_id(request_id)
         return KVCacheBlocks(tuple(m.req_to_blocks.get(request_id, ()) for m in self.managers))
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
@@ -381,3 +472,84 @@ class KVCacheManager:
             ),
             stats=self.prefix_cache_stats,
         )
+
+
+def _verify_ints(**values: object) -> None:
+    """Raise InvalidArgument naming the first value that is not an int (bool is not)."""
+    for name, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise InvalidArgument(f"{name} must be an int, got {type(value).__name__}")
+
+
+def _verify_request_id(request_id: object) -> None:
+    if not isinstance(request_id, str):
+        raise InvalidArgument(f"a request id is a str, not {type(request_id).__name__}")
+
+
+def _verify_request(request: Any, lookup_only: bool = False) -> None:
+    """Raise InvalidArgument unless ``request`` has the fields the manager reads, typed.
+
+    A lookup (``lookup_only``) reads the id, the token count, the hash block size
+    and the hashes; allocating and caching also read the computed tokens, the
+    preemptions and the token ids.
+    """
+    names = ["request_id", "num_tokens", "block_hashes"]
+    if not lookup_only:
+        names += ["num_computed_tokens", "num_preemptions", "all_token_ids"]
+    values = {}
+    for name in names:
+        try:
+            values[name] = getattr(request, name)
+        except AttributeError:
+            raise InvalidArgument(f"not a request: it has no {name!r}") from None
+    _verify_request_id(values.pop("request_id"))
+    sequences = {k: values.pop(k) for k in ("block_hashes", "all_token_ids") if k in values}
+    _verify_ints(**values)
+    for name, value in sequences.items():
+        if not isinstance(value, Sequence):
+            raise InvalidArgument(f"the request's {name} must be a sequence")
+
+
+_VLLM_SPECS: dict[str, AttentionType] = {
+    "FullAttentionSpec": AttentionType.FULL,
+    "MLAAttentionSpec": AttentionType.FULL,
+    "HiddenStateCacheSpec": AttentionType.FULL,
+    "SlidingWindowSpec": AttentionType.SLIDING_WINDOW,
+    "SlidingWindowMLASpec": AttentionType.SLIDING_WINDOW,
+    "ChunkedLocalAttentionSpec": AttentionType.CHUNKED_LOCAL,
+    "MambaSpec": AttentionType.MAMBA,
+}
+"""vLLM 0.33's spec classes (``vllm/v1/kv_cache_interface.py``) kvpool models, by class name:
+each maps to the single-type manager vLLM's ``KVCacheSpecRegistry`` gives it."""
+
+
+def _specs_of(kv_cache_config: Any) -> tuple[KVCacheSpec, ...]:
+    """The groups of this module's ``KVCacheConfig``, or of vLLM's (read without importing it)."""
+    try:
+        groups = tuple(kv_cache_config.kv_cache_groups)
+        kv_cache_config.num_blocks  # noqa: B018 (read now: a config without it is no config)
+    except (AttributeError, TypeError) as error:
+        raise InvalidManagerConfig(f"not a KV cache configuration: {error}") from None
+    specs = []
+    for group in groups:
+        if isinstance(group, KVCacheSpec):
+            specs.append(group)
+            continue
+        spec = getattr(group, "kv_cache_spec", group)
+        kind = _VLLM_SPECS.get(type(spec).__name__)
+        # Verify that every group is of an attention type kvpool models
+        if kind is None:
+            raise InvalidManagerConfig(f"kvpool does not model {type(spec).__name__} groups")
+        specs.append(
+            KVCacheSpec(
+                kind,
+                spec.block_size,
+                sliding_window=getattr(spec, "sliding_window", 0) or 0
+                if kind is AttentionType.SLIDING_WINDOW
+                else 0,
+                attention_chunk_size=getattr(spec, "attention_chunk_size", 0) or 0
+                if kind is AttentionType.CHUNKED_LOCAL
+                else 0,
+            )
+        )
+    return tuple(specs)

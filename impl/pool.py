@@ -23,7 +23,7 @@ Representation (``snapshot()`` is the abstraction function back to the model):
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from operator import length_hint
 from typing import Any, Protocol
 
@@ -36,6 +36,7 @@ from kvpool.model.errors import (
     BlockNotHeld,
     CachingDisabled,
     DuplicateBlock,
+    InvalidArgument,
     InvalidBlockCount,
     InvalidBlockMask,
     InvalidBlockRange,
@@ -58,6 +59,9 @@ from kvpool.model.events import (
 from kvpool.model.profiles import DEFAULT_PROFILE, EventSemantics, FreeOrder, Profile
 from kvpool.model.state import BlockState, HashKey, PoolConfig, PoolState
 
+ReuseWatcher = Callable[[KVCacheBlock], object]
+"""What ``unpin_blocks`` registers: called with the block when the pool reuses it."""
+
 CacheEntry = KVCacheBlock | dict[int, KVCacheBlock]
 """What the hash map holds under one key: a block, or several in insertion order."""
 
@@ -79,8 +83,20 @@ class MetricsCollector(Protocol):
 class BlockPool:
     """A v1 block pool with prefix caching, call-compatible with vLLM's ``BlockPool``.
 
-    ``num_hash_lookahead_tokens`` is accepted for compatibility and recorded;
-    the model's events carry no look-ahead tokens, so it changes nothing.
+    ``num_hash_lookahead_tokens`` L only changes the events: each stored
+    block's ``BlockStored.lookahead_token_ids`` entry is the L tokens after it.
+
+    Every public method checks its arguments before it changes anything: a
+    call the model rejects, or an argument of the wrong type, raises the
+    model's exception (``UnknownBlock`` for anything that is not one of this
+    pool's blocks, ``InvalidArgument`` for other wrong types) and leaves the
+    pool exactly as it was.
+
+    ``strict=False`` is the one switch for vLLM's own semantics where kvpool
+    is stricter on purpose: ``cache_partial_block`` then also takes a prefix
+    ending on a block boundary and blocks of one hash block, as vLLM 0.32+
+    do (docs/semantics.md, ``cache_partial_block``). It is off in every
+    conformance check: the model has no such switch.
 
     >>> pool = BlockPool(4, enable_caching=True, hash_block_size=1)
     >>> [b.block_id for b in pool.get_new_blocks(2)], pool.get_num_free_blocks()
@@ -93,6 +109,7 @@ class BlockPool:
         "_free_by_hash",
         "_hashless_first",
         "_removal_per_copy",
+        "_reuse_watchers",
         "blocks",
         "enable_caching",
         "enable_kv_cache_events",
@@ -105,6 +122,7 @@ class BlockPool:
         "num_gpu_blocks",
         "num_hash_lookahead_tokens",
         "profile",
+        "strict",
     )
 
     def __init__(
@@ -118,7 +136,21 @@ class BlockPool:
         medium: str = MEDIUM_GPU,
         *,
         profile: Profile = DEFAULT_PROFILE,
+        strict: bool = True,
     ) -> None:
+        # Verify that the sizes are integers and the medium a string
+        for name, value in (
+            ("num_gpu_blocks", num_gpu_blocks),
+            ("hash_block_size", hash_block_size),
+        ):
+            if not _is_int(value):
+                raise InvalidArgument(f"{name} must be an int, got {type(value).__name__}")
+        # vLLM's callers pass a bool here (EAGLE's one look-ahead token): an int too
+        if not isinstance(num_hash_lookahead_tokens, int):
+            raise InvalidArgument("num_hash_lookahead_tokens must be an int")
+        num_hash_lookahead_tokens = int(num_hash_lookahead_tokens)
+        if not isinstance(medium, str):
+            raise InvalidArgument(f"medium must be a string, got {type(medium).__name__}")
         # Verify that the pool has room for the null block
         if num_gpu_blocks < 1:
             raise InvalidConfig(f"num_gpu_blocks must be at least 1, got {num_gpu_blocks}")
@@ -136,6 +168,7 @@ class BlockPool:
         self.num_hash_lookahead_tokens = num_hash_lookahead_tokens
         self.medium = medium
         self.profile = profile
+        self.strict = strict
         self.blocks: list[KVCacheBlock] = [
             KVCacheBlock(i, pool=self) for i in range(num_gpu_blocks)
         ]
@@ -152,6 +185,7 @@ class BlockPool:
         # is removed without a BlockRemoved.
         self._removal_per_copy = profile.event_semantics is EventSemantics.MULTISET
         self._epoch = 0
+        self._reuse_watchers: dict[int, ReuseWatcher] = {}
 
     # ------------------------------------------------------------------
     # Allocation and reference counting
@@ -169,7 +203,10 @@ class BlockPool:
         [1, 1]
         """
         queue = self.free_block_queue
-        if num_blocks > queue.num_free_blocks or num_blocks < 0:
+        if type(num_blocks) is not int or num_blocks > queue.num_free_blocks or num_blocks < 0:
+            # Verify that the count is an integer
+            if not _is_int(num_blocks):
+                raise InvalidArgument(f"num_blocks must be an int, got {type(num_blocks).__name__}")
             # Verify that the count is not negative
             if num_blocks < 0:
                 raise InvalidBlockCount(f"cannot get {num_blocks} blocks")
@@ -177,6 +214,8 @@ class BlockPool:
             raise NotEnoughFreeBlocks(
                 f"cannot get {num_blocks} blocks: only {queue.num_free_blocks} are free"
             )
+        if self._reuse_watchers:
+            self._notify_reuse(num_blocks)
 
         # The blocks keep their (now stale) links: a held block's links are never
         # read, since ref_cnt == 0 is what says a block is in the queue.
@@ -224,29 +263,37 @@ class BlockPool:
         (1, 2)
         """
         if type(blocks) is not list:
-            blocks = list(blocks)
+            blocks = _as_list(blocks)
         unlinked = 0
         items = iter(blocks)
-        for block in items:
-            # Verify that every block belongs to this pool (a stranger undoes the pass)
-            if block.pool is not self:
-                self._undo_touch(blocks, len(blocks) - length_hint(items) - 1)
-                raise UnknownBlock(f"block {block!r} does not belong to this pool")
-            ref_cnt = block.ref_cnt
-            if ref_cnt == 0:
-                if block.is_null:
-                    continue
-                # Unlink, leaving the block's own links as they are (see _undo_touch).
-                prev: Any = block.prev_free_block
-                nxt: Any = block.next_free_block
-                prev.next_free_block = nxt
-                nxt.prev_free_block = prev
-                unlinked += 1
-            block.ref_cnt = ref_cnt + 1
-        self.free_block_queue.num_free_blocks -= unlinked
-
-        if self.metrics_collector is not None:
-            self._report_accessed(blocks)
+        try:
+            for block in items:
+                # Verify that every block belongs to this pool (a stranger undoes the pass)
+                if block.pool is not self:
+                    break
+                ref_cnt = block.ref_cnt
+                if ref_cnt == 0:
+                    if block.is_null:
+                        continue
+                    # Unlink, leaving the block's own links as they are (see _undo_touch).
+                    prev: Any = block.prev_free_block
+                    nxt: Any = block.next_free_block
+                    prev.next_free_block = nxt
+                    nxt.prev_free_block = prev
+                    unlinked += 1
+                block.ref_cnt = ref_cnt + 1
+            else:
+                block = None
+        except AttributeError:
+            pass  # not a block at all (no ``pool`` slot): undone below like a stranger
+        else:
+            if block is None:
+                self.free_block_queue.num_free_blocks -= unlinked
+                if self.metrics_collector is not None:
+                    self._report_accessed(blocks)
+                return
+        self._undo_touch(blocks, len(blocks) - length_hint(items) - 1)
+        raise UnknownBlock(f"{block!r} is not a block of this pool")
 
     # _FREE_SPLICE: how free_blocks puts the freed blocks into the queue.
     #
@@ -283,7 +330,7 @@ class BlockPool:
         >>> [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
         [2, 1, 3]
         """
-        seq = ordered_blocks if type(ordered_blocks) is list else list(ordered_blocks)
+        seq = ordered_blocks if type(ordered_blocks) is list else _as_list(ordered_blocks)
         queue = self.free_block_queue
         head = queue.fake_free_list_head
         tail = queue.fake_free_list_tail
@@ -298,51 +345,54 @@ class BlockPool:
         # Validation and linking share one pass: the first block that is free
         # already or not ours stops it, and the undo below puts everything back.
         complete = False
-        if self._free_by_hash:
-            for block in items:
-                ref_cnt = block.ref_cnt - 1
-                if ref_cnt == 0 and block.pool is self:
-                    block.ref_cnt = 0
-                    if block._block_hash is None:
-                        front.next_free_block = block
-                        block.prev_free_block = front
-                        front = block
+        try:
+            if self._free_by_hash:
+                for block in items:
+                    ref_cnt = block.ref_cnt - 1
+                    if ref_cnt == 0 and block.pool is self:
+                        block.ref_cnt = 0
+                        if block._block_hash is None:
+                            front.next_free_block = block
+                            block.prev_free_block = front
+                            front = block
+                        else:
+                            back.next_free_block = block
+                            block.prev_free_block = back
+                            back = block
+                    elif ref_cnt > 0 and block.pool is self:
+                        block.ref_cnt = ref_cnt  # still held by someone else
+                        kept += 1
+                    elif block.is_null and block.pool is self:
+                        kept += 1
                     else:
-                        back.next_free_block = block
-                        block.prev_free_block = back
-                        back = block
-                elif ref_cnt > 0 and block.pool is self:
-                    block.ref_cnt = ref_cnt  # still held by someone else
-                    kept += 1
-                elif block.is_null and block.pool is self:
-                    kept += 1
+                        break  # free already, or not ours
                 else:
-                    break  # free already, or not ours
+                    complete = True
             else:
-                complete = True
-        else:
-            # One destination for every freed block: the front or the back.
-            end = front if self._hashless_first else back
-            for block in items:
-                ref_cnt = block.ref_cnt - 1
-                if ref_cnt == 0 and block.pool is self:
-                    block.ref_cnt = 0
-                    end.next_free_block = block
-                    block.prev_free_block = end
-                    end = block
-                elif ref_cnt > 0 and block.pool is self:
-                    block.ref_cnt = ref_cnt  # still held by someone else
-                    kept += 1
-                elif block.is_null and block.pool is self:
-                    kept += 1
+                # One destination for every freed block: the front or the back.
+                end = front if self._hashless_first else back
+                for block in items:
+                    ref_cnt = block.ref_cnt - 1
+                    if ref_cnt == 0 and block.pool is self:
+                        block.ref_cnt = 0
+                        end.next_free_block = block
+                        block.prev_free_block = end
+                        end = block
+                    elif ref_cnt > 0 and block.pool is self:
+                        block.ref_cnt = ref_cnt  # still held by someone else
+                        kept += 1
+                    elif block.is_null and block.pool is self:
+                        kept += 1
+                    else:
+                        break  # free already, or not ours
                 else:
-                    break  # free already, or not ours
-            else:
-                complete = True
-                if self._hashless_first:
-                    front = end
-                else:
-                    back = end
+                    complete = True
+                    if self._hashless_first:
+                        front = end
+                    else:
+                        back = end
+        except (AttributeError, TypeError):
+            complete = False  # not a block at all (no ref_cnt, no pool): undone below
 
         if complete:
             if front is head and back is tail:
@@ -365,11 +415,12 @@ class BlockPool:
             tail.prev_free_block = end
             return
 
-        # A rejected call: put everything back, then raise the model's error.
+        # A stopped pass: put everything back; then either route blocks of other
+        # pools, or raise the model's error.
         head.next_free_block = old_first
         tail.next_free_block = None
         self._undo_free(seq, len(seq) - length_hint(items) - 1)
-        self._raise_free_error(seq)
+        self._free_routed(seq)
 
     def _undo_touch(self, blocks: Sequence[KVCacheBlock], stop: int) -> None:
         """Take back the references the first ``stop`` entries of a touch took.
@@ -407,10 +458,33 @@ class BlockPool:
                 continue
             block.ref_cnt += 1
 
-    def _raise_free_error(self, seq: Sequence[KVCacheBlock]) -> None:
-        """Raise what the model raises for a free_blocks call known to be invalid."""
-        # Verify that every block belongs to this pool
-        self._verify_known(seq)
+    def _free_routed(self, seq: Sequence[Any]) -> None:
+        """Free a list holding blocks of other kvpool pools: each pool frees its own.
+
+        As vLLM 0.33 does (``free_blocks`` hands another pool's blocks to their
+        ``block.pool``): this pool's blocks first, then each other pool's, pools
+        in the order their first block is listed, blocks in listed order. Every
+        part is checked before any pool changes, so a rejection changes none.
+        Raises the model's error when the call is invalid (it always is when no
+        block belongs to another pool: only then does the fast pass stop).
+        """
+        parts: dict[BlockPool, list[KVCacheBlock]] = {self: []}
+        for block in seq:
+            owner = getattr(block, "pool", None) if type(block) is KVCacheBlock else None
+            # Verify that every entry is a block of a pool (this one, or one it routes to)
+            if not isinstance(owner, BlockPool):
+                raise UnknownBlock(f"{block!r} is not a block of this pool")
+            parts.setdefault(owner, []).append(block)
+        # Verify that no block is released more times than it is held, in every pool
+        for pool, blocks in parts.items():
+            pool._verify_free(blocks)
+        if len(parts) == 1:
+            raise AssertionError("free_blocks stopped on a call the model accepts")
+        for pool, blocks in parts.items():
+            pool.free_blocks(blocks)
+
+    def _verify_free(self, seq: Sequence[KVCacheBlock]) -> None:
+        """Raise what the model raises for freeing ``seq`` (this pool's blocks only)."""
         # Verify that no block is released more times than it is held
         releases: dict[KVCacheBlock, int] = {}
         for block in seq:
@@ -424,7 +498,158 @@ class BlockPool:
                     f"block {block.block_id} is held {block.ref_cnt} time(s) "
                     f"but freed {count} times"
                 )
-        raise AssertionError("free_blocks stopped on a call the model accepts")
+
+    # ------------------------------------------------------------------
+    # Pinning and relocation (vLLM 0.33; kvpool.model.pinning)
+    # ------------------------------------------------------------------
+
+    def unpin_blocks(self, blocks: Iterable[KVCacheBlock], on_reuse: ReuseWatcher) -> None:
+        """Release one reference per listed block; call ``on_reuse(block)`` when it is reused.
+
+        The watcher is registered per listed block (replacing an earlier one)
+        even if the block stays held. Blocks reaching zero join the *back* of
+        the free queue in listed order, hashed or not. The watcher fires once:
+        when ``get_new_blocks`` hands the block out (before its keys are
+        dropped) or when ``reset_prefix_cache`` succeeds. No event.
+
+        Complexity: O(len(blocks)).
+
+        >>> pool = BlockPool(4, True, 1)
+        >>> a, b = pool.get_new_blocks(2)
+        >>> seen = []
+        >>> pool.unpin_blocks([a], seen.append)
+        >>> [x.block_id for x in pool.get_new_blocks(2)], [x.block_id for x in seen]
+        ([3, 1], [1])
+        """
+        seq = blocks if type(blocks) is list else _as_list(blocks)
+        # Verify that every entry is a block of this pool
+        for block in seq:
+            if type(block) is not KVCacheBlock or block.pool is not self:
+                raise UnknownBlock(f"{block!r} is not a block of this pool")
+        # Verify that the watcher can be called
+        if not callable(on_reuse):
+            raise InvalidArgument(f"on_reuse must be callable, got {type(on_reuse).__name__}")
+        # Verify that no block is released more times than it is held (the null block never is)
+        releases: dict[KVCacheBlock, int] = {}
+        for block in seq:
+            releases[block] = releases.get(block, 0) + 1
+        for block, count in releases.items():
+            if block.ref_cnt == 0:
+                raise BlockNotHeld(f"block {block.block_id} is not held: it cannot be unpinned")
+            if count > block.ref_cnt:
+                raise OverFree(
+                    f"block {block.block_id} is held {block.ref_cnt} time(s) "
+                    f"but unpinned {count} times"
+                )
+
+        watchers = self._reuse_watchers
+        newly_free = []
+        for block in seq:
+            block.ref_cnt -= 1
+            watchers[block.block_id] = on_reuse
+            if block.ref_cnt == 0:
+                newly_free.append(block)
+        self.free_block_queue.append_n(newly_free)
+
+    def _notify_reuse(self, num_blocks: int) -> None:
+        """Fire the watchers of the ``num_blocks`` front blocks, front first, and forget them.
+
+        Called before anything changes: a watcher sees the block still free
+        and still keyed. If one raises, the pool has not changed and no
+        watcher is forgotten (those before it did run).
+        """
+        watchers = self._reuse_watchers
+        fired: list[tuple[ReuseWatcher, KVCacheBlock]] = []
+        node: Any = self.free_block_queue.fake_free_list_head.next_free_block
+        for _ in range(num_blocks):
+            watcher = watchers.get(node.block_id)
+            if watcher is not None:
+                fired.append((watcher, node))
+            node = node.next_free_block
+        for watcher, block in fired:
+            watcher(block)
+        for _, block in fired:
+            del watchers[block.block_id]
+
+    def move_block_hashes(self, src_block: KVCacheBlock, dst_block: KVCacheBlock) -> None:
+        """Re-point every key of ``src_block`` to ``dst_block``, with no event.
+
+        ``dst_block`` takes ``src_block``'s primary key (with its token count)
+        and partial keys, and is listed last under each key; ``src_block``
+        ends with none. Counts and queue positions do not change.
+
+        Complexity: O(number of keys ``src_block`` carries).
+
+        >>> from kvpool.model import CacheRequest
+        >>> pool = BlockPool(4, True, 1)
+        >>> a, b = pool.get_new_blocks(2)
+        >>> pool.cache_full_blocks(CacheRequest((b"k",)), [a], 0, 1, 1, 0)
+        >>> pool.move_block_hashes(a, b)
+        >>> a.block_hash, b.block_hash, pool.get_cached_block(b"k", [0])[0] is b
+        (None, (b'k', 0), True)
+        """
+        # Verify that both are blocks of this pool
+        for block in (src_block, dst_block):
+            if type(block) is not KVCacheBlock or block.pool is not self:
+                raise UnknownBlock(f"{block!r} is not a block of this pool")
+        # Verify that the destination is held (so neither free nor the null block)
+        if dst_block.ref_cnt == 0:
+            raise BlockNotHeld(f"block {dst_block.block_id} is not held: keys cannot move to it")
+        # Verify that the destination carries no key yet
+        if dst_block._block_hash is not None:
+            raise AlreadyCached(f"block {dst_block.block_id} already carries a key")
+        primary = src_block._block_hash
+        if primary is None:
+            return
+        extra = src_block._extra_keys
+        cached = self._cached
+        for key in [primary] if extra is None else [primary, *extra]:
+            entry: Any = cached[key]
+            if entry is src_block:
+                cached[key] = dst_block
+            else:
+                del entry[src_block.block_id]
+                entry[dst_block.block_id] = dst_block
+        dst_block._block_hash = primary
+        dst_block._block_hash_num_tokens = src_block._block_hash_num_tokens
+        dst_block._extra_keys = extra
+        src_block._block_hash = None
+        src_block._block_hash_num_tokens = None
+        src_block._extra_keys = None
+
+    def is_block_writable(self, block: KVCacheBlock) -> bool:
+        """Whether a request may write ``block`` in place: held once, no key, not null.
+
+        Complexity: O(1).
+
+        >>> pool = BlockPool(3, True, 1)
+        >>> pool.is_block_writable(pool.get_new_blocks(1)[0])
+        True
+        """
+        # Verify that the block belongs to this pool
+        if type(block) is not KVCacheBlock or block.pool is not self:
+            raise UnknownBlock(f"{block!r} is not a block of this pool")
+        return not block.is_null and block.ref_cnt == 1 and block._block_hash is None
+
+    def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
+        """Drop every key of ``block`` (``evict_blocks`` for one block); whether it had any.
+
+        vLLM's own managers call this name (0.33: the Mamba manager drops a
+        transient checkpoint key with it).
+
+        >>> pool = BlockPool(2, True, 1)
+        >>> pool._maybe_evict_cached_block(pool.blocks[1])
+        False
+        """
+        # Verify that the block belongs to this pool
+        if type(block) is not KVCacheBlock or block.pool is not self:
+            raise UnknownBlock(f"{block!r} is not a block of this pool")
+        if self.metrics_collector is not None:
+            self.metrics_collector.on_block_evicted(block)
+        if block._block_hash is None:
+            return False
+        self._drop_keys(block)
+        return True
 
     # ------------------------------------------------------------------
     # Prefix caching
@@ -456,6 +681,29 @@ class BlockPool:
         (b'b', 0)
         """
         hbs = self.hash_block_size
+        # Verify that the arguments have the operation's types
+        if (
+            type(num_cached_blocks) is not int
+            or type(num_full_blocks) is not int
+            or type(block_size) is not int
+            or type(kv_cache_group_id) is not int
+        ):
+            _verify_ints(
+                num_cached_blocks=num_cached_blocks,
+                num_full_blocks=num_full_blocks,
+                block_size=block_size,
+                kv_cache_group_id=kv_cache_group_id,
+            )
+        if type(blocks) is not list:
+            blocks = _as_list(blocks)
+        try:
+            block_hashes = request.block_hashes
+        except AttributeError:
+            raise InvalidArgument("the request has no block_hashes") from None
+        if type(block_hashes) is not list and type(block_hashes) is not tuple:
+            _verify_sequence("block_hashes", block_hashes)
+        if block_mask is not None and type(block_mask) is not list:
+            block_mask = _as_list(block_mask)
         # Verify that prefix caching is enabled
         if not self.enable_caching:
             raise CachingDisabled("cache_full_blocks on a pool without prefix caching")
@@ -484,9 +732,8 @@ class BlockPool:
             raise InvalidBlockMask(f"block_mask has {len(block_mask)} entries for {num_new}")
         # Verify that every block to cache belongs to this pool (the others are not read)
         for i in range(num_cached_blocks, num_full_blocks):
-            if blocks[i].pool is not self:
-                raise UnknownBlock(f"block {blocks[i]!r} does not belong to this pool")
-        block_hashes = request.block_hashes
+            if getattr(blocks[i], "pool", None) is not self or type(blocks[i]) is not KVCacheBlock:
+                raise UnknownBlock(f"{blocks[i]!r} is not a block of this pool")
         factor = block_size // hbs
         # Verify that the request has a hash for every block up to num_full_blocks
         if len(block_hashes) // factor < num_full_blocks:
@@ -496,14 +743,14 @@ class BlockPool:
             )
         cached = self._cached
         events_on = self.enable_kv_cache_events
-        stored: list[bytes] = []
         if events_on:
-            # Read what the event needs before anything changes: a request that
-            # cannot give it must leave the pool as it was (not cached, event lost).
-            token_ids = tuple(
-                request.all_token_ids[num_cached_blocks * block_size : num_full_blocks * block_size]
+            # Read before anything changes: a request that cannot be read is rejected whole.
+            token_ids = _token_ids(request)
+            event_tokens = tuple(
+                token_ids[num_cached_blocks * block_size : num_full_blocks * block_size]
             )
             lora_id, lora_name = _lora_of(request)
+        stored: list[bytes] = []
         if num_new == 1:
             # One block (a decode step filled it): nothing can stand twice, no loops.
             block = blocks[num_cached_blocks]
@@ -513,12 +760,15 @@ class BlockPool:
                 if block.ref_cnt == 0:
                     raise BlockNotHeld(f"block {block.block_id} is free: it cannot be cached")
                 covered = block._block_hash_num_tokens
-                if covered is not None:
-                    # Verify that a hashed block is only ever promoted to a longer prefix
-                    if covered >= num_tokens:
-                        raise AlreadyCached(f"block {block.block_id} caches {covered} tokens")
-                    self._drop_keys(block)
+                # Verify that a hashed block is only ever promoted to a longer prefix
+                if covered is not None and covered >= num_tokens:
+                    raise AlreadyCached(f"block {block.block_id} caches {covered} tokens")
                 block_hash = block_hashes[num_full_blocks * factor - 1]
+                # Verify that the hash the block gets is bytes
+                if type(block_hash) is not bytes:
+                    _verify_hash(block_hash)
+                if covered is not None:
+                    self._drop_keys(block)
                 key = (block_hash, kv_cache_group_id)
                 block._block_hash = key
                 block._block_hash_num_tokens = num_tokens
@@ -532,6 +782,12 @@ class BlockPool:
                 blocks, num_cached_blocks, num_full_blocks, block_size, block_mask
             )
             last = factor - 1
+            # Verify that every hash the blocks get is bytes
+            for block_hash in block_hashes[
+                num_cached_blocks * factor + last : num_full_blocks * factor : factor
+            ]:
+                if type(block_hash) is not bytes:
+                    _verify_hash(block_hash)
             for i in range(num_cached_blocks, num_full_blocks):
                 block = blocks[i]
                 if block.is_null or (
@@ -553,17 +809,27 @@ class BlockPool:
 
         if events_on:
             parent = block_hashes[num_cached_blocks * factor - 1] if num_cached_blocks else None
+            lookahead = None
+            if self.num_hash_lookahead_tokens:
+                ends = [
+                    (i + 1) * block_size
+                    for i in range(num_cached_blocks, num_full_blocks)
+                    if not blocks[i].is_null
+                    and (block_mask is None or block_mask[i - num_cached_blocks])
+                ]
+                lookahead = self._lookahead(token_ids, ends)
             self.kv_event_queue.append(
                 BlockStored(
                     block_hashes=tuple(stored),
                     parent_block_hash=parent,
-                    token_ids=token_ids,
+                    token_ids=event_tokens,
                     block_size=block_size,
                     lora_id=lora_id,
                     medium=self.medium,
                     lora_name=lora_name,
                     extra_keys=(None,) * len(stored) if stored else None,
                     group_idx=kv_cache_group_id,
+                    lookahead_token_ids=lookahead,
                 )
             )
 
@@ -574,13 +840,16 @@ class BlockPool:
         num_tokens: int,
         kv_cache_group_id: int,
         block_size: int,
+        replace_existing_hashes: bool = False,
     ) -> HashKey | None:
         """Make ``block`` reachable from the prefix of ``num_tokens`` tokens ending inside it.
 
         The key is the request's hash at ``num_tokens``. It becomes the
         block's primary key if it has none, replaces a primary key covering
         fewer tokens (promotion), and is otherwise added beside it. Returns
-        the key, or None for the null block.
+        the key, or None for the null block. With ``replace_existing_hashes``
+        every key of the block goes first (one BlockRemoved each) and the key
+        becomes its only one, always with a BlockStored.
 
         Complexity: O(number of keys the block carries).
 
@@ -591,6 +860,12 @@ class BlockPool:
         (b'p', 0)
         """
         hbs = self.hash_block_size
+        # Verify that the arguments have the operation's types
+        _verify_ints(num_tokens=num_tokens, kv_cache_group_id=kv_cache_group_id)
+        _verify_ints(block_size=block_size)
+        block_hashes, token_ids = _request_lists(request)
+        if not isinstance(replace_existing_hashes, bool):
+            raise InvalidArgument("replace_existing_hashes must be a bool")
         # Verify that prefix caching is enabled
         if not self.enable_caching:
             raise CachingDisabled("cache_partial_block on a pool without prefix caching")
@@ -598,27 +873,32 @@ class BlockPool:
         if kv_cache_group_id < 0:
             raise InvalidGroup(f"KV cache group id {kv_cache_group_id} is negative")
         # Verify that the block belongs to this pool
-        if block.pool is not self:
-            raise UnknownBlock(f"block {block!r} does not belong to this pool")
+        if type(block) is not KVCacheBlock or block.pool is not self:
+            raise UnknownBlock(f"{block!r} is not a block of this pool")
         if block.is_null:
             return None
         # Verify that the block is held by someone
         if block.ref_cnt == 0:
             raise BlockNotHeld(f"block {block.block_id} is free: only held blocks can be cached")
         # Verify that a block holds more than one hash block, in whole hash blocks
-        if block_size <= hbs or block_size % hbs != 0:
+        # (not strict: vLLM 0.32+ also takes a block of one hash block)
+        if block_size < hbs + self.strict or block_size % hbs != 0:
             raise InvalidBlockSize(
                 f"block_size={block_size} must be a multiple of hash_block_size={hbs} "
                 f"and larger than it"
             )
         # Verify that the prefix ends on a hash-block boundary inside a block
-        if num_tokens <= 0 or num_tokens % hbs != 0 or num_tokens % block_size == 0:
+        # (not strict: vLLM 0.32+ also takes one on a block boundary)
+        if (
+            num_tokens <= 0
+            or num_tokens % hbs != 0
+            or (self.strict and num_tokens % block_size == 0)
+        ):
             raise InvalidPartialBlock(
                 f"num_tokens={num_tokens} must be a positive multiple of {hbs} "
                 f"that is not a multiple of the block size {block_size}"
             )
         num_hash_blocks = num_tokens // hbs
-        block_hashes = request.block_hashes
         # Verify that the request has hashed that far
         if num_hash_blocks > len(block_hashes):
             raise NotEnoughHashes(
@@ -627,8 +907,28 @@ class BlockPool:
 
         block_hash = block_hashes[num_hash_blocks - 1]
         key = (block_hash, kv_cache_group_id)
+        if self.enable_kv_cache_events:
+            lora_id, lora_name = _lora_of(request)
+            stored = BlockStored(
+                block_hashes=(block_hash,),
+                parent_block_hash=(
+                    block_hashes[num_hash_blocks - 2] if num_hash_blocks > 1 else None
+                ),
+                token_ids=tuple(token_ids[num_tokens - hbs : num_tokens]),
+                block_size=hbs,
+                lora_id=lora_id,
+                medium=self.medium,
+                lora_name=lora_name,
+                extra_keys=(None,),
+                group_idx=kv_cache_group_id,
+                lookahead_token_ids=self._lookahead(token_ids, (num_tokens,)),
+            )
         primary = block._block_hash
-        if primary is not None:
+        if replace_existing_hashes:
+            if primary is not None:
+                self._drop_keys(block)
+                primary = None
+        elif primary is not None:
             extra = block._extra_keys
             if primary == key or (extra is not None and key in extra):
                 return key
@@ -648,23 +948,87 @@ class BlockPool:
             self._add_beside(key, entry, block)
 
         if self.enable_kv_cache_events:
-            lora_id, lora_name = _lora_of(request)
-            self.kv_event_queue.append(
-                BlockStored(
-                    block_hashes=(block_hash,),
-                    parent_block_hash=(
-                        block_hashes[num_hash_blocks - 2] if num_hash_blocks > 1 else None
-                    ),
-                    token_ids=tuple(request.all_token_ids[num_tokens - hbs : num_tokens]),
-                    block_size=hbs,
-                    lora_id=lora_id,
-                    medium=self.medium,
-                    lora_name=lora_name,
-                    extra_keys=(None,),
-                    group_idx=kv_cache_group_id,
-                )
-            )
+            self.kv_event_queue.append(stored)
         return key
+
+    def emit_cached_block_events(
+        self,
+        request: Any,
+        num_cached_blocks: int,
+        block_size: int,
+        kv_cache_group_id: int,
+    ) -> None:
+        """Announce the request's first ``num_cached_blocks`` blocks as stored, once more.
+
+        One BlockStored with the request's hashes at ``block_size`` and no
+        parent; the pool does not change. Nothing with events off or n = 0.
+
+        Complexity: O(num_cached_blocks * block_size).
+
+        >>> from kvpool.model import CacheRequest
+        >>> pool = BlockPool(2, True, 1, enable_kv_cache_events=True)
+        >>> pool.emit_cached_block_events(CacheRequest((b"a",), (7,)), 1, 1, 0)
+        >>> pool.take_events()[0].token_ids
+        (7,)
+        """
+        hbs = self.hash_block_size
+        # Verify that the arguments have the operation's types
+        _verify_ints(
+            num_cached_blocks=num_cached_blocks,
+            block_size=block_size,
+            kv_cache_group_id=kv_cache_group_id,
+        )
+        block_hashes, token_ids = _request_lists(request)
+        # Verify that the group id is not negative
+        if kv_cache_group_id < 0:
+            raise InvalidGroup(f"KV cache group id {kv_cache_group_id} is negative")
+        # Verify that the block size is a positive multiple of the hash block size
+        if block_size % hbs != 0 or block_size < hbs:
+            raise InvalidBlockSize(
+                f"block_size={block_size} must be a positive multiple of hash_block_size={hbs}"
+            )
+        # Verify that the count is not negative
+        if num_cached_blocks < 0:
+            raise InvalidBlockCount(f"cannot announce {num_cached_blocks} blocks")
+        factor = block_size // hbs
+        # Verify that the request has a hash for every block announced
+        if len(block_hashes) // factor < num_cached_blocks:
+            raise NotEnoughHashes(
+                f"request has {len(block_hashes) // factor} hashes of size {block_size}, "
+                f"{num_cached_blocks} are needed"
+            )
+        hashes = [block_hashes[(i + 1) * factor - 1] for i in range(num_cached_blocks)]
+        # Verify that every hash announced is bytes
+        for block_hash in hashes:
+            _verify_hash(block_hash)
+        if not self.enable_kv_cache_events or num_cached_blocks == 0:
+            return
+        lora_id, lora_name = _lora_of(request)
+        self.kv_event_queue.append(
+            BlockStored(
+                block_hashes=tuple(hashes),
+                parent_block_hash=None,
+                token_ids=tuple(token_ids[: num_cached_blocks * block_size]),
+                block_size=block_size,
+                lora_id=lora_id,
+                medium=self.medium,
+                lora_name=lora_name,
+                extra_keys=(None,) * num_cached_blocks,
+                group_idx=kv_cache_group_id,
+                lookahead_token_ids=self._lookahead(
+                    token_ids, [(i + 1) * block_size for i in range(num_cached_blocks)]
+                ),
+            )
+        )
+
+    def _lookahead(
+        self, token_ids: Sequence[int], ends: Sequence[int]
+    ) -> tuple[tuple[int, ...], ...] | None:
+        """Per stored block ending at token ``end``, the look-ahead tokens after it."""
+        n = self.num_hash_lookahead_tokens
+        if n == 0:
+            return None
+        return tuple(tuple(token_ids[end : end + n]) for end in ends)
 
     def get_cached_block(
         self, block_hash: bytes, kv_cache_group_ids: Sequence[int]
@@ -679,9 +1043,15 @@ class BlockPool:
         True
         """
         entry: Any
+        if type(block_hash) is not bytes or type(kv_cache_group_ids) is not list:
+            # Verify that the hash is bytes and the group ids a list of ints
+            _verify_hash(block_hash)
+            kv_cache_group_ids = _as_list(kv_cache_group_ids)
         if len(kv_cache_group_ids) == 1:
             # The common case of one KV cache group, without the loops.
             group_id = kv_cache_group_ids[0]
+            if type(group_id) is not int:
+                _verify_ints(kv_cache_group_id=group_id)
             # Verify that no group id is negative
             if group_id < 0:
                 raise InvalidGroup(f"KV cache group id {group_id} is negative")
@@ -691,6 +1061,9 @@ class BlockPool:
             if type(entry) is dict:
                 return [next(iter(entry.values()))]
             return [entry]
+        for group_id in kv_cache_group_ids:
+            if type(group_id) is not int:
+                _verify_ints(kv_cache_group_id=group_id)
         # Verify that no group id is negative
         for group_id in kv_cache_group_ids:
             if group_id < 0:
@@ -717,12 +1090,14 @@ class BlockPool:
         >>> pool.evict_blocks({1, 2}); pool.get_num_free_blocks()
         2
         """
-        ids = (
-            block_ids if type(block_ids) is set or type(block_ids) is frozenset else set(block_ids)
-        )
-        if not ids:
+        listed = block_ids if type(block_ids) is set else _as_list(block_ids)
+        if not listed:
             return
         # Verify that every id names a block of the pool
+        for block_id in listed:
+            if type(block_id) is not int and not _is_int(block_id):
+                raise UnknownBlock(f"{block_id!r} is not a block id")
+        ids = listed if type(listed) is set else set(listed)
         if min(ids) < 0 or max(ids) >= self.num_gpu_blocks:
             raise UnknownBlock(
                 f"block ids {sorted(ids)} are not all in 0..{self.num_gpu_blocks - 1}"
@@ -746,6 +1121,13 @@ class BlockPool:
         """
         if self.free_block_queue.num_free_blocks != self.num_gpu_blocks - 1:
             return False
+        if self._reuse_watchers:
+            # Every watcher, in registration order, before any key is dropped
+            # (a watcher that raises leaves the pool as it was).
+            blocks = self.blocks
+            for block_id, watcher in list(self._reuse_watchers.items()):
+                watcher(blocks[block_id])
+            self._reuse_watchers = {}
         for entry in self._cached.values():
             if type(entry) is dict:
                 for block in entry.values():
@@ -820,6 +1202,8 @@ class BlockPool:
             hash_block_size=self.hash_block_size,
             enable_events=self.enable_kv_cache_events,
             profile=self.profile,
+            medium=self.medium,
+            num_hash_lookahead_tokens=self.num_hash_lookahead_tokens,
         )
         blocks = tuple(
             BlockState(
@@ -843,6 +1227,7 @@ class BlockPool:
             free_queue=tuple(b.block_id for b in self.free_block_queue),
             cached=cached,
             pending_events=tuple(self.kv_event_queue),
+            watchers=dict(self._reuse_watchers),
         )
 
     def check_invariants(self) -> None:
@@ -977,6 +1362,11 @@ class BlockPool:
                 assert block._block_hash == k or (block._extra_keys and k in block._extra_keys), (
                     f"key {k!r} maps to block {bid}, which does not record it"
                 )
+
+        # Watchers are registered for non-null blocks of the pool, and are callable.
+        for bid, watcher in self._reuse_watchers.items():
+            assert type(bid) is int and 0 < bid < n, f"a watcher for block {bid!r}"
+            assert callable(watcher), f"the watcher of block {bid} is not callable"
 
         # Without events enabled, no event is ever queued.
         if not self.enable_kv_cache_events:
@@ -1125,6 +1515,48 @@ class BlockPool:
         del entry[block.block_id]
         # One block left: store it bare again, as a first insertion would.
         self._cached[key] = next(iter(entry.values())) if len(entry) == 1 else entry
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _verify_ints(**values: object) -> None:
+    """Raise InvalidArgument naming the first value that is not an int (bool is not)."""
+    for name, value in values.items():
+        if not _is_int(value):
+            raise InvalidArgument(f"{name} must be an int, got {type(value).__name__}")
+
+
+def _verify_hash(block_hash: object) -> None:
+    if not isinstance(block_hash, bytes):
+        raise InvalidArgument(f"a block hash is bytes, not {type(block_hash).__name__}")
+
+
+def _as_list(values: Any) -> list[Any]:
+    """A list argument read once into a list; InvalidArgument if it is no collection."""
+    if isinstance(values, str | bytes) or not isinstance(values, Iterable):
+        raise InvalidArgument(f"expected a list, got {type(values).__name__}")
+    return list(values)
+
+
+def _request_lists(request: Any) -> tuple[Sequence[bytes], Sequence[int]]:
+    """The request's block hashes and token ids; InvalidArgument unless both are sequences."""
+    hashes = getattr(request, "block_hashes", None)
+    _verify_sequence("block_hashes", hashes)
+    return hashes, _token_ids(request)  # type: ignore[return-value]
+
+
+def _token_ids(request: Any) -> Sequence[int]:
+    tokens = getattr(request, "all_token_ids", None)
+    if type(tokens) is not list and type(tokens) is not tuple:
+        _verify_sequence("all_token_ids", tokens)
+    return tokens  # type: ignore[return-value]
+
+
+def _verify_sequence(name: str, value: object) -> None:
+    if not isinstance(value, Sequence) or isinstance(value, str | bytes):
+        raise InvalidArgument(f"the request's {name} must be a sequence")
 
 
 def _lora_of(request: Any) -> tuple[int | None, str | None]:

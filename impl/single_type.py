@@ -16,8 +16,13 @@ from mypy_extensions import mypyc_attr
 
 from kvpool.impl.block import KVCacheBlock
 from kvpool.impl.pool import BlockPool
-from kvpool.model.errors import HitOnRunningRequest, InvalidTokenCount, UnknownGroup, UnknownRequest
-from kvpool.model.request import verify_hash_block_size
+from kvpool.model.errors import (
+    HashBlockSizeMismatch,
+    HitOnRunningRequest,
+    InvalidTokenCount,
+    UnknownGroup,
+    UnknownRequest,
+)
 from kvpool.model.single_type import AttentionType, GroupTable, KVCacheSpec
 
 
@@ -362,3 +367,17 @@ def _verify_search(group_ids: Sequence[int], max_length: int) -> None:
     # Verify that the length is not negative
     if max_length < 0:
         raise InvalidTokenCount(f"max_length={max_length} is negative")
+
+
+def verify_hash_block_size(request: Any, hash_block_size: int) -> None:
+    """Raise HashBlockSizeMismatch if the request says it is hashed in other hash blocks.
+
+    kvpool's requests say it (``hash_block_size``); vLLM's do not (their hasher is
+    built with the manager's hash block size), and are taken as hashed in the pool's.
+    """
+    said = getattr(request, "hash_block_size", hash_block_size)
+    if said != hash_block_size:
+        raise HashBlockSizeMismatch(
+            f"request {request.request_id!r} is hashed in blocks of {said} tokens, "
+            f"the pool uses {hash_block_size}"
+        )

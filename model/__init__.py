@@ -12,6 +12,7 @@ from kvpool.model.errors import (
     BlockNotHeld,
     CachingDisabled,
     DuplicateBlock,
+    InvalidArgument,
     InvalidBlockCount,
     InvalidBlockMask,
     InvalidBlockRange,
@@ -26,6 +27,7 @@ from kvpool.model.errors import (
     UnknownBlock,
 )
 from kvpool.model.events import (
+    MEDIUM_CPU,
     MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
@@ -33,9 +35,11 @@ from kvpool.model.events import (
     KVCacheEvent,
 )
 from kvpool.model.hashing import NONE_HASH
+from kvpool.model.pinning import is_block_writable, move_block_hashes, unpin_blocks
 from kvpool.model.pool import (
     cache_full_blocks,
     cache_partial_block,
+    emit_cached_block_events,
     evict_blocks,
     free_blocks,
     get_cached_block,
@@ -46,6 +50,7 @@ from kvpool.model.pool import (
     new_pool,
     reset_prefix_cache,
     take_events,
+    take_reuses,
     touch,
 )
 from kvpool.model.profiles import (
@@ -68,6 +73,8 @@ from kvpool.model.state import (
     HashKey,
     PoolConfig,
     PoolState,
+    Reuse,
+    Watcher,
 )
 
 __all__ = [
@@ -76,6 +83,7 @@ __all__ = [
     "EVENT_SEMANTICS",
     "HASHLESS_FIRST",
     "HASHLESS_FIRST_APPEND_UNCACHED",
+    "MEDIUM_CPU",
     "MEDIUM_GPU",
     "NONE_HASH",
     "NULL_BLOCK_ID",
@@ -93,6 +101,7 @@ __all__ = [
     "EventSemantics",
     "FreeOrder",
     "HashKey",
+    "InvalidArgument",
     "InvalidBlockCount",
     "InvalidBlockMask",
     "InvalidBlockRange",
@@ -109,9 +118,12 @@ __all__ = [
     "PoolState",
     "Profile",
     "Request",
+    "Reuse",
     "UnknownBlock",
+    "Watcher",
     "cache_full_blocks",
     "cache_partial_block",
+    "emit_cached_block_events",
     "evict_blocks",
     "free_blocks",
     "get_cached_block",
@@ -119,8 +131,12 @@ __all__ = [
     "get_num_free_blocks",
     "get_usage",
     "hashes_at_block_size",
+    "is_block_writable",
+    "move_block_hashes",
     "new_pool",
     "reset_prefix_cache",
     "take_events",
+    "take_reuses",
     "touch",
+    "unpin_blocks",
 ]

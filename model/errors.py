@@ -75,6 +75,14 @@ class InvalidGroup(PoolError, ValueError):
     """A KV cache group id is negative."""
 
 
+class InvalidArgument(PoolError, TypeError):
+    """An argument is not of the type the operation takes (a count that is no int,
+    a list of blocks that is no iterable, a request without block hashes, ...).
+
+    A block argument that is not a block of the pool is ``UnknownBlock`` instead.
+    """
+
+
 POOL_ERRORS: tuple[type[PoolError], ...] = (
     InvalidConfig,
     InvalidBlockCount,
@@ -91,6 +99,7 @@ POOL_ERRORS: tuple[type[PoolError], ...] = (
     NotEnoughHashes,
     InvalidPartialBlock,
     InvalidGroup,
+    InvalidArgument,
 )
 """The block pool's rejections: what a pool target may answer with."""
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from kvpool.model.profiles import EventSemantics
 
 MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,9 @@ class BlockStored:
     lora_name: str | None
     extra_keys: tuple[object, ...] | None
     group_idx: int
+    lookahead_token_ids: tuple[tuple[int, ...], ...] | None = None
+    """With a pool built with ``num_hash_lookahead_tokens`` L > 0: per stored block,
+    the (up to) L tokens after it, which its hash also covers; None otherwise."""
 
 
 @dataclass(frozen=True)

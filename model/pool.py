@@ -14,13 +14,14 @@ the seeds were silent and what decided them.
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 from kvpool.model.errors import (
     AlreadyCached,
     BlockNotHeld,
     CachingDisabled,
     DuplicateBlock,
+    InvalidArgument,
     InvalidBlockCount,
     InvalidBlockMask,
     InvalidBlockRange,
@@ -49,7 +50,10 @@ from kvpool.model.state import (
     HashKey,
     PoolConfig,
     PoolState,
+    Reuse,
 )
+
+T = TypeVar("T")
 
 # --------------------------------------------------------------------------
 # Construction
@@ -62,6 +66,8 @@ def new_pool(
     hash_block_size: int = 1,
     enable_events: bool = False,
     profile: Profile = DEFAULT_PROFILE,
+    medium: str = MEDIUM_GPU,
+    num_hash_lookahead_tokens: int = 0,
 ) -> PoolState:
     """A fresh pool: block 0 is the null block, blocks 1..N-1 are free in id order.
 
@@ -71,14 +77,30 @@ def new_pool(
     >>> pool.free_queue
     (1, 2, 3)
     """
+    # Verify that the sizes are integers and the medium a string
+    _verify_ints(num_blocks=num_blocks, hash_block_size=hash_block_size)
+    _verify_ints(num_hash_lookahead_tokens=num_hash_lookahead_tokens)
+    if not isinstance(medium, str):
+        raise InvalidArgument(f"medium must be a string, got {type(medium).__name__}")
     # Verify that the pool has room for the null block
     if num_blocks < 1:
         raise InvalidConfig(f"num_blocks must be at least 1, got {num_blocks}")
     # Verify that hashes cover a positive number of tokens
     if hash_block_size < 1:
         raise InvalidConfig(f"hash_block_size must be at least 1, got {hash_block_size}")
+    # Verify that the look-ahead is not negative
+    if num_hash_lookahead_tokens < 0:
+        raise InvalidConfig(f"num_hash_lookahead_tokens={num_hash_lookahead_tokens} is negative")
 
-    config = PoolConfig(num_blocks, enable_caching, hash_block_size, enable_events, profile)
+    config = PoolConfig(
+        num_blocks,
+        enable_caching,
+        hash_block_size,
+        enable_events,
+        profile,
+        medium,
+        num_hash_lookahead_tokens,
+    )
     return PoolState(
         config=config,
         blocks=tuple(BlockState() for _ in range(num_blocks)),
@@ -95,7 +117,9 @@ def get_new_blocks(state: PoolState, num_blocks: int) -> tuple[PoolState, tuple[
     """Hand out the ``num_blocks`` blocks at the front of the free queue.
 
     Each one loses every hash it carried (it is evicted from the prefix
-    cache) and is held once. Cache hits are not consulted here.
+    cache) and is held once. Cache hits are not consulted here. A block
+    unpinned with a watcher fires it first (``Reuse`` in ``pending_reuses``,
+    carrying the key the block still has), in hand-out order.
 
     Complexity: O(num_blocks).
 
@@ -103,6 +127,8 @@ def get_new_blocks(state: PoolState, num_blocks: int) -> tuple[PoolState, tuple[
     >>> ids, pool.free_queue
     ((1, 2), (3,))
     """
+    # Verify that the count is an integer
+    _verify_ints(num_blocks=num_blocks)
     # Verify that the count is not negative
     if num_blocks < 0:
         raise InvalidBlockCount(f"cannot get {num_blocks} blocks")
@@ -114,6 +140,7 @@ def get_new_blocks(state: PoolState, num_blocks: int) -> tuple[PoolState, tuple[
 
     taken = state.free_queue[:num_blocks]
     state = replace(state, free_queue=state.free_queue[num_blocks:])
+    state = _fire(state, [b for b in taken if b in state.watchers])
     for block_id in taken:
         state = _drop_keys(state, block_id)
         state = _set_block(state, block_id, ref_cnt=1)
@@ -132,6 +159,8 @@ def touch(state: PoolState, block_ids: Sequence[int]) -> tuple[PoolState, None]:
     >>> pool.free_queue, pool.blocks[2].ref_cnt
     ((1, 3), 1)
     """
+    # Verify that the ids are a sequence
+    block_ids = _id_list(block_ids)
     # Verify that every id names a block of the pool
     _verify_known(state, block_ids)
 
@@ -165,6 +194,8 @@ def free_blocks(state: PoolState, ordered_block_ids: Sequence[int]) -> tuple[Poo
     >>> pool.free_queue
     (2, 1, 3)
     """
+    # Verify that the ids are a sequence
+    ordered_block_ids = _id_list(ordered_block_ids)
     # Verify that every id names a block of the pool
     _verify_known(state, ordered_block_ids)
     # Verify that no block is released more times than it is held
@@ -243,6 +274,17 @@ def cache_full_blocks(
     {(b'h0', 0): (1,), (b'h1', 0): (2,)}
     """
     config = state.config
+    # Verify that the arguments have the operation's types
+    block_ids = _id_list(block_ids)
+    _verify_ints(
+        num_cached_blocks=num_cached_blocks,
+        num_full_blocks=num_full_blocks,
+        block_size=block_size,
+        kv_cache_group_id=kv_cache_group_id,
+    )
+    _verify_request(request)
+    if block_mask is not None:
+        block_mask = _id_list(block_mask)
     # Verify that prefix caching is enabled
     if not config.enable_caching:
         raise CachingDisabled("cache_full_blocks on a pool without prefix caching")
@@ -292,6 +334,9 @@ def cache_full_blocks(
                 f"block {block_ids[i]} already caches {block.hash_num_tokens} tokens"
             )
 
+    # Verify that every hash the blocks get is bytes
+    _verify_hashes(hashes[i] for i in range(num_cached_blocks, num_full_blocks))
+
     for i in positions:
         block_id = block_ids[i]
         state = _drop_keys(state, block_id)
@@ -302,13 +347,14 @@ def cache_full_blocks(
     stored = BlockStored(
         block_hashes=tuple(hashes[i] for i in positions),
         parent_block_hash=parent,
-        token_ids=request.all_token_ids[start:end],
+        token_ids=tuple(request.all_token_ids[start:end]),
         block_size=block_size,
         lora_id=request.lora_id,
-        medium=MEDIUM_GPU,
+        medium=config.medium,
         lora_name=request.lora_name,
         extra_keys=tuple(None for _ in positions) if positions else None,
         group_idx=kv_cache_group_id,
+        lookahead_token_ids=_lookahead(config, request, [(i + 1) * block_size for i in positions]),
     )
     return _emit(state, stored), None
 
@@ -320,6 +366,7 @@ def cache_partial_block(
     num_tokens: int,
     kv_cache_group_id: int,
     block_size: int,
+    replace_existing_hashes: bool = False,
 ) -> tuple[PoolState, HashKey | None]:
     """Make ``block_id`` reachable from a prefix that ends inside it.
 
@@ -328,6 +375,10 @@ def cache_partial_block(
     if it had none; it replaces a primary key covering fewer tokens
     (promotion); otherwise it is added beside the primary key. Returns the
     key, or None for the null block.
+
+    With ``replace_existing_hashes`` every key of the block is removed first
+    (one BlockRemoved each, even the same key) and the key becomes its only,
+    primary key, with a BlockStored: a re-keying that may cover fewer tokens.
 
     Complexity: O(number of keys the block carries).
 
@@ -338,6 +389,11 @@ def cache_partial_block(
     """
     config = state.config
     hbs = config.hash_block_size
+    # Verify that the arguments have the operation's types
+    _verify_ints(num_tokens=num_tokens, kv_cache_group_id=kv_cache_group_id)
+    _verify_ints(block_size=block_size)
+    _verify_request(request)
+    _verify_bools(replace_existing_hashes=replace_existing_hashes)
     # Verify that prefix caching is enabled
     if not config.enable_caching:
         raise CachingDisabled("cache_partial_block on a pool without prefix caching")
@@ -366,11 +422,15 @@ def cache_partial_block(
         )
 
     block_hash = request.block_hashes[num_hash_blocks - 1]
+    # Verify that the hash the block gets is bytes
+    _verify_hashes([block_hash])
     key = (block_hash, kv_cache_group_id)
     block = state.blocks[block_id]
-    if key in block.hash_keys():
+    if replace_existing_hashes:
+        state = _drop_keys(state, block_id)
+    elif key in block.hash_keys():
         return state, key
-    if block.hash_num_tokens is not None and block.hash_num_tokens < num_tokens:
+    elif block.hash_num_tokens is not None and block.hash_num_tokens < num_tokens:
         state = _drop_keys(state, block_id)
     state = _insert_key(state, key, block_id, num_tokens)
 
@@ -380,13 +440,14 @@ def cache_partial_block(
         parent_block_hash=(
             request.block_hashes[num_hash_blocks - 2] if num_hash_blocks > 1 else None
         ),
-        token_ids=request.all_token_ids[start:num_tokens],
+        token_ids=tuple(request.all_token_ids[start:num_tokens]),
         block_size=hbs,
         lora_id=request.lora_id,
-        medium=MEDIUM_GPU,
+        medium=config.medium,
         lora_name=request.lora_name,
         extra_keys=(None,),
         group_idx=kv_cache_group_id,
+        lookahead_token_ids=_lookahead(config, request, [num_tokens]),
     )
     return _emit(state, stored), key
 
@@ -403,6 +464,11 @@ def get_cached_block(
     >>> get_cached_block(new_pool(2), b"h", [0]) is None
     True
     """
+    # Verify that the hash is bytes and the group ids a sequence of integers
+    if not isinstance(block_hash, bytes):
+        raise InvalidArgument(f"a block hash is bytes, not {type(block_hash).__name__}")
+    kv_cache_group_ids = _id_list(kv_cache_group_ids)
+    _verify_ints(**{f"kv_cache_group_ids[{i}]": g for i, g in enumerate(kv_cache_group_ids)})
     # Verify that no group id is negative
     for group_id in kv_cache_group_ids:
         _verify_group(group_id)
@@ -429,9 +495,10 @@ def evict_blocks(state: PoolState, block_ids: Iterable[int]) -> tuple[PoolState,
     >>> pool == new_pool(3)
     True
     """
-    ids = sorted(set(block_ids))
-    # Verify that every id names a block of the pool
-    _verify_known(state, ids)
+    # Verify that the ids are a collection of block ids of the pool
+    listed = _id_list(block_ids)
+    _verify_known(state, listed)
+    ids = sorted(set(listed))
 
     for block_id in ids:
         state = _drop_keys(state, block_id)
@@ -443,6 +510,8 @@ def reset_prefix_cache(state: PoolState) -> tuple[PoolState, bool]:
 
     Refusal is an answer, not an error: with any block held the pool is
     left as it is and the result is False. The free queue keeps its order.
+    A reset that happens fires every registered watcher, in registration
+    order, with the key the block carried before the reset.
 
     Complexity: O(N).
 
@@ -452,6 +521,7 @@ def reset_prefix_cache(state: PoolState) -> tuple[PoolState, bool]:
     if len(state.free_queue) != state.config.num_blocks - 1:
         return state, False
 
+    state = _fire(state, list(state.watchers))
     state = replace(
         state,
         blocks=tuple(
@@ -503,6 +573,83 @@ def take_events(state: PoolState) -> tuple[PoolState, tuple[KVCacheEvent, ...]]:
     return replace(state, pending_events=()), state.pending_events
 
 
+def take_reuses(state: PoolState) -> tuple[PoolState, tuple[Reuse, ...]]:
+    """Every watcher that fired since the last call, oldest first; the list is emptied.
+
+    In the model a watcher is a value and firing it is recorded; the impl
+    and vLLM call it. The conformance adapters record their calls here.
+
+    Complexity: O(number of reuses).
+
+    >>> take_reuses(new_pool(2))[1]
+    ()
+    """
+    return replace(state, pending_reuses=()), state.pending_reuses
+
+
+def emit_cached_block_events(
+    state: PoolState,
+    request: CacheRequest,
+    num_cached_blocks: int,
+    block_size: int,
+    kv_cache_group_id: int,
+) -> tuple[PoolState, None]:
+    """Announce the request's first ``num_cached_blocks`` blocks as stored, once more.
+
+    For consumers that asked for a full report of every hit: one BlockStored
+    naming the request's hashes at ``block_size`` for blocks 0..n-1, with no
+    parent. The pool itself does not change, and nothing checks that those
+    blocks are cached. With events off, or n = 0, nothing is emitted.
+
+    Complexity: O(num_cached_blocks * block_size).
+
+    >>> pool = new_pool(2, enable_events=True)
+    >>> pool, _ = emit_cached_block_events(pool, CacheRequest((b"a",), (7,)), 1, 1, 0)
+    >>> pool.pending_events[0].block_hashes
+    (b'a',)
+    """
+    config = state.config
+    # Verify that the arguments have the operation's types
+    _verify_ints(
+        num_cached_blocks=num_cached_blocks,
+        block_size=block_size,
+        kv_cache_group_id=kv_cache_group_id,
+    )
+    _verify_request(request)
+    # Verify that the group id is not negative
+    _verify_group(kv_cache_group_id)
+    # Verify that the block size is a positive multiple of the hash block size
+    _verify_block_size(block_size, config.hash_block_size, at_least=config.hash_block_size)
+    # Verify that the count is not negative
+    if num_cached_blocks < 0:
+        raise InvalidBlockCount(f"cannot announce {num_cached_blocks} blocks")
+    hashes = hashes_at_block_size(request.block_hashes, config.hash_block_size, block_size)
+    # Verify that the request has a hash for every block announced
+    if num_cached_blocks > len(hashes):
+        raise NotEnoughHashes(
+            f"request has {len(hashes)} hashes of size {block_size}, {num_cached_blocks} are needed"
+        )
+    # Verify that every hash announced is bytes
+    _verify_hashes(hashes[:num_cached_blocks])
+    if num_cached_blocks == 0:
+        return state, None
+    stored = BlockStored(
+        block_hashes=tuple(hashes[:num_cached_blocks]),
+        parent_block_hash=None,
+        token_ids=tuple(request.all_token_ids[: num_cached_blocks * block_size]),
+        block_size=block_size,
+        lora_id=request.lora_id,
+        medium=config.medium,
+        lora_name=request.lora_name,
+        extra_keys=(None,) * num_cached_blocks,
+        group_idx=kv_cache_group_id,
+        lookahead_token_ids=_lookahead(
+            config, request, [(i + 1) * block_size for i in range(num_cached_blocks)]
+        ),
+    )
+    return _emit(state, stored), None
+
+
 # --------------------------------------------------------------------------
 # Helpers (not operations)
 # --------------------------------------------------------------------------
@@ -510,8 +657,70 @@ def take_events(state: PoolState) -> tuple[PoolState, tuple[KVCacheEvent, ...]]:
 
 def _verify_known(state: PoolState, block_ids: Iterable[int]) -> None:
     for block_id in block_ids:
+        if not _is_int(block_id):
+            raise UnknownBlock(f"{block_id!r} is not a block id")
         if not 0 <= block_id < state.config.num_blocks:
             raise UnknownBlock(f"block id {block_id} is not in 0..{state.config.num_blocks - 1}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _verify_ints(**values: object) -> None:
+    """Raise InvalidArgument naming the first value that is not an int (bool is not)."""
+    for name, value in values.items():
+        if not _is_int(value):
+            raise InvalidArgument(f"{name} must be an int, got {type(value).__name__}")
+
+
+def _verify_bools(**values: object) -> None:
+    for name, value in values.items():
+        if not isinstance(value, bool):
+            raise InvalidArgument(f"{name} must be a bool, got {type(value).__name__}")
+
+
+def _id_list(values: Iterable[T]) -> tuple[T, ...]:
+    """The values of a list argument, read once; InvalidArgument if it is no collection."""
+    if isinstance(values, str | bytes) or not isinstance(values, Iterable):
+        raise InvalidArgument(f"expected a list, got {type(values).__name__}")
+    return tuple(values)
+
+
+def _verify_request(request: CacheRequest) -> None:
+    """Raise InvalidArgument unless the request's hashes and token ids are sequences.
+
+    Only the hashes an operation reads must be bytes (``_verify_hashes``): checking
+    every hash of a long request on every call would cost the impl its speed.
+    """
+    for name in ("block_hashes", "all_token_ids"):
+        if not isinstance(getattr(request, name, None), Sequence):
+            raise InvalidArgument(f"the request's {name} must be a sequence")
+
+
+def _verify_hashes(hashes: Iterable[object]) -> None:
+    for block_hash in hashes:
+        if not isinstance(block_hash, bytes):
+            raise InvalidArgument(f"a block hash is bytes, not {type(block_hash).__name__}")
+
+
+def _lookahead(
+    config: PoolConfig, request: CacheRequest, ends: Sequence[int]
+) -> tuple[tuple[int, ...], ...] | None:
+    """Per stored block ending at token ``end``, the look-ahead tokens after it."""
+    n = config.num_hash_lookahead_tokens
+    if n == 0:
+        return None
+    return tuple(tuple(request.all_token_ids[end : end + n]) for end in ends)
+
+
+def _fire(state: PoolState, block_ids: Sequence[int]) -> PoolState:
+    """Fire (and forget) the watchers of ``block_ids``, in that order."""
+    if not block_ids:
+        return state
+    watchers = dict(state.watchers)
+    fired = tuple(Reuse(watchers.pop(b), b, state.blocks[b].block_hash) for b in block_ids)
+    return replace(state, watchers=watchers, pending_reuses=state.pending_reuses + fired)
 
 
 def _verify_group(group_id: int) -> None:
@@ -580,8 +789,9 @@ def _drop_keys(state: PoolState, block_id: int) -> PoolState:
     state = _set_block(state, block_id, block_hash=None, hash_num_tokens=None, partial_keys=())
     state = replace(state, cached=cached)
     per_copy = state.config.profile.event_semantics is EventSemantics.MULTISET
+    medium = state.config.medium
     removed = [
-        BlockRemoved(block_hashes=(h,), medium=MEDIUM_GPU, group_idx=g)
+        BlockRemoved(block_hashes=(h,), medium=medium, group_idx=g)
         for h, g in keys
         if per_copy or (h, g) not in cached
     ]

@@ -6,10 +6,10 @@ block can be cached at the same time: it is an eviction candidate, reusable by
 a cache hit until get_new_blocks hands it out and drops its hashes.
 """
 
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 
-from kvpool.model.events import KVCacheEvent
+from kvpool.model.events import MEDIUM_GPU, KVCacheEvent
 from kvpool.model.profiles import DEFAULT_PROFILE, Profile
 
 BlockHash = bytes
@@ -30,6 +30,10 @@ class PoolConfig:
     hash_block_size: int = 1
     enable_events: bool = False
     profile: Profile = DEFAULT_PROFILE
+    medium: str = MEDIUM_GPU
+    """Where the pool's blocks live; copied into every BlockStored and BlockRemoved."""
+    num_hash_lookahead_tokens: int = 0
+    """Tokens after each block its hash also covers; only the events show them."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,24 @@ class BlockState:
         return primary + self.partial_keys
 
 
+Watcher = Hashable
+"""Whoever asked to hear when an unpinned block is reused: any hashable value in the
+model; the impl and vLLM take a callable that gets the block."""
+
+
+@dataclass(frozen=True)
+class Reuse:
+    """A watcher fired: the block it watched is about to be reused or forgotten.
+
+    ``block_hash`` is the primary key the block still carried when the watcher
+    fired (the pool fires before it drops the block's keys).
+    """
+
+    watcher: Watcher
+    block_id: int
+    block_hash: HashKey | None
+
+
 @dataclass(frozen=True)
 class PoolState:
     """A whole block pool. ``blocks[i]`` describes block id ``i``; block 0 is the null block."""
@@ -61,6 +83,11 @@ class PoolState:
     cached: Mapping[HashKey, tuple[int, ...]] = field(default_factory=dict)
     """Hash key to the ids of the blocks under it, oldest insertion first. Never mutated."""
     pending_events: tuple[KVCacheEvent, ...] = ()
+    watchers: Mapping[int, Watcher] = field(default_factory=dict)
+    """Block id to the watcher ``unpin_blocks`` registered for it, in registration
+    order (a re-registration keeps its place). Never mutated."""
+    pending_reuses: tuple[Reuse, ...] = ()
+    """Watchers that fired and were not yet taken (``take_reuses``), oldest first."""
 
 
 @dataclass(frozen=True)

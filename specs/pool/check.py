@@ -8,7 +8,7 @@ from kvpool.model.profiles import profile_named
 from kvpool.specs.pool.counterexample import explain, program_lines
 from kvpool.specs.pool.machine import pool_machine
 from kvpool.specs.pool.record import Recorder
-from kvpool.specs.pool.target import TargetFactory
+from kvpool.specs.pool.target import OPT_IN_FEATURES, TargetFactory
 from kvpool.specs.runner.report import ConformanceReport
 from kvpool.specs.runner.run import RunOptions, run_machine
 
@@ -59,6 +59,9 @@ def run_conformance(
     declared = getattr(make_target, "unsupported_operations", None)
     if declared is not None:
         unsupported = frozenset(unsupported) | frozenset(declared())
+    else:
+        # A target that says nothing may predate vLLM 0.33's features.
+        unsupported = frozenset(unsupported) | frozenset(OPT_IN_FEATURES)
     recorder = Recorder(make_target)
     machine = pool_machine(
         recorder,

@@ -13,7 +13,7 @@ model's (``kvpool.model.events``), shared with the event-consumer layer.
 """
 
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 from kvpool.model import (
@@ -139,6 +139,17 @@ def no_events_when_disabled(state: PoolState) -> Reason:
     return prefix_cache.no_events_when_disabled(state.config.enable_events, state.pending_events)
 
 
+def watchers_on_usable_blocks(state: PoolState) -> Reason:
+    """Reuse watchers are registered only for real blocks of the pool, never the null block.
+
+    A watcher on the null block, or on an id the pool does not have, is
+    never fired: the reader it stands for keeps reading a block the pool
+    has long handed to someone else.
+    """
+    bad = sorted(b for b in state.watchers if not 0 < b < state.config.num_blocks)
+    return f"watcher(s) registered for block(s) {bad}" if bad else None
+
+
 STATE_INVARIANTS: tuple[Callable[[PoolState], Reason], ...] = (
     ref_counts_non_negative,
     free_list_membership,
@@ -146,6 +157,7 @@ STATE_INVARIANTS: tuple[Callable[[PoolState], Reason], ...] = (
     conservation,
     hash_map_consistency,
     no_events_when_disabled,
+    watchers_on_usable_blocks,
 )
 
 
@@ -179,9 +191,19 @@ class FreeHistory:
         return FreeHistory({b: (INITIAL, 0, b) for b in state.free_queue})
 
     def observe(
-        self, before: PoolState, after: PoolState, freed: Sequence[int] = ()
+        self,
+        before: PoolState,
+        after: PoolState,
+        freed: Sequence[int] = (),
+        unpinned: Sequence[int] = (),
     ) -> "FreeHistory":
-        """The history after one operation; ``freed`` is free_blocks' argument, if it was one."""
+        """The history after one operation; ``freed`` is free_blocks' argument, if it was one.
+
+        ``unpinned`` is unpin_blocks' argument: those blocks go to the back,
+        hashed or not (vLLM 0.33), as a call of their own.
+        """
+        if unpinned:
+            freed = unpinned
         was_free, now_free = set(before.free_queue), set(after.free_queue)
         frees = self.frees + (1 if freed else 0)
         stamps = {b: s for b, s in self.stamps.items() if b in now_free}
@@ -193,7 +215,7 @@ class FreeHistory:
                 unexplained.add(block_id)
             position = last_position.get(block_id, -1)
             hashless = after.blocks[block_id].block_hash is None
-            if rule is FreeOrder.HASHLESS_FIRST and hashless:
+            if rule is FreeOrder.HASHLESS_FIRST and hashless and not unpinned:
                 stamps[block_id] = (FRONT, -frees, position)
             else:
                 stamps[block_id] = (BACK, frees, position)
@@ -225,7 +247,9 @@ def lru_order(state: PoolState, history: FreeHistory) -> Reason:
 # --------------------------------------------------------------------------
 
 
-def event_stream_consistency(state: PoolState, taken: Sequence[KVCacheEvent]) -> Reason:
+def event_stream_consistency(
+    state: PoolState, taken: Sequence[KVCacheEvent], reannounced: Collection[int] = ()
+) -> Reason:
     """Folding every event emitted so far gives exactly the hash map's entries.
 
     ``taken`` are the events already handed out by take_events, oldest first.
@@ -235,6 +259,8 @@ def event_stream_consistency(state: PoolState, taken: Sequence[KVCacheEvent]) ->
     router sends requests to engines that no longer hold their prefix. (The
     property is ``kvpool.specs.prefix_cache.event_stream_consistency``, the
     same for every prefix cache; here it is applied to the hash map.)
+    ``reannounced``: positions in the stream of BlockStored events that announce
+    entries already stored (``emit_cached_block_events``); they add nothing.
     """
     if not state.config.enable_events:
         return None
@@ -243,7 +269,11 @@ def event_stream_consistency(state: PoolState, taken: Sequence[KVCacheEvent]) ->
     actual: Counter[HashKey] = Counter(
         {k: len(ids) if per_copy else 1 for k, ids in state.cached.items()}
     )
-    events = (*taken, *state.pending_events)
+    events = [
+        event
+        for position, event in enumerate((*taken, *state.pending_events))
+        if position not in reannounced
+    ]
     return prefix_cache.event_stream_consistency(events, actual, semantics, holder="the map")
 
 
@@ -256,6 +286,7 @@ def check_all(
     state: PoolState,
     history: FreeHistory | None = None,
     taken: Sequence[KVCacheEvent] | None = None,
+    reannounced: Collection[int] = (),
 ) -> None:
     """Run every invariant; raise InvariantViolation naming the first that fails.
 
@@ -268,7 +299,7 @@ def check_all(
     if history is not None:
         checks.append((lru_order, (state, history)))
     if taken is not None:
-        checks.append((event_stream_consistency, (state, taken)))
+        checks.append((event_stream_consistency, (state, taken, reannounced)))
     for invariant, args in checks:
         reason = invariant(*args)
         if reason is not None:
@@ -295,4 +326,8 @@ def dump_state(state: PoolState) -> str:
     lines.extend(f"  {key!r} -> {list(ids)}" for key, ids in state.cached.items())
     if state.pending_events:
         lines.append(f"pending events: {list(state.pending_events)}")
+    if state.watchers:
+        lines.append(f"reuse watchers (block: watcher): {dict(state.watchers)!r}")
+    if state.pending_reuses:
+        lines.append(f"pending reuses: {list(state.pending_reuses)!r}")
     return "\n".join(lines)

@@ -19,7 +19,7 @@ invalid calls and requires the same rejection with the state unchanged.
 import inspect
 import math
 from collections.abc import Callable, Collection, Sequence
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar, cast
 
 from hypothesis import event
 from hypothesis import strategies as st
@@ -49,9 +49,11 @@ from kvpool.model.profiles import profile_named
 from kvpool.specs.errors import Divergence
 from kvpool.specs.pool.invariants import FreeHistory, check_all, dump_state
 from kvpool.specs.pool.target import (
+    EXTENSIONS,
     FEATURES,
     OPERATIONS,
     PoolTarget,
+    PoolTargetExtensions,
     Snapshottable,
     TargetFactory,
 )
@@ -92,8 +94,25 @@ def state_diff(expected: PoolState, actual: PoolState) -> str:
 BLOCK_IDS = Bundle("block_ids")
 
 
+_BLIND_OPERATIONS = (
+    "move_block_hashes",
+    "is_block_writable",
+    "emit_cached_block_events",
+    "replace_existing_hashes",
+)
+"""The vLLM 0.33 operations ``extension_call`` draws from."""
+
+MEDIUMS = (model.MEDIUM_GPU, model.MEDIUM_CPU)
+LOOKAHEADS = (0, 0, 1, 2)
+"""Look-ahead tokens a pool is built with: none half the time (vLLM's default)."""
+
+
 def _new_pool_rule(
-    profiles: Sequence[Profile], caching: Sequence[bool], events: Sequence[bool]
+    profiles: Sequence[Profile],
+    caching: Sequence[bool],
+    events: Sequence[bool],
+    mediums: Sequence[str] = MEDIUMS,
+    lookaheads: Sequence[int] = LOOKAHEADS,
 ) -> Callable[..., Any]:
     """The machine's first step: build a pool from drawn parameters."""
 
@@ -106,6 +125,8 @@ def _new_pool_rule(
         enable_events=st.sampled_from(events),
         num_groups=st.integers(1, 3),
         profile=st.sampled_from([p.name for p in profiles]),
+        medium=st.sampled_from(mediums),
+        lookahead=st.sampled_from(lookaheads),
     )
     def new_pool(
         self: "PoolMachine",
@@ -115,9 +136,17 @@ def _new_pool_rule(
         enable_events: bool,
         num_groups: int,
         profile: str,
+        medium: str,
+        lookahead: int,
     ) -> Any:
         config = PoolConfig(
-            num_blocks, enable_caching, hash_block_size, enable_events, profile_named(profile)
+            num_blocks,
+            enable_caching,
+            hash_block_size,
+            enable_events,
+            profile_named(profile),
+            medium,
+            lookahead,
         )
         return self.start(config, num_groups)
 
@@ -147,6 +176,10 @@ class PoolMachine(LockStep[PoolState, PoolTarget], RuleBasedStateMachine):
         """Whether the program holds a reference to draw (rules drawing lists of them need one)."""
         return bool(self.bundle("held"))
 
+    def offers(self, operation: str) -> bool:
+        """Whether the target has ``operation`` (one of vLLM 0.33's optional ``EXTENSIONS``)."""
+        return self.target is not None and hasattr(self.target, operation)
+
     def start(self, config: PoolConfig, num_groups: int) -> Any:
         """Build the model and the target for ``config``; every block id joins the bundle."""
         self.num_groups = num_groups
@@ -156,11 +189,15 @@ class PoolMachine(LockStep[PoolState, PoolTarget], RuleBasedStateMachine):
             config.hash_block_size,
             config.enable_events,
             config.profile,
+            config.medium,
+            config.num_hash_lookahead_tokens,
         )
         self.target = type(self).make_target(config)
         self.history = FreeHistory.start(self.model)
         self.taken_model: list[KVCacheEvent] = []
         self.taken_target: list[KVCacheEvent] = []
+        self.reannounced: set[int] = set()
+        """Positions in the event stream of re-announcements (emit_cached_block_events)."""
         return multiple(*range(config.num_blocks))
 
     new_pool = _new_pool_rule(tuple(PROFILES.values()), caching=(True, False), events=(False, True))
@@ -239,6 +276,42 @@ class PoolMachine(LockStep[PoolState, PoolTarget], RuleBasedStateMachine):
             mask,
         )
 
+    @precondition(lambda self: self.holds_blocks())
+    @rule(
+        block_ids=st.lists(held, unique=True, min_size=1, max_size=3),
+        tokens=TOKENS,
+        nulls=st.integers(1, 2),
+        skip=st.integers(0, 2),
+        size_factor=st.integers(1, 2),
+        group=st.integers(0, 2),
+    )
+    def cache_full_blocks_after_window(
+        self,
+        block_ids: list[int],
+        tokens: list[int],
+        nulls: int,
+        skip: int,
+        size_factor: int,
+        group: int,
+    ) -> None:
+        """A sliding-window caller's table: its first blocks are the null block.
+
+        The blocks before the window hold no tokens anyone reads, so vLLM's
+        sliding-window manager puts the null block there and caches the whole
+        table; the null positions are in the cached range.
+        """
+        assert self.model is not None
+        table = [model.NULL_BLOCK_ID] * nulls + block_ids
+        self._cache_full_blocks(
+            table,
+            tokens,
+            min(skip, nulls),
+            len(table),
+            self.model.config.hash_block_size * size_factor,
+            group % self.num_groups,
+            None,
+        )
+
     def _cache_full_blocks(
         self,
         block_ids: list[int],
@@ -280,28 +353,43 @@ class PoolMachine(LockStep[PoolState, PoolTarget], RuleBasedStateMachine):
         hash_blocks_more: int,
         size_factor: int,
         group: int,
+        replace: bool = False,
     ) -> None:
-        """A partial entry ``whole_blocks`` blocks plus some hash blocks into the request."""
+        """A partial entry ``whole_blocks`` blocks plus some hash blocks into the request.
+
+        ``replace``: with ``replace_existing_hashes`` (vLLM 0.33), a re-keying
+        (``extension_call`` draws that one).
+        """
         assert self.model is not None
         hbs = self.model.config.hash_block_size
         into_block = 1 + (hash_blocks_more - 1) % (size_factor - 1)
         num_tokens = hbs * (whole_blocks * size_factor + into_block)
         self._cache_partial_block(
-            block_id, tokens, num_tokens, group % self.num_groups, hbs * size_factor
+            block_id, tokens, num_tokens, group % self.num_groups, hbs * size_factor, replace
         )
 
     def _cache_partial_block(
-        self, block_id: int, tokens: list[int], num_tokens: int, group: int, block_size: int
+        self,
+        block_id: int,
+        tokens: list[int],
+        num_tokens: int,
+        group: int,
+        block_size: int,
+        replace: bool = False,
     ) -> None:
         assert self.model is not None
         request = request_for(tokens, self.model.config.hash_block_size)
+        flag = (True,) if replace else ()
         self._step(
             f"cache_partial_block(tokens={tokens}, block={block_id}, num_tokens={num_tokens}, "
-            f"group={group}, block_size={block_size})",
+            f"group={group}, block_size={block_size}"
+            + (", replace_existing_hashes=True)" if replace else ")"),
             lambda s: model.cache_partial_block(
-                s, request, block_id, num_tokens, group, block_size
+                s, request, block_id, num_tokens, group, block_size, replace
             ),
-            lambda t: t.cache_partial_block(request, block_id, num_tokens, group, block_size),
+            lambda t: t.cache_partial_block(
+                request, block_id, num_tokens, group, block_size, *flag
+            ),
         )
 
     @rule(tokens=TOKENS, num_hash_blocks=st.integers(1, 8), groups=st.sets(st.integers(0, 2)))
@@ -417,6 +505,125 @@ class PoolMachine(LockStep[PoolState, PoolTarget], RuleBasedStateMachine):
         )
         self.taken_model.extend(events)
         self.taken_target.extend(events)
+
+    # vLLM 0.33's operations (EXTENSIONS): each runs only on a target offering it.
+
+    @precondition(lambda self: self.holds_blocks() and self.offers("unpin_blocks"))
+    @rule(block_ids=st.lists(consumes(held), min_size=1, max_size=3), watcher=st.integers(0, 2))
+    def unpin_blocks(self, block_ids: list[int], watcher: int) -> None:
+        """A reader releases blocks it keeps reading until the pool reuses them."""
+        self._step(
+            f"unpin_blocks({block_ids}, watcher={watcher})",
+            lambda s: model.unpin_blocks(s, block_ids, watcher),
+            lambda t: _ext(t).unpin_blocks(block_ids, watcher),
+            unpinned=block_ids,
+            returns_none=True,
+        )
+
+    @precondition(
+        lambda self: (
+            self.offers("move_block_hashes")
+            and self.model is not None
+            and len(self.model.free_queue) > 0
+            and any(b.ref_cnt > 0 and b.block_hash is not None for b in self.model.blocks)
+        )
+    )
+    @rule(target=held, index=st.integers(0, 63))
+    def relocate(self, index: int) -> Any:
+        """Copy-on-write as vLLM's Mamba manager does it: a fresh block takes over the keys."""
+        assert self.model is not None
+        keyed = [
+            i for i, b in enumerate(self.model.blocks) if b.ref_cnt > 0 and b.block_hash is not None
+        ]
+        src = keyed[index % len(keyed)]
+        _, ids = self._step(
+            "get_new_blocks(1)",
+            lambda s: model.get_new_blocks(s, 1),
+            lambda t: tuple(t.get_new_blocks(1)),
+        )
+        (dst,) = ids or (None,)
+        if dst is None:
+            return multiple()
+        self.move_block_hashes(src, dst)
+        return multiple(dst)
+
+    @precondition(lambda self: any(self.offers(op) for op in _BLIND_OPERATIONS))
+    @rule(
+        op=st.sampled_from(_BLIND_OPERATIONS),
+        block_id=block_ids,
+        other=block_ids,
+        tokens=TOKENS,
+        num_cached_blocks=st.integers(0, 3),
+        size_factor=st.integers(1, 2),
+        group=st.integers(0, 2),
+    )
+    def extension_call(
+        self,
+        op: str,
+        block_id: int,
+        other: int,
+        tokens: list[int],
+        num_cached_blocks: int,
+        size_factor: int,
+        group: int,
+    ) -> None:
+        """One of vLLM 0.33's other operations, with drawn arguments (one rule for four:
+        every rule added reshuffles the derandomized ``ci`` programs, and more of them
+        lost bugs of the corpus at level 1).
+
+        ``move_block_hashes(block_id, other)`` (level 1 sends the valid ones: a held
+        keyless ``other``), ``is_block_writable(block_id)``, and
+        ``emit_cached_block_events`` (a full report of a cache hit).
+        """
+        assert self.model is not None
+        if not self.offers(op) and op != "replace_existing_hashes":
+            return
+        if op == "move_block_hashes":
+            self.move_block_hashes(block_id, other)
+        elif op == "replace_existing_hashes":
+            # A re-keying: cache_partial_block(..., replace_existing_hashes=True)
+            self.cache_partial_block(
+                block_id, tokens, group % 2, num_cached_blocks + 1, size_factor + 1, group, True
+            )
+        elif op == "is_block_writable":
+            self._query(
+                f"is_block_writable({block_id})",
+                lambda s: model.is_block_writable(s, block_id),
+                lambda t: bool(_ext(t).is_block_writable(block_id)),
+            )
+        else:
+            hbs = self.model.config.hash_block_size
+            self._emit_cached_block_events(
+                tokens, num_cached_blocks, hbs * size_factor, group % self.num_groups
+            )
+
+    def move_block_hashes(self, src: int, dst: int) -> None:
+        self._step(
+            f"move_block_hashes({src}, {dst})",
+            lambda s: model.move_block_hashes(s, src, dst),
+            lambda t: _ext(t).move_block_hashes(src, dst),
+            returns_none=True,
+        )
+
+    def _emit_cached_block_events(
+        self, tokens: list[int], num_cached_blocks: int, block_size: int, group: int
+    ) -> None:
+        assert self.model is not None
+        request = request_for(tokens, self.model.config.hash_block_size)
+        emitted = len(self.taken_model) + len(self.model.pending_events)
+        done, _ = self._step(
+            f"emit_cached_block_events(tokens={tokens}, {num_cached_blocks}, "
+            f"block_size={block_size}, group={group})",
+            lambda s: model.emit_cached_block_events(
+                s, request, num_cached_blocks, block_size, group
+            ),
+            lambda t: _ext(t).emit_cached_block_events(
+                request, num_cached_blocks, block_size, group
+            ),
+            returns_none=True,
+        )
+        if done and len(self.taken_model) + len(self.model.pending_events) > emitted:
+            self.reannounced.add(emitted)
 
     # ------------------------------------------------------------------
     # Invalid operations (level 2)
@@ -544,6 +751,42 @@ class PoolMachine(LockStep[PoolState, PoolTarget], RuleBasedStateMachine):
         group = group if group < 0 else group % self.num_groups
         self._cache_partial_block(block_id, tokens, num_tokens, group, block_size)
 
+    @precondition(
+        lambda self: self.level >= 2 and self.model is not None and self.offers("unpin_blocks")
+    )
+    @rule(block_ids=st.lists(block_ids, min_size=1, max_size=3), watcher=st.integers(0, 2))
+    def unpin_blocks_not_held(self, block_ids: list[int], watcher: int) -> None:
+        """Unpins of free, null or over-listed blocks (vLLM asserts after partial effects)."""
+        assert self.model is not None
+        try:
+            model.unpin_blocks(self.model, block_ids, watcher)
+        except PoolError:
+            self._step(
+                f"unpin_blocks({block_ids}, watcher={watcher})",
+                lambda s: model.unpin_blocks(s, block_ids, watcher),
+                lambda t: _ext(t).unpin_blocks(block_ids, watcher),
+                returns_none=True,
+            )
+        else:
+            event("level 2: generated unpin was valid, not sent")
+
+    @precondition(
+        lambda self: (
+            self.level >= 2 and self.model is not None and self.offers("emit_cached_block_events")
+        )
+    )
+    @rule(
+        tokens=TOKENS,
+        num_cached_blocks=st.integers(-1, 9),
+        block_size=st.integers(1, 5),
+        group=st.integers(-1, 2),
+    )
+    def emit_cached_block_events_raw_arguments(
+        self, tokens: list[int], num_cached_blocks: int, block_size: int, group: int
+    ) -> None:
+        group = group if group < 0 else group % self.num_groups
+        self._emit_cached_block_events(tokens, num_cached_blocks, block_size, group)
+
     # ------------------------------------------------------------------
     # After every step
     # ------------------------------------------------------------------
@@ -560,7 +803,7 @@ class PoolMachine(LockStep[PoolState, PoolTarget], RuleBasedStateMachine):
         expected_usage, actual_usage = model.get_usage(self.model), self.target.get_usage()
         if not math.isclose(expected_usage, actual_usage, rel_tol=1e-9, abs_tol=1e-12):
             self._diverge("get_usage()", f"model {expected_usage!r}, target {actual_usage!r}")
-        check_all(self.model, self.history, self.taken_model)
+        check_all(self.model, self.history, self.taken_model, self.reannounced)
         if isinstance(self.target, Snapshottable):
             snapshot = self.target.snapshot()
             expected = self._normal_state(self.model)
@@ -569,7 +812,10 @@ class PoolMachine(LockStep[PoolState, PoolTarget], RuleBasedStateMachine):
                     "the target's state differs from the model's:\n"
                     + state_diff(expected, self._normal_state(snapshot))
                 )
-            check_all(snapshot, self.history, self.taken_target)
+            check_all(snapshot, self.history, self.taken_target, self.reannounced)
+        if self.offers("take_reuses"):
+            # Fired watchers are compared after every step: a reader must hear at once.
+            self._step("take_reuses()", model.take_reuses, lambda t: tuple(_ext(t).take_reuses()))
 
     # ------------------------------------------------------------------
     # Lock-step machinery (the rest is kvpool.specs.runner.lockstep)
@@ -577,7 +823,9 @@ class PoolMachine(LockStep[PoolState, PoolTarget], RuleBasedStateMachine):
 
     def _observe(self, before: PoolState, after: PoolState, **observed: Any) -> None:
         """The free history LRU order is checked against; ``freed``: the ids a free released."""
-        self.history = self.history.observe(before, after, observed.get("freed", ()))
+        self.history = self.history.observe(
+            before, after, observed.get("freed", ()), observed.get("unpinned", ())
+        )
 
     def _normal_state(self, state: PoolState) -> PoolState:
         normalize = getattr(self.target, "normalize_state", None)
@@ -614,6 +862,25 @@ def _unknown_block_among_known(
     self._unknown_among(op, [*before, unknown, *after])
 
 
+_RULE_OPERATIONS: dict[str, tuple[str, ...]] = {
+    "unpin_blocks": ("unpin_blocks", "take_reuses"),
+    "unpin_blocks_not_held": ("unpin_blocks", "take_reuses"),
+    "relocate": ("move_block_hashes",),
+    "emit_cached_block_events_raw_arguments": ("emit_cached_block_events",),
+}
+"""The vLLM 0.33 operations (``EXTENSIONS``) each rule needs: dropped when one is unsupported.
+``extension_call`` instead draws only the supported ones (``_without``)."""
+assert {op for ops in _RULE_OPERATIONS.values() for op in ops} | set(_BLIND_OPERATIONS) == {
+    *EXTENSIONS,
+    "replace_existing_hashes",
+}
+
+
+def _ext(target: PoolTarget) -> PoolTargetExtensions:
+    """The target as one offering vLLM 0.33's operations (rules check ``offers`` first)."""
+    return cast(PoolTargetExtensions, target)
+
+
 def _tuple_or_none(blocks: Sequence[int] | None) -> tuple[int, ...] | None:
     return None if blocks is None else tuple(blocks)
 
@@ -638,11 +905,13 @@ def pool_machine(
     chosen = tuple(profiles) if profiles else tuple(PROFILES.values())
     if "events" in unsupported:
         events = (False,)
+    mediums = (model.MEDIUM_GPU,) if "medium" in unsupported else MEDIUMS
+    lookaheads = (0,) if "lookahead" in unsupported else LOOKAHEADS
     attrs = {
         "make_target": staticmethod(make_target),
         "level": level,
         "profiles": chosen,
-        "new_pool": _new_pool_rule(chosen, caching, events),
+        "new_pool": _new_pool_rule(chosen, caching, events, mediums, lookaheads),
     }
     if level >= 2:
         attrs["unknown_block_among_known"] = _unknown_block_among_known
@@ -669,12 +938,21 @@ def _without(machine: type[PoolMachine], unsupported: frozenset[str]) -> type[Po
         if "cache_partial_block" in unsupported and "cache_partial_block" in name:
             attrs[name] = None
             continue
+        if any(op in unsupported for op in _RULE_OPERATIONS.get(name, ())):
+            attrs[name] = None
+            continue
         arguments = dict(found.arguments)
         changes: dict[str, Any] = {}
         if "block_mask" in unsupported:
             changes.update(use_mask=st.just(False), mask=st.none())
         if "block_size_multiple" in unsupported and "partial" not in name:
             changes.update(size_factor=st.just(1), block_size=st.just(1))
+        blind = [op for op in _BLIND_OPERATIONS if op not in unsupported]
+        if name == "extension_call" and len(blind) < len(_BLIND_OPERATIONS):
+            if not blind:
+                attrs[name] = None
+                continue
+            changes.update(op=st.sampled_from(blind))
         changed = {k: v for k, v in changes.items() if k in arguments}
         if changed and not found.targets:
             arguments.update(changed)

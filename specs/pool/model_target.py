@@ -3,7 +3,7 @@
 from collections.abc import Iterable, Sequence
 
 from kvpool import model
-from kvpool.model import CacheRequest, HashKey, KVCacheEvent, PoolConfig, PoolState
+from kvpool.model import CacheRequest, HashKey, KVCacheEvent, PoolConfig, PoolState, Reuse
 
 
 class ModelTarget:
@@ -16,7 +16,14 @@ class ModelTarget:
             hash_block_size=config.hash_block_size,
             enable_events=config.enable_events,
             profile=config.profile,
+            medium=config.medium,
+            num_hash_lookahead_tokens=config.num_hash_lookahead_tokens,
         )
+
+    @staticmethod
+    def unsupported_operations() -> frozenset[str]:
+        """Nothing: the model is the reference."""
+        return frozenset()
 
     def snapshot(self) -> PoolState:
         return self.state
@@ -59,11 +66,42 @@ class ModelTarget:
         num_tokens: int,
         kv_cache_group_id: int,
         block_size: int,
+        replace_existing_hashes: bool = False,
     ) -> HashKey | None:
         self.state, key = model.cache_partial_block(
-            self.state, request, block_id, num_tokens, kv_cache_group_id, block_size
+            self.state,
+            request,
+            block_id,
+            num_tokens,
+            kv_cache_group_id,
+            block_size,
+            replace_existing_hashes,
         )
         return key
+
+    def unpin_blocks(self, block_ids: Sequence[int], watcher: int) -> None:
+        self.state, _ = model.unpin_blocks(self.state, block_ids, watcher)
+
+    def take_reuses(self) -> Sequence[Reuse]:
+        self.state, reuses = model.take_reuses(self.state)
+        return reuses
+
+    def move_block_hashes(self, src: int, dst: int) -> None:
+        self.state, _ = model.move_block_hashes(self.state, src, dst)
+
+    def is_block_writable(self, block_id: int) -> bool:
+        return model.is_block_writable(self.state, block_id)
+
+    def emit_cached_block_events(
+        self,
+        request: CacheRequest,
+        num_cached_blocks: int,
+        block_size: int,
+        kv_cache_group_id: int,
+    ) -> None:
+        self.state, _ = model.emit_cached_block_events(
+            self.state, request, num_cached_blocks, block_size, kv_cache_group_id
+        )
 
     def get_cached_block(
         self, block_hash: bytes, kv_cache_group_ids: Sequence[int]

@@ -14,12 +14,14 @@ from typing import Any
 
 from kvpool.model import CacheRequest, HashKey, KVCacheEvent, PoolConfig, PoolError, PoolState
 from kvpool.specs.errors import TargetError
-from kvpool.specs.pool.target import PoolTarget, Snapshottable, TargetFactory
+from kvpool.specs.pool.target import EXTENSIONS, PoolTarget, Snapshottable, TargetFactory
 from kvpool.specs.protocol import codec as protocol
 from kvpool.specs.protocol.codec import Json
 
-QUERIES = ("get_num_free_blocks", "get_usage", "snapshot")
-"""Calls the machine makes after every step to compare; not part of the program."""
+QUERIES = ("get_num_free_blocks", "get_usage", "snapshot", "take_reuses")
+"""Calls the machine makes after every step to compare; not part of the program
+(unless the target parts from the model there). ``take_reuses`` is one: the
+machine takes the fired watchers after every step of a target that offers it."""
 
 
 @dataclass
@@ -139,7 +141,15 @@ class RecordingTarget:
         self._recorder = recorder
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
+        found = getattr(self._inner, name)
+        if name in EXTENSIONS:
+            # vLLM 0.33's optional operations: recorded like the others, and
+            # absent (AttributeError above) when the target lacks them.
+            def recorded(*args: Any) -> Any:
+                return self._recorder.record(name, args, lambda: found(*args))
+
+            return recorded
+        return found
 
     def get_new_blocks(self, num_blocks: int) -> Sequence[int]:
         result: Sequence[int] = self._recorder.record(
@@ -185,8 +195,10 @@ class RecordingTarget:
         num_tokens: int,
         kv_cache_group_id: int,
         block_size: int,
+        replace_existing_hashes: bool = False,
     ) -> HashKey | None:
-        args = (request, block_id, num_tokens, kv_cache_group_id, block_size)
+        flag = (True,) if replace_existing_hashes else ()
+        args = (request, block_id, num_tokens, kv_cache_group_id, block_size, *flag)
         key: HashKey | None = self._recorder.record(
             "cache_partial_block", args, lambda: self._inner.cache_partial_block(*args)
         )

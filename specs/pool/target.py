@@ -13,20 +13,24 @@ the whole state is compared with the model after every operation.
 from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol, runtime_checkable
 
-from kvpool.model import CacheRequest, HashKey, KVCacheEvent, PoolConfig, PoolState
+from kvpool.model import CacheRequest, HashKey, KVCacheEvent, PoolConfig, PoolState, Reuse
 from kvpool.specs.errors import TargetError
 
 __all__ = [
+    "EXTENSIONS",
     "FEATURES",
     "OPERATIONS",
+    "OPT_IN_FEATURES",
+    "PROTOCOL_OPERATIONS",
     "Normalizing",
     "PoolTarget",
+    "PoolTargetExtensions",
     "Snapshottable",
     "TargetError",
     "TargetFactory",
 ]
 
-OPERATIONS = (
+PROTOCOL_OPERATIONS = (
     "get_new_blocks",
     "touch",
     "free_blocks",
@@ -40,13 +44,41 @@ OPERATIONS = (
     "take_events",
     "snapshot",
 )
-"""The operations of ``PoolTarget`` (and the optional ``snapshot``), named as in
-``kvpool.model``: the one list the machine, the protocol and the vectors share."""
+"""The operations the JSON-lines protocol and the committed vectors carry (and the
+optional ``snapshot``), named as in ``kvpool.model``."""
 
-FEATURES = ("block_mask", "block_size_multiple", "events")
+EXTENSIONS = (
+    "unpin_blocks",
+    "take_reuses",
+    "move_block_hashes",
+    "is_block_writable",
+    "emit_cached_block_events",
+)
+"""vLLM 0.33's additions (``PoolTargetExtensions``). Optional: a target without the
+method is checked without it, and so is one whose factory declares it unsupported."""
+
+OPERATIONS = (*PROTOCOL_OPERATIONS[:-1], *EXTENSIONS, "snapshot")
+"""Every operation the machine may call: the one list machine, registry and adapters share."""
+
+FEATURES = (
+    "block_mask",
+    "block_size_multiple",
+    "events",
+    "replace_existing_hashes",
+    "medium",
+    "lookahead",
+)
 """What a pool may lack beside whole operations: ``cache_full_blocks``'s
-``block_mask`` argument, blocks several hash blocks long, and KV events. A target
-that lacks one (an old vLLM release) is checked on programs that never use it."""
+``block_mask`` argument, blocks several hash blocks long, KV events,
+``cache_partial_block``'s ``replace_existing_hashes``, a ``medium`` and
+``num_hash_lookahead_tokens`` at construction (vLLM 0.33). A target that lacks one
+(an old vLLM release) is checked on programs that never use it."""
+
+OPT_IN_FEATURES = ("replace_existing_hashes", "medium", "lookahead")
+"""Features a target written before vLLM 0.33 cannot know about: ``run_conformance``
+leaves them out unless the factory says what it lacks (``unsupported_operations()``,
+possibly empty). The ``EXTENSIONS`` need no claim: a target without the method is
+checked without it."""
 
 
 class PoolTarget(Protocol):
@@ -91,6 +123,32 @@ class PoolTarget(Protocol):
     def get_usage(self) -> float: ...
 
     def take_events(self) -> Sequence[KVCacheEvent]: ...
+
+
+class PoolTargetExtensions(Protocol):
+    """vLLM 0.33's operations, each optional (``EXTENSIONS``); semantics: ``kvpool.model``.
+
+    ``watcher`` is an int naming the reader; the adapter registers a callback
+    that records ``Reuse(watcher, block_id, key the block still carried)`` and
+    ``take_reuses`` hands those records out, oldest first. ``cache_partial_block``
+    then also takes ``replace_existing_hashes`` (feature ``replace_existing_hashes``).
+    """
+
+    def unpin_blocks(self, block_ids: Sequence[int], watcher: int) -> None: ...
+
+    def take_reuses(self) -> Sequence[Reuse]: ...
+
+    def move_block_hashes(self, src: int, dst: int) -> None: ...
+
+    def is_block_writable(self, block_id: int) -> bool: ...
+
+    def emit_cached_block_events(
+        self,
+        request: CacheRequest,
+        num_cached_blocks: int,
+        block_size: int,
+        kv_cache_group_id: int,
+    ) -> None: ...
 
 
 @runtime_checkable

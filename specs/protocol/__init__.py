@@ -8,7 +8,7 @@
 describes the protocol.
 """
 
-from kvpool.specs.pool.target import OPERATIONS
+from kvpool.specs.pool.target import PROTOCOL_OPERATIONS as OPERATIONS
 from kvpool.specs.protocol.codec import (
     ERROR_NAMES,
     PROTOCOL_VERSION,

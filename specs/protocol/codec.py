@@ -16,7 +16,7 @@ named by the model's exception class names (``kvpool.model.errors``).
 import json
 import math
 from collections.abc import Iterator, Mapping, Sequence
-from typing import IO, Any
+from typing import IO, Any, cast
 
 from kvpool import model
 from kvpool.model import (
@@ -31,10 +31,11 @@ from kvpool.model import (
     PoolConfig,
     PoolError,
     PoolState,
+    Reuse,
 )
 from kvpool.model import errors as model_errors
 from kvpool.model.profiles import profile_named
-from kvpool.specs.pool.target import PoolTarget, Snapshottable
+from kvpool.specs.pool.target import EXTENSIONS, PoolTarget, PoolTargetExtensions, Snapshottable
 
 PROTOCOL_VERSION = 1
 """The version ``hello`` announces. docs/formats.md says when it changes."""
@@ -225,6 +226,12 @@ def encode_event(event: KVCacheEvent) -> Json:
             "lora_name": event.lora_name,
             "extra_keys": None if event.extra_keys is None else list(event.extra_keys),
             "group_idx": event.group_idx,
+            # Only when set, so the committed vectors keep their bytes.
+            **(
+                {}
+                if event.lookahead_token_ids is None
+                else {"lookahead_token_ids": [list(t) for t in event.lookahead_token_ids]}
+            ),
         }
     if isinstance(event, BlockRemoved):
         return {
@@ -234,6 +241,15 @@ def encode_event(event: KVCacheEvent) -> Json:
             "group_idx": event.group_idx,
         }
     return {"type": "AllBlocksCleared"}
+
+
+def encode_reuse(reuse: Reuse) -> Json:
+    """A fired watcher: which watcher, which block, the key it still carried."""
+    return {
+        "watcher": reuse.watcher,
+        "block_id": reuse.block_id,
+        "block_hash": encode_key(reuse.block_hash),
+    }
 
 
 def decode_event(value: Json) -> KVCacheEvent:
@@ -253,6 +269,7 @@ def decode_event(value: Json) -> KVCacheEvent:
             lora_name=_optional_str(obj.get("lora_name"), "lora_name"),
             extra_keys=None if extra is None else tuple(_list(extra, "extra_keys")),
             group_idx=_int(obj.get("group_idx"), "group_idx"),
+            lookahead_token_ids=_lookahead_ids(obj.get("lookahead_token_ids")),
         )
     if kind == "BlockRemoved":
         return BlockRemoved(
@@ -263,6 +280,15 @@ def decode_event(value: Json) -> KVCacheEvent:
     if kind == "AllBlocksCleared":
         return AllBlocksCleared()
     raise ProtocolError(f"unknown event type {_short(kind)}")
+
+
+def _lookahead_ids(value: Json) -> tuple[tuple[int, ...], ...] | None:
+    if value is None:
+        return None
+    return tuple(
+        tuple(_int(t, "lookahead_token_ids") for t in _list(ids, "lookahead_token_ids"))
+        for ids in _list(value, "lookahead_token_ids")
+    )
 
 
 def encode_config(config: PoolConfig) -> Json:
@@ -437,13 +463,17 @@ def _call(target: PoolTarget, op: str, args: Mapping[str, Json]) -> Any:
             None if mask is None else [_bool(m, "block_mask") for m in _list(mask, "block_mask")],
         )
     if op == "cache_partial_block":
+        replace = _bool(args.get("replace_existing_hashes", False), "replace_existing_hashes")
         return target.cache_partial_block(
             decode_request(args.get("request")),
             _int(args.get("block_id"), "block_id"),
             _int(args.get("num_tokens"), "num_tokens"),
             _int(args.get("kv_cache_group_id"), "kv_cache_group_id"),
             _int(args.get("block_size"), "block_size"),
+            *((True,) if replace else ()),
         )
+    if op in EXTENSIONS:
+        return _call_extension(cast(PoolTargetExtensions, target), op, args)
     if op == "get_cached_block":
         return target.get_cached_block(
             decode_hash(args.get("block_hash")), _ids(args, "kv_cache_group_ids")
@@ -465,10 +495,40 @@ def _call(target: PoolTarget, op: str, args: Mapping[str, Json]) -> Any:
     raise ProtocolError(f"unknown operation {_short(op)}")
 
 
+def _call_extension(target: PoolTargetExtensions, op: str, args: Mapping[str, Json]) -> Any:
+    """Run one of vLLM 0.33's operations (``EXTENSIONS``) with decoded arguments."""
+    if op == "unpin_blocks":
+        return target.unpin_blocks(_ids(args), _int(args.get("watcher"), "watcher"))
+    if op == "take_reuses":
+        return target.take_reuses()
+    if op == "move_block_hashes":
+        return target.move_block_hashes(_int(args.get("src"), "src"), _int(args.get("dst"), "dst"))
+    if op == "is_block_writable":
+        return target.is_block_writable(_int(args.get("block_id"), "block_id"))
+    return target.emit_cached_block_events(
+        decode_request(args.get("request")),
+        _int(args.get("num_cached_blocks"), "num_cached_blocks"),
+        _int(args.get("block_size"), "block_size"),
+        _int(args.get("kv_cache_group_id"), "kv_cache_group_id"),
+    )
+
+
 def encode_result(op: str, result: Any) -> Json:
     """A Python target's result of ``op`` as its JSON value."""
-    if op in ("touch", "free_blocks", "cache_full_blocks", "evict_blocks"):
+    if op in (
+        "touch",
+        "free_blocks",
+        "cache_full_blocks",
+        "evict_blocks",
+        "unpin_blocks",
+        "move_block_hashes",
+        "emit_cached_block_events",
+    ):
         return None
+    if op == "is_block_writable":
+        return bool(result)
+    if op == "take_reuses":
+        return [encode_reuse(r) for r in result]
     if op in ("get_new_blocks", "get_cached_block"):
         return None if result is None else [int(b) for b in result]
     if op == "cache_partial_block":
@@ -515,13 +575,32 @@ def encode_args(op: str, *args: Any) -> dict[str, Json]:
             "block_mask": None if mask is None else [bool(m) for m in mask],
         }
     if op == "cache_partial_block":
-        request, block_id, num_tokens, group, block_size = args
-        return {
+        request, block_id, num_tokens, group, block_size, *flag = args
+        encoded: dict[str, Json] = {
             "request": encode_request(request),
             "block_id": block_id,
             "num_tokens": num_tokens,
             "kv_cache_group_id": group,
             "block_size": block_size,
+        }
+        if flag and flag[0]:
+            encoded["replace_existing_hashes"] = True
+        return encoded
+    # vLLM 0.33's operations (kvpool.specs.pool.target.EXTENSIONS): recorded in a
+    # program's trace; the protocol's schema and the vectors do not carry them yet.
+    if op == "unpin_blocks":
+        return {"block_ids": [int(b) for b in args[0]], "watcher": args[1]}
+    if op == "move_block_hashes":
+        return {"src": args[0], "dst": args[1]}
+    if op == "is_block_writable":
+        return {"block_id": args[0]}
+    if op == "emit_cached_block_events":
+        request, num_cached, block_size, group = args
+        return {
+            "request": encode_request(request),
+            "num_cached_blocks": num_cached,
+            "block_size": block_size,
+            "kv_cache_group_id": group,
         }
     if op == "get_cached_block":
         return {"block_hash": encode_hash(args[0]), "kv_cache_group_ids": list(args[1])}

@@ -4,10 +4,11 @@
 the vLLM adapter specialises the few places where vLLM's types differ.
 """
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
 from typing import Any
 
-from kvpool.model import CacheRequest, HashKey, KVCacheEvent
+from kvpool.model import CacheRequest, HashKey, KVCacheEvent, PoolState, Reuse
 
 
 class BlockPoolApiTarget:
@@ -15,6 +16,9 @@ class BlockPoolApiTarget:
 
     def __init__(self, pool: Any) -> None:
         self.pool = pool
+        self._watchers: dict[int, Callable[[Any], None]] = {}
+        self._watcher_ids: dict[int, int] = {}
+        self._reuses: list[Reuse] = []
 
     # Hooks for pools whose types differ from kvpool's -----------------------
 
@@ -78,10 +82,12 @@ class BlockPoolApiTarget:
         num_tokens: int,
         kv_cache_group_id: int,
         block_size: int,
+        replace_existing_hashes: bool = False,
     ) -> HashKey | None:
         (block,) = self._blocks([block_id])
+        extra = (True,) if replace_existing_hashes else ()
         key = self.pool.cache_partial_block(
-            self.request(request), block, num_tokens, kv_cache_group_id, block_size
+            self.request(request), block, num_tokens, kv_cache_group_id, block_size, *extra
         )
         return self.hash_key(key)
 
@@ -105,3 +111,51 @@ class BlockPoolApiTarget:
 
     def take_events(self) -> Sequence[KVCacheEvent]:
         return [self.event(e) for e in self.pool.take_events()]
+
+    # vLLM 0.33's operations (kvpool.specs.pool.target.PoolTargetExtensions) ---------
+
+    def watcher(self, watcher: int) -> Callable[[Any], None]:
+        """The callback registered for the machine's ``watcher``: it records a ``Reuse``.
+
+        One callback per watcher id, so the pool's registry maps back to ids.
+        """
+        if watcher not in self._watchers:
+
+            def on_reuse(block: Any) -> None:
+                self._reuses.append(Reuse(watcher, block.block_id, self.hash_key(block.block_hash)))
+
+            self._watchers[watcher] = on_reuse
+            self._watcher_ids[id(on_reuse)] = watcher
+        return self._watchers[watcher]
+
+    def unpin_blocks(self, block_ids: Sequence[int], watcher: int) -> None:
+        self.pool.unpin_blocks(self._blocks(block_ids), self.watcher(watcher))
+
+    def take_reuses(self) -> Sequence[Reuse]:
+        reuses, self._reuses = self._reuses, []
+        return reuses
+
+    def move_block_hashes(self, src: int, dst: int) -> None:
+        src_block, dst_block = self._blocks([src, dst])
+        self.pool.move_block_hashes(src_block, dst_block)
+
+    def is_block_writable(self, block_id: int) -> bool:
+        (block,) = self._blocks([block_id])
+        return bool(self.pool.is_block_writable(block))
+
+    def emit_cached_block_events(
+        self,
+        request: CacheRequest,
+        num_cached_blocks: int,
+        block_size: int,
+        kv_cache_group_id: int,
+    ) -> None:
+        self.pool.emit_cached_block_events(
+            self.request(request), num_cached_blocks, block_size, kv_cache_group_id
+        )
+
+    def with_watchers(self, state: PoolState, registry: dict[int, Any]) -> PoolState:
+        """``state`` with the pool's watcher ``registry`` (block id -> callback) as watcher
+        ids, and the reuses recorded and not yet taken."""
+        watchers = {b: self._watcher_ids.get(id(w), -1) for b, w in registry.items()}
+        return replace(state, watchers=watchers, pending_reuses=tuple(self._reuses))

@@ -195,7 +195,8 @@ class NegativeCountInflatesFree(BlockPool):
 
     vLLM's ``popleft_n`` subtracts ``n`` from ``num_free_blocks`` whatever its
     sign (findings §4: -1 then -3 took 5 free blocks to 9). The model rejects
-    a negative count. Reached only at level 2. No upstream issue located.
+    a negative count. Reached only at level 2. Reported upstream as vllm#52707
+    (merged 2026-08-18).
     """
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
@@ -505,7 +506,7 @@ BUGS: tuple[Bug, ...] = (
     Bug("free-releases-all-refs", FreeReleasesEveryReference, 1, "-"),
     Bug("duplicate-free-counted-twice", DuplicateFreeCountedTwice, 1, "vllm#42571"),
     Bug("double-free-ignored", DoubleFreeIgnored, 2, "ucm#1053"),
-    Bug("negative-count-inflates-free", NegativeCountInflatesFree, 2, "-"),
+    Bug("negative-count-inflates-free", NegativeCountInflatesFree, 2, "vllm#52707"),
     Bug("usage-counts-null-block", UsageCountsNullBlock, 1, "-"),
     Bug("lookup-newest-duplicate", LookupReturnsNewestDuplicate, 1, "vllm#9668"),
     Bug("lookup-skips-missing-groups", LookupSkipsMissingGroups, 1, "-"),

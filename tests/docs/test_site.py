@@ -231,14 +231,15 @@ def test_every_public_operation_of_the_model_has_a_reference_section() -> None:
 
 
 def test_every_public_function_of_the_model_pool_is_an_operation_in_the_reference() -> None:
-    from kvpool.model import pool
+    from kvpool.model import pinning, pool
 
     public = {
         name
-        for name, value in vars(pool).items()
+        for module in (pool, pinning)
+        for name, value in vars(module).items()
         if not name.startswith("_")
         and inspect.isfunction(value)
-        and value.__module__ == pool.__name__
+        and value.__module__ == module.__name__
     }
     assert public == set(hook().operations())
 
@@ -261,9 +262,18 @@ def test_every_invariant_and_profile_is_generated_into_the_reference() -> None:
 
 
 def test_rejections_are_read_from_the_model_in_order() -> None:
-    assert hook().rejections(model.get_new_blocks) == ["InvalidBlockCount", "NotEnoughFreeBlocks"]
+    # An argument of the wrong type is checked first, before any precondition.
+    assert hook().rejections(model.get_new_blocks) == [
+        "InvalidArgument",
+        "InvalidBlockCount",
+        "NotEnoughFreeBlocks",
+    ]
     assert hook().rejections(model.get_usage) == []
-    assert hook().rejections(model.cache_full_blocks)[:2] == ["CachingDisabled", "InvalidGroup"]
+    assert hook().rejections(model.cache_full_blocks)[:3] == [
+        "InvalidArgument",
+        "CachingDisabled",
+        "InvalidGroup",
+    ]
 
 
 def test_unknown_directives_fail_the_build() -> None:

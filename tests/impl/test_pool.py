@@ -220,15 +220,32 @@ def test_a_rejected_free_undoes_the_blocks_it_had_already_linked(profile: model.
 
 
 @pytest.mark.parametrize("caching", [True, False])
-def test_free_rejects_a_block_held_in_another_pool(caching: bool) -> None:
+def test_free_routes_blocks_of_another_pool_to_it_after_its_own(caching: bool) -> None:
+    """vLLM 0.33: each pool frees its own blocks, this one first, as two model calls would."""
+    pool = BlockPool(5, caching, 1)
+    other = BlockPool(5, caching, 1)
+    mine_a, mine_b = pool.get_new_blocks(2)
+    once, twice = other.get_new_blocks(2)
+    other.touch([twice])
+    expected_pool, _ = model.free_blocks(pool.snapshot(), [2, 1])
+    expected_other, _ = model.free_blocks(other.snapshot(), [2, 1])
+    pool.free_blocks([mine_b, twice, mine_a, once])
+    assert pool.snapshot() == expected_pool
+    assert other.snapshot() == expected_other
+    pool.check_invariants()
+    other.check_invariants()
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_free_of_another_pools_block_it_does_not_hold_changes_neither_pool(caching: bool) -> None:
     pool = BlockPool(5, caching, 1)
     other = BlockPool(5, caching, 1)
     (mine,) = pool.get_new_blocks(1)
-    once, twice = other.get_new_blocks(2)
-    other.touch([twice])
+    (once,) = other.get_new_blocks(1)
     before = other.snapshot()
-    assert_rejected(pool, UnknownBlock, pool.free_blocks, [mine, once])
-    assert_rejected(pool, UnknownBlock, pool.free_blocks, [mine, twice])
+    assert_rejected(pool, BlockNotHeld, pool.free_blocks, [mine, other.blocks[3]])
+    assert_rejected(pool, OverFree, pool.free_blocks, [mine, once, once])
+    assert_rejected(pool, UnknownBlock, pool.free_blocks, [mine, once, KVCacheBlock(2)])
     assert other.snapshot() == before
 
 

@@ -8,6 +8,7 @@ from kvpool.model import (
     BlockStored,
     CacheRequest,
     CachingDisabled,
+    InvalidArgument,
     InvalidBlockSize,
     InvalidGroup,
     InvalidPartialBlock,
@@ -239,3 +240,35 @@ def test_null_block_is_not_checked_for_block_size_or_token_count():
 def test_no_event_when_events_are_disabled():
     run = partial_at(2, 4)
     assert run.state.pending_events == ()
+
+
+# --------------------------------------------------------------------------
+# replace_existing_hashes (vLLM 0.33)
+# --------------------------------------------------------------------------
+
+
+def test_invalid_replace_flag_that_is_no_bool():
+    assert_rejected(one_held, InvalidArgument, cache_partial_block, P, 1, 2, 0, 4, "yes")
+
+
+def test_replacing_the_same_key_removes_and_stores_it_again():
+    run = partial_at(2, 4, enable_events=True)
+    run.events()
+    key = run.do(cache_partial_block, P, 1, 2, 0, 4, True)
+    assert key == (b"p2", 0)
+    assert run.state.blocks[1] == BlockState(ref_cnt=1, block_hash=(b"p2", 0), hash_num_tokens=2)
+    assert [type(e) for e in run.events()] == [BlockRemoved, BlockStored]
+
+
+def test_replacing_can_demote_a_full_key_and_drops_every_partial_key():
+    request = CacheRequest((b"p2", b"p4"), (1, 2, 3, 4))
+    state, (b,) = get_new_blocks(new_pool(2, hash_block_size=2, enable_events=True), 1)
+    state, _ = cache_full_blocks(state, request, [b], 0, 1, 4, 0)
+    state, _ = cache_partial_block(state, request, b, 2, 1, 4)
+    state, key = cache_partial_block(state, request, b, 2, 0, 4, True)
+    assert key == (b"p2", 0)
+    assert state.blocks[b] == BlockState(ref_cnt=1, block_hash=(b"p2", 0), hash_num_tokens=2)
+    assert dict(state.cached) == {(b"p2", 0): (b,)}
+    removed = [e for e in state.pending_events if isinstance(e, BlockRemoved)]
+    assert [(e.block_hashes, e.group_idx) for e in removed] == [((b"p4",), 0), ((b"p2",), 1)]
+    assert isinstance(state.pending_events[-1], BlockStored)

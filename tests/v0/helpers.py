@@ -1,5 +1,7 @@
 """Helpers for the v0 tests: small states built through the model; vLLM's availability."""
 
+import os
+
 import pytest
 
 from kvpool.model import v0
@@ -28,4 +30,6 @@ def vllm_or_skip() -> None:
 
     reason = unavailable_reason()
     if reason is not None:
+        if os.environ.get("KVPOOL_REQUIRE_VLLM") == "1":
+            pytest.fail(f"KVPOOL_REQUIRE_VLLM=1 but {reason}", pytrace=False)
         pytest.skip(reason)

@@ -66,3 +66,57 @@ class LeakyWrappedPool(WrappedPool):
         if real:
             real[0].ref_cnt += 1
         super().free_blocks(blocks)
+
+
+class SilentWatcherPool(BlockPool):
+    """Registers reuse watchers but never calls them (vLLM 0.33's unpin_blocks).
+
+    A reader that unpinned a block keeps reading it after the pool has handed
+    it to another request: it reads someone else's KV data.
+    """
+
+    def _notify_reuse(self, blocks: Iterable[Any]) -> None:
+        for block in blocks:
+            self._reuse_watchers.pop(block.block_id, None)
+
+
+class NoisyMovePool(BlockPool):
+    """move_block_hashes that announces the moved keys as newly stored.
+
+    A KV-event consumer then counts each key twice: the router believes the
+    engine holds a prefix in two blocks, and keeps believing it after both go.
+    """
+
+    def move_block_hashes(self, src_block: Any, dst_block: Any) -> None:
+        from vllm.distributed.kv_events import BlockStored
+        from vllm.v1.core.kv_cache_utils import get_block_hash, maybe_convert_block_hash
+
+        key = src_block.block_hash
+        super().move_block_hashes(src_block, dst_block)
+        if key is not None and self.enable_kv_cache_events:
+            self.kv_event_queue.append(
+                BlockStored(
+                    block_hashes=[maybe_convert_block_hash(get_block_hash(key))],
+                    parent_block_hash=None,
+                    token_ids=[],
+                    block_size=self.hash_block_size,
+                    lora_id=None,
+                    medium=self.medium,
+                    lora_name=None,
+                    group_idx=int.from_bytes(bytes(key)[-4:], "big"),
+                )
+            )
+
+
+class SourceStillReachablePool(BlockPool):
+    """move_block_hashes that keys the copy but leaves the source under the key too.
+
+    A lookup can still return the source, which its owner goes on writing:
+    another request reads KV data that is changing under it.
+    """
+
+    def move_block_hashes(self, src_block: Any, dst_block: Any) -> None:
+        key = src_block.block_hash
+        super().move_block_hashes(src_block, dst_block)
+        if key is not None:
+            self.cached_block_hash_to_block.insert(key, src_block)

@@ -24,6 +24,7 @@ from typing import Any, NoReturn
 from kvpool import model
 from kvpool.model import CacheRequest, HashKey, KVCacheEvent, PoolConfig, PoolError, PoolState
 from kvpool.model.profiles import profile_named
+from kvpool.specs.pool.target import EXTENSIONS, OPT_IN_FEATURES
 from kvpool.specs.protocol import codec as protocol
 from kvpool.specs.protocol.codec import Json, ProtocolError
 from kvpool.specs.targets.cmd.session import (
@@ -145,6 +146,10 @@ class CmdTargetFactory:
     @property
     def has_snapshot(self) -> bool:
         return bool(self.session.hello_answer().get("snapshot", False))
+
+    def unsupported_operations(self) -> frozenset[str]:
+        """vLLM 0.33's operations and features: the protocol does not carry them yet."""
+        return frozenset((*EXTENSIONS, *OPT_IN_FEATURES))
 
     def preflight(self, level: int, profiles: Sequence[str]) -> None:
         """Start the program; raise TargetError if it cannot run ``level`` and ``profiles``."""

@@ -15,13 +15,20 @@ class ImplTarget(BlockPoolApiTarget):
                 enable_caching=config.enable_caching,
                 hash_block_size=config.hash_block_size,
                 enable_kv_cache_events=config.enable_events,
+                num_hash_lookahead_tokens=config.num_hash_lookahead_tokens,
+                medium=config.medium,
                 profile=config.profile,
             )
         )
 
+    @staticmethod
+    def unsupported_operations() -> frozenset[str]:
+        """Nothing: the impl has every operation and feature of vLLM 0.33's pool."""
+        return frozenset()
+
     def snapshot(self) -> PoolState:
         state: PoolState = self.pool.snapshot()
-        return state
+        return self.with_watchers(state, self.pool._reuse_watchers)
 
     def check_invariants(self) -> None:
         self.pool.check_invariants()

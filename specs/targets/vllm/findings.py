@@ -53,7 +53,9 @@ KNOWN_FINDINGS: dict[str, KnownFinding] = {
             "free_blocks",
             "BlockNotHeld",
             "accepts",
-            "ref_cnt goes to -1 and the block is queued again",
+            "ref_cnt goes to -1; the block is not queued a second time and the free "
+            "count does not change, but the next get_new_blocks to reach it asserts with "
+            "the blocks it popped lost, and a touch takes it to 0 while it stays queued",
         ),
         _finding(
             "over-free",
@@ -189,6 +191,87 @@ KNOWN_FINDINGS: dict[str, KnownFinding] = {
             "InvalidBlockSize",
             "accepts AssertionError",
             "0.32+ accept block_size == hash_block_size; earlier releases assert",
+        ),
+        # vLLM 0.33's operations (docs/vllm-conformance.md "0.33 operations")
+        _finding(
+            "unpin-not-held",
+            "unpin_blocks",
+            "BlockNotHeld",
+            "AssertionError",
+            "an assert; the blocks listed before the free one were already released and "
+            "given the watcher, but never queued: leaked (free count unchanged)",
+        ),
+        _finding(
+            "unpin-over-listed",
+            "unpin_blocks",
+            "OverFree",
+            "AssertionError",
+            "an assert once the count reaches 0; the block is then neither held nor queued",
+        ),
+        _finding(
+            "unpin-unknown-block",
+            "unpin_blocks",
+            "UnknownBlock",
+            "AssertionError accepts",
+            "a block object of no pool (what an unknown id stands for) fails the held assert",
+        ),
+        _finding(
+            "move-to-unheld-block",
+            "move_block_hashes",
+            "BlockNotHeld",
+            "accepts",
+            "the keys move onto a free block (a keyed block in the free queue) or onto the "
+            "null block (a lookup then returns the null block as a hit); with a keyless "
+            "source nothing happens",
+        ),
+        _finding(
+            "move-to-keyed-block",
+            "move_block_hashes",
+            "AlreadyCached",
+            "AssertionError",
+            "an assert before anything changes (python -O accepts and corrupts the map)",
+        ),
+        _finding(
+            "move-unknown-block",
+            "move_block_hashes",
+            "UnknownBlock",
+            "accepts AssertionError",
+            "the keys are inserted pointing at a block object of no pool",
+        ),
+        _finding(
+            "writable-unknown-block",
+            "is_block_writable",
+            "UnknownBlock",
+            "accepts",
+            "answers for a block object of no pool",
+        ),
+        _finding(
+            "emit-negative-group",
+            "emit_cached_block_events",
+            "InvalidGroup",
+            "accepts",
+            "an event with a negative group index (nothing is checked with events off)",
+        ),
+        _finding(
+            "emit-block-size",
+            "emit_cached_block_events",
+            "InvalidBlockSize",
+            "accepts AssertionError",
+            "nothing checked with events off or no blocks; an assert otherwise",
+        ),
+        _finding(
+            "emit-negative-count",
+            "emit_cached_block_events",
+            "InvalidBlockCount",
+            "accepts",
+            "emits nothing",
+        ),
+        _finding(
+            "emit-too-few-hashes",
+            "emit_cached_block_events",
+            "NotEnoughHashes",
+            "accepts IndexError",
+            "IndexError with events on (nothing checked with events off)",
         ),
         _finding(
             "negative-group",

@@ -68,7 +68,6 @@ MODEL_ONLY_EVENT_FIELDS = (
     "locality",
     "ownership",
     "session_id",
-    "lookahead_token_ids",
 )
 """Fields vLLM's events carry that the model's do not; None at the pool layer."""
 
@@ -108,7 +107,22 @@ class VllmApi:
     map_is_object: bool
     """0.11.0+: the hash map is a ``BlockHashToBlockMap`` (its ``_cache``
     dict); before, a dict of dicts."""
-    last_hash_names_block: bool
+    unpin_blocks: bool = False
+    """0.33.0+: ``unpin_blocks`` with reuse watchers (and ``_reuse_watchers``)."""
+    move_block_hashes: bool = False
+    """0.33.0+: ``move_block_hashes``."""
+    is_block_writable: bool = False
+    """0.33.0+: ``is_block_writable``."""
+    emit_cached_block_events: bool = False
+    """0.33.0+: ``emit_cached_block_events``."""
+    replace_existing_hashes: bool = False
+    """0.33.0+: ``cache_partial_block(..., replace_existing_hashes)``."""
+    medium_arg: bool = False
+    """The constructor takes ``medium``."""
+    lookahead_arg: bool = False
+    """The constructor takes ``num_hash_lookahead_tokens`` and events carry
+    ``lookahead_token_ids``."""
+    last_hash_names_block: bool = True
     """A block of k hash blocks is keyed by the last of its k hashes (0.24.0+,
     and before 0.12 through the per-block-size shim). 0.12-0.23 key it by the
     concatenation of the k hashes, which only a caller knowing the group's
@@ -126,6 +140,19 @@ class VllmApi:
             missing.add("events")
         if not self.last_hash_names_block:
             missing.add("block_size_multiple")
+        for operation in ("unpin_blocks", "move_block_hashes", "is_block_writable"):
+            if not getattr(self, operation):
+                missing.add(operation)
+        if not self.unpin_blocks:
+            missing.add("take_reuses")
+        if not self.emit_cached_block_events:
+            missing.add("emit_cached_block_events")
+        if not self.replace_existing_hashes:
+            missing.add("replace_existing_hashes")
+        if not self.medium_arg:
+            missing.add("medium")
+        if not self.lookahead_arg:
+            missing.add("lookahead")
         return frozenset(missing)
 
 
@@ -175,6 +202,16 @@ def load_vllm(pool_class: Any = None) -> VllmApi:
         hash_num_tokens=hasattr(utils.KVCacheBlock, "block_hash_num_tokens"),
         events_with_group="group_idx" in getattr(kv_events.BlockRemoved, "__struct_fields__", ()),
         map_is_object=hasattr(block_pool, "BlockHashToBlockMap"),
+        unpin_blocks=hasattr(cls, "unpin_blocks"),
+        move_block_hashes=hasattr(cls, "move_block_hashes"),
+        is_block_writable=hasattr(cls, "is_block_writable"),
+        emit_cached_block_events=hasattr(cls, "emit_cached_block_events"),
+        replace_existing_hashes=eras.takes(
+            cls, "cache_partial_block", "replace_existing_hashes", base
+        ),
+        medium_arg=eras.takes(cls, "__init__", "medium", base),
+        lookahead_arg=eras.takes(cls, "__init__", "num_hash_lookahead_tokens", base)
+        and "lookahead_token_ids" in getattr(kv_events.BlockStored, "__struct_fields__", ()),
         last_hash_names_block=_names_block_by_last_hash(utils),
     )
 
@@ -302,6 +339,19 @@ class VllmTarget(BlockPoolApiTarget):
         self._int_to_model: dict[int, bytes] = {}
         cls = self.api.pool_class
         kwargs: dict[str, Any] = {"enable_kv_cache_events": config.enable_events}
+        for name, value, default, supported in (
+            ("medium", config.medium, model.MEDIUM_GPU, self.api.medium_arg),
+            (
+                "num_hash_lookahead_tokens",
+                config.num_hash_lookahead_tokens,
+                0,
+                self.api.lookahead_arg,
+            ),
+        ):
+            if value != default:
+                if not supported:
+                    raise TargetError(f"vLLM {self.api.version}'s BlockPool takes no {name}")
+                kwargs[name] = value
         try:
             if self.api.hash_block_size_arg:
                 pool = cls(
@@ -370,6 +420,7 @@ class VllmTarget(BlockPoolApiTarget):
             )
         extra_keys = getattr(event, "extra_keys", None)
         parent = event.parent_block_hash
+        lookahead = getattr(event, "lookahead_token_ids", None)
         return BlockStored(
             block_hashes=tuple(self.model_hash(h) for h in event.block_hashes),
             parent_block_hash=None if parent is None else self.model_hash(parent),
@@ -380,6 +431,7 @@ class VllmTarget(BlockPoolApiTarget):
             lora_name=getattr(event, "lora_name", None),
             extra_keys=None if extra_keys is None else tuple(extra_keys),
             group_idx=getattr(event, "group_idx", None),  # type: ignore[arg-type]
+            lookahead_token_ids=(None if lookahead is None else tuple(tuple(t) for t in lookahead)),
         )
 
     # Calling vLLM -------------------------------------------------------------
@@ -559,7 +611,10 @@ class VllmTarget(BlockPoolApiTarget):
         num_tokens: int,
         kv_cache_group_id: int,
         block_size: int,
+        replace_existing_hashes: bool = False,
     ) -> HashKey | None:
+        if replace_existing_hashes and not self.api.replace_existing_hashes:
+            raise TargetError(f"vLLM {self.api.version} has no replace_existing_hashes (0.33.0+)")
         if not self.api.cache_partial_block:
             raise TargetError(
                 f"vLLM {self.api.version} has no cache_partial_block (0.24.0+); "
@@ -568,16 +623,54 @@ class VllmTarget(BlockPoolApiTarget):
         self._guard(
             "cache_partial_block",
             lambda s: model.cache_partial_block(
-                s, request, block_id, num_tokens, kv_cache_group_id, block_size
+                s,
+                request,
+                block_id,
+                num_tokens,
+                kv_cache_group_id,
+                block_size,
+                replace_existing_hashes,
             ),
         )
         (block,) = self._blocks([block_id])
+        flag = (True,) if replace_existing_hashes else ()
         key = self._vllm(
             lambda: self.pool.cache_partial_block(
-                self.vllm_request(request), block, num_tokens, kv_cache_group_id, block_size
+                self.vllm_request(request), block, num_tokens, kv_cache_group_id, block_size, *flag
             )
         )
         return self.hash_key(key)
+
+    def unpin_blocks(self, block_ids: Sequence[int], watcher: int) -> None:
+        self._guard("unpin_blocks", lambda s: model.unpin_blocks(s, block_ids, watcher))
+        self._vllm(lambda: super(VllmTarget, self).unpin_blocks(block_ids, watcher))
+
+    def move_block_hashes(self, src: int, dst: int) -> None:
+        self._guard("move_block_hashes", lambda s: model.move_block_hashes(s, src, dst))
+        self._vllm(lambda: super(VllmTarget, self).move_block_hashes(src, dst))
+
+    def is_block_writable(self, block_id: int) -> bool:
+        self._guard("is_block_writable", lambda s: model.is_block_writable(s, block_id))
+        return self._vllm(lambda: super(VllmTarget, self).is_block_writable(block_id))
+
+    def emit_cached_block_events(
+        self,
+        request: CacheRequest,
+        num_cached_blocks: int,
+        block_size: int,
+        kv_cache_group_id: int,
+    ) -> None:
+        self._guard(
+            "emit_cached_block_events",
+            lambda s: model.emit_cached_block_events(
+                s, request, num_cached_blocks, block_size, kv_cache_group_id
+            ),
+        )
+        self._vllm(
+            lambda: self.pool.emit_cached_block_events(
+                self.vllm_request(request), num_cached_blocks, block_size, kv_cache_group_id
+            )
+        )
 
     def get_cached_block(
         self, block_hash: bytes, kv_cache_group_ids: Sequence[int]
@@ -645,13 +738,14 @@ class VllmTarget(BlockPoolApiTarget):
                 )
             )
         free = tuple(b.block_id for b in pool.free_block_queue.get_all_free_blocks())
-        return PoolState(
+        state = PoolState(
             config=self.config,
             blocks=tuple(blocks),
             free_queue=free,
             cached=self._hash_map(),
             pending_events=tuple(self.event(e) for e in pool.kv_event_queue),
         )
+        return self.with_watchers(state, getattr(pool, "_reuse_watchers", {}))
 
     def _hash_map(self) -> dict[HashKey, tuple[int, ...]]:
         table = self.pool.cached_block_hash_to_block

@@ -137,6 +137,7 @@ class VllmManagerTarget:
                 raise TargetError("the vLLM adapter runs attention groups of hash-block size")
         utils.init_none_hash(hashing.sha256)
         self._blocks_class = manager_module.KVCacheBlocks
+        self._has_get_blocks = callable(getattr(self.api.manager_class, "get_blocks", None))
         self._status = request_module.RequestStatus.RUNNING
         self.hasher = chosen_hasher(hasher)
         self._requests: VllmRequests | None = None
@@ -243,7 +244,11 @@ class VllmManagerTarget:
         return None
 
     def get_block_ids(self, request_id: str) -> Blocks:
-        return tuple(tuple(group) for group in self.manager.get_block_ids(request_id))
+        ids = tuple(tuple(group) for group in self.manager.get_block_ids(request_id))
+        # The scheduler also reads the blocks themselves (get_blocks); both must agree.
+        if self._has_get_blocks and _ids(self.manager.get_blocks(request_id)) != ids:
+            raise TargetError(f"vLLM's get_blocks and get_block_ids disagree on {request_id!r}")
+        return ids
 
     def take_events(self) -> Sequence[KVCacheEvent]:
         events = self.manager.take_events()
@@ -418,3 +423,34 @@ VLLM_SCOPE = scope()
 blocks of hash-block size, events off, the hashless-first profile. Chunked local
 attention is left out: 0.33 frees a chunked request's last cached block, which the
 seeds keep (docs/semantics.md)."""
+
+
+SCHEDULER_CALLS_NOT_DRIVEN: dict[str, str] = {
+    "estimate_cached_tokens": "0.33's scheduling estimate from the live keys' token counts: "
+    "not modelled yet (issue #16, part 2)",
+    "finalize_partial_tail_offloads": "a KV connector producer's partial-tail hand-off: "
+    "connectors are not modelled",
+    "get_block_ids_for_computed_tokens": "the block table cut at the computed tokens, "
+    "for a KV connector: connectors are not modelled",
+    "get_computed_blocks_for_connector": "the lookup for a request with a KV connector: "
+    "connectors are not modelled",
+    "new_step_starts": "0.33's step boundary (at most one caching of a block per step): "
+    "not modelled yet (issue #16, part 2)",
+    "pop_blocks_for_free": "the scheduler's deferred free, the request's blocks handed "
+    "back for a later BlockPool.free_blocks: not modelled yet (issue #16, part 2)",
+    "record_blocks_for_zeroing": "0.33's zeroing of reused blocks for models that read "
+    "them uninitialised: not modelled yet (issue #16, part 2)",
+    "remove_skipped_blocks": "called by the scheduler's connector path only; allocate_slots "
+    "makes the same removal itself, which the machine drives",
+    "take_boundary_state_offloads": "a KV connector's Mamba boundary states: connectors "
+    "and Mamba state caching are not modelled",
+    "take_kv_cache_block_copies": "fine-grained hits with copy-on-write: not modelled yet "
+    "(issue #16, part 2)",
+    "take_new_block_ids": "0.33's zeroing of reused blocks: not modelled yet (issue #16, part 2)",
+    "truncate_computed_blocks": "fine-grained hits (a lookup cut at an aligned end): not "
+    "modelled yet (issue #16, part 2)",
+}
+"""Methods of 0.33's ``KVCacheManager`` its scheduler calls that the request machine
+does not drive, each with the reason (``tests/vllm/test_vllm_033_operations.py``
+fails on a scheduler call that is neither driven nor listed here, and on an entry
+here the machine does drive)."""
