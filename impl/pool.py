@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from operator import length_hint
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from mypy_extensions import mypyc_attr
 
@@ -64,6 +64,15 @@ ReuseWatcher = Callable[[KVCacheBlock], object]
 
 CacheEntry = KVCacheBlock | dict[int, KVCacheBlock]
 """What the hash map holds under one key: a block, or several in insertion order."""
+
+
+Unchecked = Any
+"""An argument the operation validates itself, raising the model's named error.
+
+Typed ``Any`` because the compiled build (mypyc) checks annotated argument
+types on entry and would raise a bare ``TypeError`` first; the pure build and
+the compiled one must reject an ill-typed argument alike (``InvalidArgument``).
+"""
 
 
 class MetricsCollector(Protocol):
@@ -191,7 +200,7 @@ class BlockPool:
     # Allocation and reference counting
     # ------------------------------------------------------------------
 
-    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+    def get_new_blocks(self, num_blocks: object) -> list[KVCacheBlock]:
         """Hand out the ``num_blocks`` front blocks of the free queue, each held once.
 
         Every hash a handed-out block carried is dropped (one BlockRemoved per key).
@@ -203,26 +212,30 @@ class BlockPool:
         [1, 1]
         """
         queue = self.free_block_queue
-        if type(num_blocks) is not int or num_blocks > queue.num_free_blocks or num_blocks < 0:
+        if type(num_blocks) is int:
+            count = num_blocks
+        elif _is_int(num_blocks):
+            count = int(cast(int, num_blocks))
+        else:
             # Verify that the count is an integer
-            if not _is_int(num_blocks):
-                raise InvalidArgument(f"num_blocks must be an int, got {type(num_blocks).__name__}")
+            raise InvalidArgument(f"num_blocks must be an int, got {type(num_blocks).__name__}")
+        if count > queue.num_free_blocks or count < 0:
             # Verify that the count is not negative
-            if num_blocks < 0:
-                raise InvalidBlockCount(f"cannot get {num_blocks} blocks")
+            if count < 0:
+                raise InvalidBlockCount(f"cannot get {count} blocks")
             # Verify that the free queue holds enough blocks
             raise NotEnoughFreeBlocks(
-                f"cannot get {num_blocks} blocks: only {queue.num_free_blocks} are free"
+                f"cannot get {count} blocks: only {queue.num_free_blocks} are free"
             )
         if self._reuse_watchers:
-            self._notify_reuse(num_blocks)
+            self._notify_reuse(count)
 
         # The blocks keep their (now stale) links: a held block's links are never
         # read, since ref_cnt == 0 is what says a block is in the queue.
         head = queue.fake_free_list_head
         node: Any = head.next_free_block
         out: list[KVCacheBlock]
-        if num_blocks == 1:
+        if count == 1:
             out = [node]
             node.ref_cnt = 1
             if node._block_hash is not None:
@@ -230,7 +243,7 @@ class BlockPool:
             node = node.next_free_block
         elif self.enable_caching:
             out = []
-            for _ in range(num_blocks):
+            for _ in range(count):
                 out.append(node)
                 node.ref_cnt = 1
                 if node._block_hash is not None:
@@ -238,13 +251,13 @@ class BlockPool:
                 node = node.next_free_block
         else:
             out = []
-            for _ in range(num_blocks):
+            for _ in range(count):
                 out.append(node)
                 node.ref_cnt = 1
                 node = node.next_free_block
         head.next_free_block = node
         node.prev_free_block = head
-        queue.num_free_blocks -= num_blocks
+        queue.num_free_blocks -= count
 
         if self.metrics_collector is not None:
             self._report_allocated(out)
@@ -571,7 +584,7 @@ class BlockPool:
         for _, block in fired:
             del watchers[block.block_id]
 
-    def move_block_hashes(self, src_block: KVCacheBlock, dst_block: KVCacheBlock) -> None:
+    def move_block_hashes(self, src_block: object, dst_block: object) -> None:
         """Re-point every key of ``src_block`` to ``dst_block``, with no event.
 
         ``dst_block`` takes ``src_block``'s primary key (with its token count)
@@ -589,35 +602,45 @@ class BlockPool:
         (None, (b'k', 0), True)
         """
         # Verify that both are blocks of this pool
-        for block in (src_block, dst_block):
-            if type(block) is not KVCacheBlock or block.pool is not self:
-                raise UnknownBlock(f"{block!r} is not a block of this pool")
+        src = self._own_block(src_block)
+        dst = self._own_block(dst_block)
         # Verify that the destination is held (so neither free nor the null block)
-        if dst_block.ref_cnt == 0:
-            raise BlockNotHeld(f"block {dst_block.block_id} is not held: keys cannot move to it")
+        if dst.ref_cnt == 0:
+            raise BlockNotHeld(f"block {dst.block_id} is not held: keys cannot move to it")
         # Verify that the destination carries no key yet
-        if dst_block._block_hash is not None:
-            raise AlreadyCached(f"block {dst_block.block_id} already carries a key")
-        primary = src_block._block_hash
+        if dst._block_hash is not None:
+            raise AlreadyCached(f"block {dst.block_id} already carries a key")
+        primary = src._block_hash
         if primary is None:
             return
-        extra = src_block._extra_keys
+        extra = src._extra_keys
         cached = self._cached
         for key in [primary] if extra is None else [primary, *extra]:
             entry: Any = cached[key]
-            if entry is src_block:
-                cached[key] = dst_block
+            if entry is src:
+                cached[key] = dst
             else:
-                del entry[src_block.block_id]
-                entry[dst_block.block_id] = dst_block
-        dst_block._block_hash = primary
-        dst_block._block_hash_num_tokens = src_block._block_hash_num_tokens
-        dst_block._extra_keys = extra
-        src_block._block_hash = None
-        src_block._block_hash_num_tokens = None
-        src_block._extra_keys = None
+                del entry[src.block_id]
+                entry[dst.block_id] = dst
+        dst._block_hash = primary
+        dst._block_hash_num_tokens = src._block_hash_num_tokens
+        dst._extra_keys = extra
+        src._block_hash = None
+        src._block_hash_num_tokens = None
+        src._extra_keys = None
 
-    def is_block_writable(self, block: KVCacheBlock) -> bool:
+    def _own_block(self, block: object) -> KVCacheBlock:
+        """``block``, if it is a block of this pool; else ``UnknownBlock``.
+
+        The public operations take ``object`` where a block is expected, so the
+        compiled build (mypyc checks annotated argument types on entry) rejects
+        a non-block with the model's ``UnknownBlock``, as the pure build does.
+        """
+        if type(block) is not KVCacheBlock or block.pool is not self:
+            raise UnknownBlock(f"{block!r} is not a block of this pool")
+        return block
+
+    def is_block_writable(self, block: object) -> bool:
         """Whether a request may write ``block`` in place: held once, no key, not null.
 
         Complexity: O(1).
@@ -627,11 +650,10 @@ class BlockPool:
         True
         """
         # Verify that the block belongs to this pool
-        if type(block) is not KVCacheBlock or block.pool is not self:
-            raise UnknownBlock(f"{block!r} is not a block of this pool")
-        return not block.is_null and block.ref_cnt == 1 and block._block_hash is None
+        own = self._own_block(block)
+        return not own.is_null and own.ref_cnt == 1 and own._block_hash is None
 
-    def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
+    def _maybe_evict_cached_block(self, block: object) -> bool:
         """Drop every key of ``block`` (``evict_blocks`` for one block); whether it had any.
 
         vLLM's own managers call this name (0.33: the Mamba manager drops a
@@ -642,13 +664,12 @@ class BlockPool:
         False
         """
         # Verify that the block belongs to this pool
-        if type(block) is not KVCacheBlock or block.pool is not self:
-            raise UnknownBlock(f"{block!r} is not a block of this pool")
+        own = self._own_block(block)
         if self.metrics_collector is not None:
-            self.metrics_collector.on_block_evicted(block)
-        if block._block_hash is None:
+            self.metrics_collector.on_block_evicted(own)
+        if own._block_hash is None:
             return False
-        self._drop_keys(block)
+        self._drop_keys(own)
         return True
 
     # ------------------------------------------------------------------
@@ -659,10 +680,10 @@ class BlockPool:
         self,
         request: Any,
         blocks: Sequence[KVCacheBlock],
-        num_cached_blocks: int,
-        num_full_blocks: int,
-        block_size: int,
-        kv_cache_group_id: int,
+        num_cached_blocks: Unchecked,
+        num_full_blocks: Unchecked,
+        block_size: Unchecked,
+        kv_cache_group_id: Unchecked,
         block_mask: Sequence[bool] | None = None,
     ) -> None:
         """Insert ``blocks[num_cached_blocks:num_full_blocks]`` into the hash map.
@@ -836,11 +857,11 @@ class BlockPool:
     def cache_partial_block(
         self,
         request: Any,
-        block: KVCacheBlock,
-        num_tokens: int,
-        kv_cache_group_id: int,
-        block_size: int,
-        replace_existing_hashes: bool = False,
+        block: Unchecked,
+        num_tokens: Unchecked,
+        kv_cache_group_id: Unchecked,
+        block_size: Unchecked,
+        replace_existing_hashes: Unchecked = False,
     ) -> HashKey | None:
         """Make ``block`` reachable from the prefix of ``num_tokens`` tokens ending inside it.
 
@@ -954,9 +975,9 @@ class BlockPool:
     def emit_cached_block_events(
         self,
         request: Any,
-        num_cached_blocks: int,
-        block_size: int,
-        kv_cache_group_id: int,
+        num_cached_blocks: Unchecked,
+        block_size: Unchecked,
+        kv_cache_group_id: Unchecked,
     ) -> None:
         """Announce the request's first ``num_cached_blocks`` blocks as stored, once more.
 
@@ -1031,7 +1052,7 @@ class BlockPool:
         return tuple(tuple(token_ids[end : end + n]) for end in ends)
 
     def get_cached_block(
-        self, block_hash: bytes, kv_cache_group_ids: Sequence[int]
+        self, block_hash: Unchecked, kv_cache_group_ids: Sequence[int]
     ) -> list[KVCacheBlock] | None:
         """The cached block under ``block_hash`` in each group, or None if any group misses.
 

@@ -34,7 +34,10 @@ def stale_hash_without_snapshot(config: PoolConfig) -> Blind:
     return Blind(target_of(StaleHashOnReuse)(config))
 
 
-@pytest.mark.parametrize(("profile", "seed"), [("ci", None), ("dev", 2)])
+# A seed under which ``dev`` finds this bug: the test is about where the report
+# points, not about how often the snapshot-less target is caught (seeds 2 and 5
+# of 0..7 miss it at dev's 200 programs; docs/verification.md has the rates).
+@pytest.mark.parametrize(("profile", "seed"), [("ci", None), ("dev", 3)])
 def test_the_step_blamed_is_where_the_saved_vector_parts_too(
     profile: str, seed: int | None
 ) -> None:
