@@ -19,7 +19,7 @@ from typing import Any
 from mypy_extensions import mypyc_attr
 
 from kvpool.impl.block import KVCacheBlock
-from kvpool.impl.pool import BlockPool
+from kvpool.impl.pool import BlockPool, Unchecked
 from kvpool.impl.single_type import (
     SingleTypeKVCacheManager,
     get_manager_for_kv_cache_spec,
@@ -278,11 +278,11 @@ class KVCacheManager:
     def allocate_slots(
         self,
         request: Any,
-        num_new_tokens: int,
-        num_new_computed_tokens: int = 0,
-        new_computed_blocks: KVCacheBlocks | None = None,
-        num_lookahead_tokens: int = 0,
-        delay_cache_blocks: bool = False,
+        num_new_tokens: Unchecked,
+        num_new_computed_tokens: Unchecked = 0,
+        new_computed_blocks: Unchecked = None,
+        num_lookahead_tokens: Unchecked = 0,
+        delay_cache_blocks: Unchecked = False,
     ) -> KVCacheBlocks | None:
         """New slots for ``num_new_tokens`` (and look-ahead), or None with nothing else changed.
 
@@ -387,7 +387,7 @@ class KVCacheManager:
         for manager in self.managers:
             manager.free(request.request_id)
 
-    def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
+    def cache_blocks(self, request: Any, num_computed_tokens: Unchecked) -> None:
         """Cache the blocks full within ``num_computed_tokens``, if caching is on."""
         # Verify that the arguments have the operation's types
         _verify_request(request)
@@ -431,7 +431,7 @@ class KVCacheManager:
         """The fraction of usable blocks held."""
         return self.block_pool.get_usage()
 
-    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
+    def get_num_common_prefix_blocks(self, running_request_id: Unchecked) -> list[int]:
         """Per group, the leading blocks every request holding blocks shares."""
         # Verify that the id is a request id
         _verify_request_id(running_request_id)
@@ -440,13 +440,13 @@ class KVCacheManager:
             for m in self.managers
         ]
 
-    def get_blocks(self, request_id: str) -> KVCacheBlocks:
+    def get_blocks(self, request_id: Unchecked) -> KVCacheBlocks:
         """The request's block table in each group."""
         # Verify that the id is a request id
         _verify_request_id(request_id)
         return KVCacheBlocks(tuple(m.req_to_blocks.get(request_id, ()) for m in self.managers))
 
-    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+    def get_block_ids(self, request_id: Unchecked) -> tuple[list[int], ...]:
         """The request's block ids in each group."""
         return self.get_blocks(request_id).get_block_ids()
 
