@@ -30,7 +30,7 @@ def _names(requirements: object) -> set[str]:
 
 def test_the_runtime_dependencies_hold_no_development_tool() -> None:
     runtime = _names(_project()["dependencies"])
-    assert runtime == {"hypothesis", "typer", "rich", "jsonschema"}
+    assert runtime == {"hypothesis", "typer", "rich", "jsonschema", "mypy_extensions"}
     extras = _project()["optional-dependencies"]
     assert isinstance(extras, dict)
     assert {"pytest", "mypy", "crosshair-tool"} <= _names(extras["dev"])
