@@ -221,8 +221,6 @@ def check(
         _close(descriptor)
     if target.split(":")[0] == "impl":
         report.notes.append(impl_build())
-        if report_format is ReportFormat.terminal:
-            console.print(impl_build(), highlight=False)
     if report.counterexample is not None:
         try:
             save(report.counterexample, regression_dir)
