@@ -105,6 +105,13 @@ def check_events(
             **options,
         )
         _merge(report, part, name, name in claims)
+    if not claims and report.conforms:
+        # Zero is not a pass: runs under semantics nobody claimed decide nothing.
+        report.fail(
+            "nothing-ran",
+            f"{target_name} claims none of the semantics checked ({', '.join(chosen)}): "
+            "the verdicts above are for information, and no claim was checked",
+        )
     return report
 
 

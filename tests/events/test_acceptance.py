@@ -73,6 +73,17 @@ def test_a_semantics_under_which_nothing_ran_is_no_verdict() -> None:
     assert report.exit_code == 2 and report.failure_kind == "nothing-ran"
 
 
+def test_a_consumer_that_claims_no_semantics_checked_gets_no_verdict() -> None:
+    class ClaimsNothing(ReferenceConsumer):
+        event_semantics = ()
+
+    report = check_events(ClaimsNothing, max_examples=5, steps=10, target_name="t")
+    assert report.claimed == ()
+    assert report.verdicts == {"multiset": "conforms", "last-copy": "conforms"}
+    assert report.exit_code == 2 and report.failure_kind == "nothing-ran"
+    assert "claims none of the semantics checked" in (report.failure or "")
+
+
 def test_a_consumer_ignoring_cleared_fails_under_both_semantics() -> None:
     report = check_events(IgnoresCleared, target_name="no-clear")
     assert report.verdicts == {"multiset": "diverges", "last-copy": "diverges"}
