@@ -200,6 +200,16 @@ PATCH_POINTS: dict[tuple[str, str], tuple[str, str, str]] = {
         "kvpool.specs.targets.vllm.request.VllmManagerTarget",
         "allocate_slots",
     ),
+    ("sglang", "radix"): (
+        "sglang",
+        "kvpool.specs.targets.sglang.radix.SglangRadixTarget",
+        "match_prefix",
+    ),
+    ("dynamo", "events"): (
+        "dynamo",
+        "kvpool.specs.targets.dynamo.radix_tree.DynamoConsumer",
+        "scores",
+    ),
 }
 """(kind, layer) -> (target string, class whose method fails, that method)."""
 

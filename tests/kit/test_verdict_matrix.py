@@ -5,7 +5,9 @@ target and model part, 2 when no verdict could be reached. Each cell runs
 ``kvpool check`` (in-process, through the command's own entry point) with
 one method of the target replaced by a failing one (``misbehaving.py``) and
 asserts the exit code, the words of the report, and that no traceback
-reaches the user. ``cmd:`` targets, which run as programs, have their own
+reaches the user. The engine kinds (``vllm``, ``sglang``, ``dynamo``) fail
+inside kvpool's adapter of the engine, as an engine's own failure would.
+``cmd:`` targets, which run as programs, have their own
 rows in ``test_cmd_target.py`` and ``test_hostile_targets.py``.
 """
 
@@ -28,17 +30,34 @@ NO_REJECTIONS = {"events"}
 CELLS = [(kind, layer, failure) for (kind, layer) in PATCH_POINTS for failure in FAILURES]
 
 
-@pytest.fixture
-def engine(request: pytest.FixtureRequest) -> Iterator[None]:
-    """vLLM for the vllm kind: skipped without it, a failure without it under CI."""
-    if request.node.callspec.params["kind"] == "vllm":
+def _engine_unavailable(kind: str) -> str | None:
+    """Why the engine a target kind drives cannot be loaded, or None (no engine, or loaded)."""
+    if kind == "vllm":
         try:
             importlib.import_module("vllm.v1.core.block_pool")
         except Exception as error:
-            reason = f"vLLM cannot be imported: {error!r}"
-            if os.environ.get("KVPOOL_REQUIRE_VLLM") == "1":
-                pytest.fail(f"KVPOOL_REQUIRE_VLLM=1 but {reason}", pytrace=False)
-            pytest.skip(reason)
+            return f"vLLM cannot be imported: {error!r}"
+    elif kind == "sglang":
+        from kvpool.specs.targets.sglang.loading import unavailable_reason as sglang_missing
+
+        return sglang_missing()
+    elif kind == "dynamo":
+        from kvpool.specs.targets.dynamo.radix_tree import unavailable_reason as dynamo_missing
+
+        return dynamo_missing()
+    return None
+
+
+@pytest.fixture
+def engine(request: pytest.FixtureRequest) -> Iterator[None]:
+    """The engine a kind drives (vLLM, SGLang, Dynamo): skipped without it, a failure
+    without it under CI (``KVPOOL_REQUIRE_<ENGINE>=1``)."""
+    kind = request.node.callspec.params["kind"]
+    reason = _engine_unavailable(kind)
+    if reason is not None:
+        if os.environ.get(f"KVPOOL_REQUIRE_{kind.upper()}") == "1":
+            pytest.fail(f"KVPOOL_REQUIRE_{kind.upper()}=1 but {reason}", pytrace=False)
+        pytest.skip(reason)
     yield
 
 
