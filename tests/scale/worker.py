@@ -27,7 +27,9 @@ def main() -> None:
     assert "Multiplexed" in type(shared).__name__, "KVPOOL_REDIS_URL did not reach the database"
     phases = [Phase.reuse] if mode == "reuse-only" else [Phase.reuse, Phase.generate, Phase.shrink]
     fuzz = settings.get_profile("fuzz")
-    settings.register_profile("worker", fuzz, phases=phases, max_examples=5000)
+    # A database in the profile tells the runner to use one (it picks kvpool's own for the
+    # target, here the shared Redis): under CI the inherited default has none.
+    settings.register_profile("worker", fuzz, phases=phases, max_examples=5000, database=shared)
     report = run_conformance(target_of(bug.pool), level=bug.level, hypothesis_profile="worker")
     if report.failure_kind == "nothing-ran":
         # reuse-only with nothing saved: Hypothesis has no program to run.

@@ -26,7 +26,8 @@ def _program(stdout: str) -> list[str]:
     """The calls of the failing program, from the JSON report, after the cache's construction."""
     program = json.loads(stdout)["program"].splitlines()
     assert program[0].startswith("new_radix_cache(")
-    return program[1:]
+    # Each call is a numbered step: "step N: op(...) -> result".
+    return [line.partition(": ")[2] for line in program[1:] if line.startswith("step ")]
 
 
 def test_a_reset_without_a_clear_exits_1_with_a_short_program() -> None:
