@@ -349,7 +349,7 @@ class SglangRadixTarget:
         priority: int,
         inserted_len: int,
     ) -> InsertResult:
-        import torch
+        import torch  # type: ignore[import-not-found,unused-ignore]
 
         args = (tuple(tokens), tuple(slots), prev_prefix_len, priority, inserted_len)
         value = torch.tensor(list(slots), dtype=torch.int64)
