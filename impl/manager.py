@@ -99,7 +99,7 @@ class KVCacheBlockCopy:
         return hash((self.src_block_id, self.dst_block_id))
 
     def __repr__(self) -> str:
-        return f"KVCacheBlockCopy(src_block_id={self.src_block_id}, dst_block_id={self.dst_block_id})"
+        return f"KVCacheBlockCopy({self.src_block_id} -> {self.dst_block_id})"
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)

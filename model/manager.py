@@ -40,7 +40,7 @@ from kvpool.model.events import KVCacheEvent
 from kvpool.model.profiles import DEFAULT_PROFILE, Profile
 from kvpool.model.request import Request, verify_hash_block_size
 from kvpool.model.single_type import AttentionType, KVCacheSpec
-from kvpool.model.state import BlockHash
+from kvpool.model.state import BlockHash, PoolState
 
 Blocks = tuple[tuple[int, ...], ...]
 """Block ids per KV cache group: ``blocks[g][i]`` is block i of group g."""
@@ -319,7 +319,7 @@ def find_hit_with_boundary(
 
 
 def _search(
-    pool: pool_ops.PoolState,
+    pool: PoolState,
     spec: KVCacheSpec,
     block_hashes: Sequence[BlockHash],
     max_length: int,
