@@ -69,6 +69,7 @@ def run_request_conformance(
         min_window=target.min_window,
         level=level,
         hybrids=hybrids,
+        fine_grained=target.fine_grained,
     )
 
     def stop() -> None:

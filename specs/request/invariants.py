@@ -113,6 +113,10 @@ class KVTruth:
         """Record that KV with ``provenance`` was written into ``block[slot]`` for ``group``."""
         self.slots.setdefault(block, {})[slot] = (group, provenance)
 
+    def copy(self, source: int, destination: int) -> None:
+        """Record a block copy (copy-on-write): ``destination`` now holds what ``source`` holds."""
+        self.slots[destination] = dict(self.slots.get(source, {}))
+
     def holds(self, block: int, slot: int) -> Slot | None:
         """What ``block[slot]`` holds, or None if nothing was ever written there."""
         return self.slots.get(block, {}).get(slot)
@@ -191,9 +195,11 @@ def cached_blocks_hold_their_prefix(
             return f"the map holds a hash no request was given: {block_hash.hex()[:16]}"
         num_tokens, content = truth.oracle[block_hash]
         block_size = block_sizes[group]
+        # a partial key (vLLM 0.33) names a prefix ending inside its block
+        start = (num_tokens - 1) // block_size * block_size
         for block in block_ids:
-            for j in range(block_size):
-                position = num_tokens - block_size + j
+            for j in range(num_tokens - start):
+                position = start + j
                 expected = (group, content.prefix(position + 1))
                 actual = truth.holds(block, j)
                 if actual != expected:
@@ -241,12 +247,18 @@ def requests_read_their_own_kv(
 
 
 def hit_matches_request(
-    truth: KVTruth, request: Request, hit: Sequence[Sequence[int]], block_sizes: Sequence[int]
+    truth: KVTruth,
+    request: Request,
+    hit: Sequence[Sequence[int]],
+    block_sizes: Sequence[int],
+    num_tokens: int | None = None,
 ) -> Reason:
     """Every block of a cache hit holds the requesting request's own KV at its position.
 
     A hit that fails is computed-on-arrival KV for the wrong prefix: the
-    request skips computing those tokens and reads someone else's.
+    request skips computing those tokens and reads someone else's. With
+    ``num_tokens`` only the hit's positions are checked (a fine-grained hit
+    ends inside its last block).
     """
     content = request_content(request)
     for group, blocks in enumerate(hit):
@@ -256,6 +268,8 @@ def hit_matches_request(
                 continue
             for j in range(size):
                 position = i * size + j
+                if num_tokens is not None and position >= num_tokens:
+                    break
                 expected = (group, content.prefix(position + 1))
                 actual = truth.holds(block, j)
                 if actual != expected:
@@ -264,6 +278,36 @@ def hit_matches_request(
                         f"{group}) at index {i}, whose slot {j} holds {_describe(actual)}, not "
                         f"its position {position}"
                     )
+    return None
+
+
+def copy_serves_source_prefix(
+    truth: KVTruth,
+    request: Request,
+    source: int,
+    index: int,
+    num_tokens: int,
+    group: int,
+    block_size: int,
+) -> Reason:
+    """When a copy-on-write copy runs, its source holds the request's KV for every hit
+    position in the block: the copy then serves exactly the tokens of its source prefix.
+
+    ``index`` is the block's place in the request's table, ``num_tokens`` the
+    request's hit. A source that fails was reused or overwritten while the
+    copy waited: the request reads another prefix's KV as its own.
+    """
+    content = request_content(request)
+    for j in range(num_tokens - index * block_size):
+        position = index * block_size + j
+        expected = (group, content.prefix(position + 1))
+        actual = truth.holds(source, j)
+        if actual != expected:
+            return (
+                f"the copy of block {source} for request {request.request_id} (group {group}, "
+                f"index {index}) runs when its slot {j} holds {_describe(actual)}, not "
+                f"position {position}"
+            )
     return None
 
 

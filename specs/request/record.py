@@ -125,6 +125,7 @@ def _model_manager(setup: ManagerSetup) -> KVCacheManagerState:
         log_stats=setup.log_stats,
         enable_events=setup.enable_events,
         profile=setup.profile,
+        fine_grained_hits=setup.fine_grained_hits,
     )
 
 

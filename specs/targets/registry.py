@@ -234,11 +234,15 @@ def _request(spec: str) -> TargetDescriptor:
     if spec == "impl":
         from kvpool.specs.targets.impl.request import ImplManagerTarget
 
-        return TargetDescriptor("request", spec, ImplManagerTarget)
+        return TargetDescriptor(
+            "request", spec, ImplManagerTarget, scope={"fine_grained": (False, True)}
+        )
     if spec == "model":
         from kvpool.specs.request.model_target import ModelManagerTarget
 
-        return TargetDescriptor("request", spec, ModelManagerTarget)
+        return TargetDescriptor(
+            "request", spec, ModelManagerTarget, scope={"fine_grained": (False, True)}
+        )
     if spec.startswith("cmd:"):
         from kvpool.specs.targets.cmd.request import CmdManagerFactory
 
@@ -289,6 +293,7 @@ def _from_scope(
             "events": scope.events,
             "block_factors": scope.block_factors,
             "min_window": scope.min_window,
+            "fine_grained": scope.fine_grained,
         },
     )
 
