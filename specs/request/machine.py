@@ -28,7 +28,7 @@ step (``kvpool explain``) or turned into a vector.
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar, cast
 
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -148,27 +148,33 @@ def _start_rule(
 ) -> Callable[..., None]:
     """The machine's first step, drawing only from the configurations given."""
     # drawn only when it can be True, so that other programs draw what they always did
-    extra = {"fine": st.sampled_from(list(fine_grained))} if any(fine_grained) else {}
-
-    @initialize(
-        **extra,
-        layout=st.sampled_from(list(layouts)),
-        hbs=st.integers(1, 2),
-        factor=st.sampled_from(list(block_factors)),
-        num_blocks=st.integers(2, 16),
-        caching=st.sampled_from([True, True, True, False]),
-        eagle=st.sampled_from([False, False, True]),
-        events=st.sampled_from(list(events)),
-        log_stats=st.booleans(),
-        window=st.integers(min_window, max(min_window, 6)),
-        chunk_blocks=st.integers(1, 3),
-        profile=st.sampled_from([p.name for p in profiles]),
-        prompts=st.lists(PROMPT, min_size=1, max_size=3),
+    extra: dict[str, st.SearchStrategy[Any]] = (
+        {"fine": st.sampled_from(list(fine_grained))} if any(fine_grained) else {}
     )
+
+    decorate = cast(
+        Callable[[Callable[..., None]], Callable[..., None]],
+        cast(Any, initialize)(
+            **extra,
+            layout=st.sampled_from(list(layouts)),
+            hbs=st.integers(1, 2),
+            factor=st.sampled_from(list(block_factors)),
+            num_blocks=st.integers(2, 16),
+            caching=st.sampled_from([True, True, True, False]),
+            eagle=st.sampled_from([False, False, True]),
+            events=st.sampled_from(list(events)),
+            log_stats=st.booleans(),
+            window=st.integers(min_window, max(min_window, 6)),
+            chunk_blocks=st.integers(1, 3),
+            profile=st.sampled_from([p.name for p in profiles]),
+            prompts=st.lists(PROMPT, min_size=1, max_size=3),
+        ),
+    )
+
     def start(self: "ManagerMachine", **drawn: Any) -> None:
         self.start(**drawn)
 
-    return start
+    return decorate(start)
 
 
 class ManagerDivergence(Divergence):
@@ -407,12 +413,12 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
             assert self.model is not None and self.target is not None
             request = self.requests[everyone[which % len(everyone)]]
             self._record("estimate_cached_tokens", request_id=request.request_id)
-            expected = model_manager.estimate_cached_tokens(self.model, request.request_id)
+            estimate = model_manager.estimate_cached_tokens(self.model, request.request_id)
             answer = self._call(
                 f"estimate_cached_tokens({request.request_id})",
                 lambda t: _033(t).estimate_cached_tokens(request),
             )
-            self._compare(f"estimate_cached_tokens({request.request_id})", expected, answer)
+            self._compare(f"estimate_cached_tokens({request.request_id})", estimate, answer)
         elif action == "new_step_starts":
             self._record("new_step_starts")
             self._do(

@@ -204,7 +204,7 @@ class CopyServedBeforeWritten(KVCacheManager):
     pass reads the private block before the copy has written it."""
 
     def take_kv_cache_block_copies(self) -> Any:
-        late = getattr(self, "_late", ([], []))
+        late: Any = getattr(self, "_late", ([], []))
         self._late = super().take_kv_cache_block_copies()
         return late
 
