@@ -226,6 +226,7 @@ class KVCacheManager:
             and all(s.attention is AttentionType.FULL and s.block_size > hbs for s in specs)
         )
         self.pending_copies: list[tuple[KVCacheBlock, KVCacheBlock]] = []
+        self._uncached = 0
         self.new_block_ids: list[int] = []
         # Same-spec groups are searched together, full attention first.
         kinds: list[tuple[KVCacheSpec, list[int]]] = []
@@ -247,7 +248,7 @@ class KVCacheManager:
         self, block_hashes: Sequence[bytes], max_length: int
     ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
         """The longest prefix every group has cached, and its length in tokens."""
-        blocks, length, _ = self._find(block_hashes, max_length)
+        blocks, length, self._uncached = self._find(block_hashes, max_length)
         return blocks, length
 
     def _find(
@@ -345,7 +346,13 @@ class KVCacheManager:
         return self._lookup(request)
 
     def _lookup(self, request: Any) -> tuple[KVCacheBlocks, int, int]:
-        blocks, num_tokens, uncached = self._find(request.block_hashes, request.num_tokens - 1)
+        # through find_longest_cache_hit, which a subclass may override; it leaves the
+        # tokens past the hit some group reached in _uncached
+        self._uncached = 0
+        blocks, num_tokens = self.find_longest_cache_hit(
+            request.block_hashes, request.num_tokens - 1
+        )
+        uncached = self._uncached
         if self.prefix_cache_stats is not None:
             self.prefix_cache_stats = record(
                 self.prefix_cache_stats,

@@ -358,7 +358,7 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
     @precondition(lambda self: self.setup.fine_grained_hits)
     @rule(
         action=st.sampled_from(
-            ["lookup", "truncate", "take_new_block_ids", "estimate", "new_step_starts"]
+            ["resend", "lookup", "take_new_block_ids", "estimate", "new_step_starts"]
         ),
         which=st.integers(0, 9),
         cut=st.integers(0, 3),
@@ -368,7 +368,12 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
         a hit cut back to whole blocks, the blocks to zero, the cached-token estimate, and
         the start of a step."""
         everyone = self.running + self.waiting
-        if action == "lookup" and self.waiting and self.setup.enable_caching:
+        if action == "resend" and everyone and len(everyone) < 5:
+            # the same prompt again: its hit ends where the first one's prompt did, often
+            # inside a block, which is what fine-grained hits are for
+            prompt = self.requests[everyone[which % len(everyone)]].prompt_token_ids
+            self.add_request(prompt, "plain")
+        elif action == "lookup" and self.waiting and self.setup.enable_caching:
             request = self.requests[self.waiting[which % len(self.waiting)]]
             rid = request.request_id
             self._record("get_computed_blocks_with_boundary", request_id=rid)
