@@ -20,9 +20,11 @@ from kvpool.model.errors import InvalidHit, InvalidTokenCount
 from kvpool.model.request import Request, new_request
 from kvpool.model.single_type import full_attention, sliding_window
 from kvpool.specs.errors import Divergence
+from kvpool.specs.request.check import run_request_conformance
 from kvpool.specs.request.invariants import RequestInvariantViolation
 from kvpool.specs.request.machine import manager_machine
 from kvpool.specs.targets.impl.request import ImplManagerTarget
+from tests.request.planted_cow import SCOPE, CopyServedBeforeWrittenTarget
 
 FULL = [full_attention(2)]
 
@@ -199,20 +201,6 @@ def test_impl_conforms_with_fine_grained_hits_and_programs_do_copy() -> None:
     assert CountingTarget.copies > 0
 
 
-class CopyServedBeforeWritten(KVCacheManager):
-    """BUG: hands the copy to the request but reports it a step late: the request's forward
-    pass reads the private block before the copy has written it."""
-
-    def take_kv_cache_block_copies(self) -> Any:
-        late: Any = getattr(self, "_late", ([], []))
-        self._late = super().take_kv_cache_block_copies()
-        return late
-
-
-class CopyServedBeforeWrittenTarget(ImplManagerTarget):
-    manager_class = CopyServedBeforeWritten
-
-
 @pytest.mark.parametrize("lockstep", [True, False])
 def test_a_copy_served_before_it_is_written_is_found(lockstep: bool) -> None:
     machine = manager_machine(
@@ -225,3 +213,10 @@ def test_a_copy_served_before_it_is_written_is_found(lockstep: bool) -> None:
     errors = (Divergence, RequestInvariantViolation) if lockstep else RequestInvariantViolation
     with pytest.raises(errors):
         run(machine, max_examples=1000)
+
+
+def test_kvpool_check_finds_a_copy_served_before_it_is_written() -> None:
+    """What ``kvpool check --layer request --target tests.request.planted_cow:SCOPE`` runs."""
+    report = run_request_conformance(SCOPE, max_examples=1000)
+    assert not report.conforms
+    assert "take_kv_cache_block_copies" in str(report.failure)
