@@ -227,7 +227,8 @@ class KVCacheManager:
         )
         self.pending_copies: list[tuple[KVCacheBlock, KVCacheBlock]] = []
         self._uncached = 0
-        self.new_block_ids: list[int] = []
+        self.new_block_ids: list[tuple[int, int]] = []
+        """(group, block) to zero, in the order recorded."""
         # Same-spec groups are searched together, full attention first.
         kinds: list[tuple[KVCacheSpec, list[int]]] = []
         for g, spec in enumerate(specs):
@@ -490,7 +491,7 @@ class KVCacheManager:
         self.block_pool.touch([destination])
         manager.req_to_blocks[rid][num_computed // manager.block_size] = destination
         self.pending_copies.append((source, destination))
-        self.new_block_ids.append(destination.block_id)
+        self.new_block_ids.append((manager.kv_cache_group_id, destination.block_id))
         return destination
 
     def _cache(self, request: Any, num_tokens: int) -> None:
@@ -610,9 +611,10 @@ class KVCacheManager:
         return self.create_kv_cache_blocks(tuple(out))
 
     def take_new_block_ids(self) -> list[int]:
-        """The blocks to zero recorded since the last call (copy destinations)."""
+        """The blocks to zero recorded since the last call (copy destinations), group by group."""
         ids, self.new_block_ids = self.new_block_ids, []
-        return ids
+        ids.sort(key=lambda entry: entry[0])
+        return [block for _, block in ids]
 
     def estimate_cached_tokens(self, request: Any) -> int:
         """The fewest tokens any group's blocks of the request are cached for."""

@@ -173,10 +173,10 @@ class KVCacheManagerState:
     pending_copies: tuple[tuple[int, int], ...] = ()
     """Copy-on-write copies (source, destination) not yet taken by the scheduler, oldest first.
     Each end holds one extra reference until the scheduler frees it after the copy."""
-    new_block_ids: tuple[int, ...] = ()
-    """Blocks to zero before use, not yet taken (``take_new_block_ids``): the copy
-    destinations (vLLM records every new block only when its config needs zeroing,
-    which kvpool does not model)."""
+    new_block_ids: tuple[tuple[int, int], ...] = ()
+    """Blocks to zero before use, not yet taken (``take_new_block_ids``), as (group,
+    block) in the order recorded: the copy destinations (vLLM records every new block
+    only when its config needs zeroing, which kvpool does not model)."""
 
 
 def new_kv_cache_manager(
@@ -480,7 +480,7 @@ def allocate_slots(
         if partial[g]:
             m, destination = _copy_on_write(m, g, rid, num_computed // m.specs[g].block_size)
             copies = (*copies, (hits[g][-1], destination))
-            zero = (*zero, destination)
+            zero = (*zero, (g, destination))
             copied = (destination,)
         m, new = single.allocate_new_blocks(m, g, rid, num_slots)
         new_blocks.append(copied + new)
@@ -699,11 +699,15 @@ def truncate_computed_blocks(
 def take_new_block_ids(state: KVCacheManagerState) -> tuple[KVCacheManagerState, tuple[int, ...]]:
     """The blocks to zero recorded since the last call (copy destinations), and forget them.
 
+    Group by group (each group's own list, as vLLM keeps one per manager), each
+    group's in the order recorded.
+
     >>> from kvpool.model.single_type import full_attention
     >>> take_new_block_ids(new_kv_cache_manager(4, [full_attention(2)], 8))[1]
     ()
     """
-    return replace(state, new_block_ids=()), state.new_block_ids
+    ordered = sorted(state.new_block_ids, key=lambda entry: entry[0])
+    return replace(state, new_block_ids=()), tuple(block for _, block in ordered)
 
 
 def estimate_cached_tokens(state: KVCacheManagerState, request_id: str) -> int:

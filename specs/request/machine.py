@@ -128,6 +128,8 @@ def layout_specs(
             sliding_window(block_size, window),
             sliding_window(block_size, window + block_size + 1),
         )
+    if layout == "full+full":
+        return (full_attention(block_size), full_attention(block_size))
     if layout == "full+chunked_local":
         return (full_attention(block_size), chunked_local(block_size, block_size * chunk_blocks))
     raise ValueError(f"unknown layout {layout!r}")
@@ -324,6 +326,10 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
             self._take_copies(request, num_hit, hit)
         self._compute(request, num_new, ())
 
+    def _has_033(self) -> bool:
+        """Whether the target answers vLLM 0.33's further calls (``ManagerTarget033``)."""
+        return callable(getattr(self.target, "take_kv_cache_block_copies", None))
+
     def _take_copies(self, request: Request, num_hit: int, hit: Blocks | None) -> None:
         """Take the pending copy-on-write copies, run them on the ground truth, free their ends."""
         self._record("take_kv_cache_block_copies")
@@ -355,7 +361,7 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
                 returns_none=True,
             )
 
-    @precondition(lambda self: self.setup.fine_grained_hits)
+    @precondition(lambda self: self._has_033())
     @rule(
         action=st.sampled_from(
             ["resend", "lookup", "take_new_block_ids", "estimate", "new_step_starts"]
