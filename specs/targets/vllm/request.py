@@ -23,12 +23,15 @@ What is compared, and what is not (docs/semantics.md, "The request layer"):
 
 * groups of full attention or sliding window with ``block_size ==
   hash_block_size``, the hashless-first profile;
-* ``get_computed_blocks`` returns a 3-tuple in 0.33; its third element (a
-  shared-prefix boundary for sparse retention) is dropped. 0.33 records hit
+* ``get_computed_blocks`` returns a 3-tuple in 0.33; ``get_computed_blocks``
+  drops the third element (the shared-prefix boundary) and
+  ``get_computed_blocks_with_boundary`` compares it. 0.33 records hit
   statistics from the scheduler, at admission; the adapter records them
   right after the lookup, where seed 004 does;
 * ``get_num_common_prefix_blocks`` is deprecated in 0.33 (always 0): the
   adapter answers None and the machine does not compare it;
+* fine-grained hits with copy-on-write on ``fine_grained_scope()``, with the
+  coordinator's switch set by the adapter (``enable_fine_grained_hits``);
 * events carry vLLM's integer hashes and extra fields: runs use events off;
 * no snapshot: vLLM registers requests in its tables at other moments than
   the model (without any observable effect), so whole states are not
