@@ -351,6 +351,19 @@ def encode_manager_state(state: KVCacheManagerState) -> Json:
             for table in state.managers.tables
         ],
         "stats": encode_stats(state.stats),
+        # vLLM 0.33's fine-grained hits: written only when there, so that earlier
+        # states encode as they did
+        **({"fine_grained_hits": True} if state.config.fine_grained_hits else {}),
+        **(
+            {"pending_copies": [[s, d] for s, d in state.pending_copies]}
+            if state.pending_copies
+            else {}
+        ),
+        **(
+            {"new_block_ids": [[g, b] for g, b in state.new_block_ids]}
+            if state.new_block_ids
+            else {}
+        ),
     }
 
 
@@ -368,10 +381,21 @@ def decode_manager_state(value: Json, setup: ManagerSetup) -> KVCacheManagerStat
             blocks[rid] = _ints(entry.get("blocks"), "blocks")
             cached[rid] = _int(entry.get("num_cached_blocks"), "num_cached_blocks")
         tables.append(GroupTable(blocks, cached))
+    pairs = [_ints(p, "pair") for p in _list(obj.get("pending_copies", []), "pending_copies")]
+    zero = [_ints(p, "pair") for p in _list(obj.get("new_block_ids", []), "new_block_ids")]
+    if any(len(p) != 2 for p in (*pairs, *zero)):
+        raise ProtocolError("pending_copies and new_block_ids hold pairs")
     return KVCacheManagerState(
-        config=ManagerConfig(setup.max_model_len, setup.use_eagle, setup.log_stats),
+        config=ManagerConfig(
+            setup.max_model_len,
+            setup.use_eagle,
+            setup.log_stats,
+            _bool(obj.get("fine_grained_hits", False), "fine_grained_hits"),
+        ),
         managers=ManagersState(pool, setup.specs, tuple(tables)),
         stats=decode_stats(obj.get("stats")),
+        pending_copies=tuple((p[0], p[1]) for p in pairs),
+        new_block_ids=tuple((p[0], p[1]) for p in zero),
     )
 
 

@@ -33,9 +33,12 @@ def request_hello_result(
     profiles: Sequence[str] = tuple(PROFILES),
     snapshot: bool = True,
     hasher: str = "none",
+    fine_grained: bool = False,
 ) -> dict[str, Json]:
-    """What a request-layer target answers to ``hello``."""
+    """What a request-layer target answers to ``hello`` (``fine_grained`` only when true:
+    the target answers vLLM 0.33's further calls and takes ``fine_grained_hits``)."""
     return {
+        **({"fine_grained": True} if fine_grained else {}),
         "protocol": REQUEST_PROTOCOL_VERSION,
         "layer": LAYER,
         "name": name,
@@ -86,6 +89,7 @@ class RequestServer:
                     hasher=str(getattr(probe, "hash_function", "own"))
                     if callable(getattr(probe, "block_hashes", None))
                     else "none",
+                    fine_grained=callable(getattr(probe, "take_kv_cache_block_copies", None)),
                 )
             elif op == "new_manager":
                 self.target = None
