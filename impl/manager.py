@@ -249,7 +249,8 @@ class KVCacheManager:
         self, block_hashes: Sequence[bytes], max_length: int
     ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
         """The longest prefix every group has cached, and its length in tokens."""
-        blocks, length, self._uncached = self._find(block_hashes, max_length)
+        blocks, length, uncached = self._find(block_hashes, max_length)
+        self._uncached = uncached
         return blocks, length
 
     def _find(
@@ -449,6 +450,8 @@ class KVCacheManager:
             self._verify_hashes_to_cache(
                 request, hits, min(num_computed + num_new_tokens, request.num_tokens)
             )
+            if self.fine_grained_hits:
+                _num_prompt_tokens(request)
 
         for manager in managers:
             manager.remove_skipped_blocks(rid, request.num_computed_tokens)
@@ -501,10 +504,7 @@ class KVCacheManager:
             manager.cache_blocks(request, num_tokens)
             if not self.fine_grained_hits:
                 continue
-            prompt = getattr(request, "num_prompt_tokens", None)
-            if prompt is None:
-                prompt = len(request.prompt_token_ids)
-            limit = prompt - 1
+            limit = _num_prompt_tokens(request) - 1
             boundary = min(limit // hbs, len(request.block_hashes)) * hbs
             if boundary == 0 or boundary > num_tokens or boundary % manager.block_size == 0:
                 continue
@@ -546,6 +546,8 @@ class KVCacheManager:
             self._verify_hashes_to_cache(
                 request, self.empty_kv_cache_blocks.blocks, num_computed_tokens
             )
+            if self.fine_grained_hits:
+                _num_prompt_tokens(request)
             self._cache(request, num_computed_tokens)
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
@@ -694,6 +696,20 @@ def _verify_ints(**values: object) -> None:
     for name, value in values.items():
         if not isinstance(value, int) or isinstance(value, bool):
             raise InvalidArgument(f"{name} must be an int, got {type(value).__name__}")
+
+
+def _num_prompt_tokens(request: Any) -> int:
+    """The request's prompt length (vLLM's ``num_prompt_tokens``, or kvpool's prompt ids);
+    InvalidArgument if it has neither."""
+    count = getattr(request, "num_prompt_tokens", None)
+    if count is None:
+        prompt = getattr(request, "prompt_token_ids", None)
+        if not isinstance(prompt, Sequence):
+            raise InvalidArgument("not a request: it has no prompt length")
+        count = len(prompt)
+    if not isinstance(count, int) or isinstance(count, bool):
+        raise InvalidArgument(f"num_prompt_tokens must be an int, got {type(count).__name__}")
+    return count
 
 
 def _verify_request_id(request_id: object) -> None:

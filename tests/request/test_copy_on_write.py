@@ -220,3 +220,25 @@ def test_kvpool_check_finds_a_copy_served_before_it_is_written() -> None:
     report = run_request_conformance(SCOPE, max_examples=1000)
     assert not report.conforms
     assert "take_kv_cache_block_copies" in str(report.failure)
+
+
+def test_invalid_impl_request_without_a_prompt_length_changes_nothing() -> None:
+    """With fine-grained hits caching reads the prompt's length: a request without one is
+    refused before anything changes."""
+    from types import SimpleNamespace
+
+    from kvpool.model.errors import InvalidArgument
+
+    m, b = impl_with_a_cached()
+    stranger = SimpleNamespace(
+        request_id="c",
+        num_tokens=b.num_tokens,
+        block_hashes=b.block_hashes,
+        num_computed_tokens=0,
+        num_preemptions=0,
+        all_token_ids=b.all_token_ids,
+    )
+    before = m.snapshot()
+    with pytest.raises(InvalidArgument):
+        m.allocate_slots(stranger, 4)
+    assert m.snapshot() == before
