@@ -42,9 +42,10 @@ OPERATIONS_033 = (
     "estimate_cached_tokens",
     "new_step_starts",
 )
-"""vLLM 0.33's further scheduler calls (``ManagerTarget033``), sent only to a target
-checked with fine-grained hits (``ManagerTargetSpec.fine_grained``). Not yet in the
-JSON request protocol."""
+"""vLLM 0.33's further scheduler calls (``ManagerTarget033``): the machine sends them
+to a target that has them, and programs ask for fine-grained hits only where
+``ManagerTargetSpec.fine_grained`` allows. Optional in the JSON request protocol
+(hello's ``fine_grained``); ``OPERATIONS`` keeps the calls every target answers."""
 
 LAYOUTS = ("full", "sliding_window", "chunked_local", "mamba", "full+sliding_window")
 """The KV cache layouts: one group of each attention type, and a hybrid of two."""
