@@ -312,15 +312,21 @@ def copy_serves_source_prefix(
 
 
 def ref_counts_match_tables(
-    pool: PoolState, tables: Mapping[str, Sequence[Sequence[int]]]
+    pool: PoolState,
+    tables: Mapping[str, Sequence[Sequence[int]]],
+    retained: Sequence[int] = (),
 ) -> Reason:
-    """Every real block is held exactly as many times as request block tables list it.
+    """Every real block is held exactly as many times as request block tables list it,
+    plus once per end of a pending copy-on-write copy that retains it (``retained``).
 
     More references than listings is a leak: the block never returns to the
     free queue. Fewer is worse: the block is free (or about to be) while a
-    request still reads it, and the next allocation overwrites its KV.
+    request still reads it, or a copy's source while the copy waits, and the
+    next allocation overwrites its KV.
     """
     listed: dict[int, int] = {}
+    for block in retained:
+        listed[block] = listed.get(block, 0) + 1
     for groups in tables.values():
         for blocks in groups:
             for block in blocks:

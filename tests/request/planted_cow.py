@@ -13,13 +13,15 @@ from kvpool.specs.targets.impl.request import ImplManagerTarget
 
 
 class CopyServedBeforeWritten(KVCacheManager):
-    """BUG: hands the copy to the request but reports it a step late, so the request's
-    forward pass reads its private block before the copy has written it."""
+    """BUG: hands the copy to the request but keeps it pending one step more, so the
+    request's forward pass reads its private block before the copy has written it."""
 
     def take_kv_cache_block_copies(self) -> Any:
-        late: Any = getattr(self, "_late", ([], []))
-        self._late = super().take_kv_cache_block_copies()
-        return late
+        if self.pending_copies and not getattr(self, "_held", False):
+            self._held = True
+            return [], []
+        self._held = False
+        return super().take_kv_cache_block_copies()
 
 
 class CopyServedBeforeWrittenTarget(ImplManagerTarget):
