@@ -173,3 +173,35 @@ def test_vllm_copies_on_write_as_the_model_does() -> None:
     )
     assert report.conforms, report.failure
     assert copies[0] > 0
+
+
+def test_a_vllm_copy_served_before_it_is_written_is_found() -> None:
+    """A subclass of vLLM's KVCacheManager that keeps its copies pending one step more."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    from kvpool.specs.request.check import run_request_conformance
+    from kvpool.specs.targets.vllm.request import VllmManagerFactory, fine_grained_scope
+
+    class LateCopies(KVCacheManager):  # type: ignore[misc]
+        held = False
+
+        def take_kv_cache_block_copies(self) -> Any:
+            copies, retained = super().take_kv_cache_block_copies()
+            if copies and not self.held:
+                # BUG: put them back, to hand over next time
+                self.held = True
+                pairs = [(retained[2 * i], retained[2 * i + 1]) for i in range(len(copies))]
+                for manager in self.coordinator.single_type_managers:
+                    manager._pending_cow_copies.extend(pairs)
+                    break
+                return [], []
+            self.held = False
+            return copies, retained
+
+    report = run_request_conformance(
+        fine_grained_scope(VllmManagerFactory(LateCopies)),
+        hypothesis_profile="ci",
+        max_examples=500,
+    )
+    assert not report.conforms
+    assert "take_kv_cache_block_copies" in str(report.failure)
