@@ -145,12 +145,21 @@ def _swap_in(kind: str) -> None:
     original = getattr(module, class_name)
     replacement = getattr(importlib.import_module("kvpool.impl"), class_name)
     if class_name == "BlockPool":
-        # vLLM's semantics where kvpool is stricter on purpose (the impl's one switch)
+        # vLLM's semantics and shapes where kvpool differs on purpose (the impl's one
+        # switch), and vLLM's own event classes with vLLM's hashes (the event hook)
+        from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+        from kvpool.impl.vllm_shape import CallerEvents
+
         strict_pool = replacement
+        events = CallerEvents(
+            BlockStored, BlockRemoved, AllBlocksCleared, external_hash=maybe_convert_block_hash
+        )
 
         class VllmSemanticsBlockPool(strict_pool):  # type: ignore[valid-type,misc]
             def __init__(self, *args: Any, **kwargs: Any) -> None:
-                super().__init__(*args, strict=False, **kwargs)
+                super().__init__(*args, strict=False, event_hook=events, **kwargs)
 
         replacement = VllmSemanticsBlockPool
     for loaded in list(sys.modules.values()):
