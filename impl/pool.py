@@ -135,12 +135,12 @@ class BlockPool:
         "blocks",
         "enable_caching",
         "enable_kv_cache_events",
+        "event_hook",
         "free_block_queue",
         "hash_block_size",
         "kv_event_queue",
         "medium",
         "metrics_collector",
-        "event_hook",
         "null_block",
         "num_gpu_blocks",
         "num_hash_lookahead_tokens",
@@ -882,13 +882,14 @@ class BlockPool:
         kv_cache_group_id: Unchecked,
         block_size: Unchecked,
         replace_existing_hashes: Unchecked = False,
-    ) -> HashKey | None:
+    ) -> HashKey | bytes | None:
         """Make ``block`` reachable from the prefix of ``num_tokens`` tokens ending inside it.
 
         The key is the request's hash at ``num_tokens``. It becomes the
         block's primary key if it has none, replaces a primary key covering
         fewer tokens (promotion), and is otherwise added beside it. Returns
-        the key, or None for the null block. With ``replace_existing_hashes``
+        the key (in vLLM's shape under ``strict=False``), or None for the null
+        block. With ``replace_existing_hashes``
         every key of the block goes first (one BlockRemoved each) and the key
         becomes its only one, always with a BlockStored.
 

@@ -22,7 +22,7 @@ unlike vLLM's, a dict left with one block collapses back to the bare block.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, MutableMapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvpool.impl.block import KVCacheBlock, vllm_key
 from kvpool.model.errors import InvalidArgument
@@ -64,7 +64,7 @@ class CallerEvents:
         block_stored: Callable[..., object],
         block_removed: Callable[..., object],
         all_blocks_cleared: Callable[[], object],
-        external_hash: Callable[[bytes], object] | None = None,
+        external_hash: Callable[[Any], object] | None = None,
     ) -> None:
         for name, value in (
             ("block_stored", block_stored),
@@ -77,7 +77,7 @@ class CallerEvents:
         self.block_stored = block_stored
         self.block_removed = block_removed
         self.all_blocks_cleared = all_blocks_cleared
-        self.external_hash: Callable[[bytes], object] = (
+        self.external_hash: Callable[[Any], object] = (
             external_hash if external_hash is not None else _same
         )
 
