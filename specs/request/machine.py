@@ -71,6 +71,7 @@ from kvpool.specs.request.target import (
     ManagerTarget033,
 )
 from kvpool.specs.runner.lockstep import LockStep
+from kvpool.specs.runner.swarm import gentle_swarm
 
 T = TypeVar("T")
 
@@ -195,6 +196,7 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
 
     def __init__(self) -> None:
         super().__init__()
+        gentle_swarm(self)
         self.model = None
         self.target = None
         self.trace = []
