@@ -744,6 +744,19 @@ class BlockPool:
                 block_size=block_size,
                 kv_cache_group_id=kv_cache_group_id,
             )
+            # Ints of a subclass: the call again with plain ones. Falling through never
+            # happens, so below the four are plain ints to mypy, and the compiled build
+            # does their arithmetic natively.
+            return BlockPool.cache_full_blocks(
+                self,
+                request,
+                blocks,
+                int(num_cached_blocks),
+                int(num_full_blocks),
+                int(block_size),
+                int(kv_cache_group_id),
+                block_mask,
+            )
         if type(blocks) is not list:
             blocks = _as_list(blocks)
         try:
@@ -782,8 +795,9 @@ class BlockPool:
             raise InvalidBlockMask(f"block_mask has {len(block_mask)} entries for {num_new}")
         # Verify that every block to cache belongs to this pool (the others are not read)
         for i in range(num_cached_blocks, num_full_blocks):
-            if getattr(blocks[i], "pool", None) is not self or type(blocks[i]) is not KVCacheBlock:
-                raise UnknownBlock(f"{blocks[i]!r} is not a block of this pool")
+            listed = blocks[i]
+            if type(listed) is not KVCacheBlock or listed.pool is not self:
+                raise UnknownBlock(f"{listed!r} is not a block of this pool")
         factor = block_size // hbs
         # Verify that the request has a hash for every block up to num_full_blocks
         if len(block_hashes) // factor < num_full_blocks:
@@ -1106,6 +1120,9 @@ class BlockPool:
             group_id = kv_cache_group_ids[0]
             if type(group_id) is not int:
                 _verify_ints(kv_cache_group_id=group_id)
+                # An int of a subclass: again with a plain one (so that below it is an
+                # int to mypy, compared natively in the compiled build).
+                return BlockPool.get_cached_block(self, block_hash, [int(group_id)])
             # Verify that no group id is negative
             if group_id < 0:
                 raise InvalidGroup(f"KV cache group id {group_id} is negative")
@@ -1520,7 +1537,7 @@ class BlockPool:
 
     def _verify_all_cacheable(
         self,
-        blocks: Sequence[KVCacheBlock],
+        blocks: list[KVCacheBlock],
         start: int,
         stop: int,
         block_size: int,
