@@ -816,6 +816,9 @@ class BlockPool:
             lora_id, lora_name = _lora_of(request)
         stored: list[bytes] = []
         block: KVCacheBlock  # checked above; typed for the compiled build's field access
+        # Any, so that the compiled build boxes the key once for the block and the map
+        # (it keeps a tuple-typed local unboxed, then boxes it anew at each use).
+        key: Any
         if num_new == 1:
             # One block (a decode step filled it): nothing can stand twice, no loops.
             block = blocks[num_cached_blocks]
