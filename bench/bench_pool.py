@@ -13,7 +13,8 @@ comes from the sources beside this script instead. Without either, the
 compiled column is skipped with a note.
 
 ``--scale`` lengthens or shortens the traces, ``--only serving`` picks traces by
-name, ``--no-model``, ``--no-requests`` and ``--no-scaling`` skip parts.
+name (``--only requests`` and ``--only scaling`` run that part alone),
+``--no-model``, ``--no-requests`` and ``--no-scaling`` skip parts.
 
 How it measures:
 
@@ -748,16 +749,16 @@ def main(argv: list[str] | None = None) -> None:
         targets["vllm"] = vllm
     if not args.no_model:
         targets["model"] = make_model
-    if args.only != "requests":
+    if args.only not in ("requests", "scaling"):
         bench_traces(targets, args.scale, args.repeat, args.only)
-    if not args.no_requests:
+    if not args.no_requests and args.only != "scaling":
         managers = {name: impl_manager_factory(impl) for name, impl in builds.items()}
         found = vllm_manager_factory() if vllm is not None else None
         status = None
         if found is not None:
             managers["vllm"], status = found
         bench_requests(managers, status, args.scale, args.repeat)
-    if not args.no_scaling and args.only is None:
+    if not args.no_scaling and args.only in (None, "scaling"):
         bench_scaling(builds, args.repeat, args.cycles)
     print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 

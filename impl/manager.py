@@ -585,7 +585,7 @@ class KVCacheManager:
         return copies, [block for pair in pending for block in pair]
 
     def truncate_computed_blocks(
-        self, blocks: KVCacheBlocks, num_computed_tokens: Unchecked
+        self, blocks: Unchecked, num_computed_tokens: Unchecked
     ) -> KVCacheBlocks:
         """The hit cut back to ``num_computed_tokens`` (whole blocks of every group); pure."""
         # Verify that the arguments have the operation's types

@@ -252,14 +252,18 @@ class BlockPool:
         # The blocks keep their (now stale) links: a held block's links are never
         # read, since ref_cnt == 0 is what says a block is in the queue.
         head = queue.fake_free_list_head
-        node: Any = head.next_free_block
+        # Typed locals (here and in the other hot loops) make the compiled build read
+        # and write the fields natively. A queued block's links are never None (the
+        # sentinels end the list), so the ignores below only skip a None check the
+        # pure build would pay for; the compiled one checks the type anyway.
+        node: KVCacheBlock = head.next_free_block  # type: ignore[assignment]
         out: list[KVCacheBlock]
         if count == 1:
             out = [node]
             node.ref_cnt = 1
             if node._block_hash is not None:
                 self._drop_keys(node)
-            node = node.next_free_block
+            node = node.next_free_block  # type: ignore[assignment]
         elif self.enable_caching:
             out = []
             for _ in range(count):
@@ -267,13 +271,13 @@ class BlockPool:
                 node.ref_cnt = 1
                 if node._block_hash is not None:
                     self._drop_keys(node)
-                node = node.next_free_block
+                node = node.next_free_block  # type: ignore[assignment]
         else:
             out = []
             for _ in range(count):
                 out.append(node)
                 node.ref_cnt = 1
-                node = node.next_free_block
+                node = node.next_free_block  # type: ignore[assignment]
         head.next_free_block = node
         node.prev_free_block = head
         queue.num_free_blocks -= count
@@ -294,10 +298,10 @@ class BlockPool:
         >>> pool.blocks[2].ref_cnt, pool.get_num_free_blocks()
         (1, 2)
         """
-        if type(blocks) is not list:
-            blocks = _as_list(blocks)
+        seq: list[KVCacheBlock] = blocks if type(blocks) is list else _as_list(blocks)
         unlinked = 0
-        items = iter(blocks)
+        complete = False
+        items = iter(seq)
         try:
             for block in items:
                 # Verify that every block belongs to this pool (a stranger undoes the pass)
@@ -308,24 +312,26 @@ class BlockPool:
                     if block.is_null:
                         continue
                     # Unlink, leaving the block's own links as they are (see _undo_touch).
-                    prev: Any = block.prev_free_block
-                    nxt: Any = block.next_free_block
+                    prev: KVCacheBlock = block.prev_free_block  # type: ignore[assignment]
+                    nxt: KVCacheBlock = block.next_free_block  # type: ignore[assignment]
                     prev.next_free_block = nxt
                     nxt.prev_free_block = prev
                     unlinked += 1
                 block.ref_cnt = ref_cnt + 1
             else:
-                block = None
-        except AttributeError:
-            pass  # not a block at all (no ``pool`` slot): undone below like a stranger
-        else:
-            if block is None:
-                self.free_block_queue.num_free_blocks -= unlinked
-                if self.metrics_collector is not None:
-                    self._report_accessed(blocks)
-                return
-        self._undo_touch(blocks, len(blocks) - length_hint(items) - 1)
-        raise UnknownBlock(f"{block!r} is not a block of this pool")
+                complete = True
+        except (AttributeError, TypeError):
+            # Not a block at all: the pure build finds no ``pool`` slot, the compiled
+            # one's typed loop variable refuses it. Undone below like a stranger.
+            pass
+        if complete:
+            self.free_block_queue.num_free_blocks -= unlinked
+            if self.metrics_collector is not None:
+                self._report_accessed(seq)
+            return
+        stop = len(seq) - length_hint(items) - 1
+        self._undo_touch(seq, stop)
+        raise UnknownBlock(f"{_entry(seq, stop)!r} is not a block of this pool")
 
     # _FREE_SPLICE: how free_blocks puts the freed blocks into the queue.
     #
@@ -362,16 +368,18 @@ class BlockPool:
         >>> [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
         [2, 1, 3]
         """
-        seq = ordered_blocks if type(ordered_blocks) is list else _as_list(ordered_blocks)
+        seq: list[KVCacheBlock] = (
+            ordered_blocks if type(ordered_blocks) is list else _as_list(ordered_blocks)
+        )
         queue = self.free_block_queue
         head = queue.fake_free_list_head
         tail = queue.fake_free_list_tail
         # The freed blocks grow two chains, spliced into the queue at the end
         # (see _FREE_SPLICE above): `front` ends the chain hanging off the fake
         # head, `back` the chain hanging off the fake tail's spare next link.
-        old_first: Any = head.next_free_block
-        front: Any = head
-        back: Any = tail
+        old_first: KVCacheBlock = head.next_free_block  # type: ignore[assignment]
+        front: KVCacheBlock = head
+        back: KVCacheBlock = tail
         kept = 0  # entries that free nothing: the null block, blocks still held after
         items = iter(seq)
         # Validation and linking share one pass: the first block that is free
@@ -424,7 +432,9 @@ class BlockPool:
                     else:
                         back = end
         except (AttributeError, TypeError):
-            complete = False  # not a block at all (no ref_cnt, no pool): undone below
+            # Not a block at all: no ref_cnt slot (pure build), or refused by the typed
+            # loop variable (compiled build). Undone below.
+            complete = False
 
         if complete:
             if front is head and back is tail:
@@ -436,9 +446,9 @@ class BlockPool:
             if old_first is not tail:
                 end.next_free_block = old_first
                 old_first.prev_free_block = end
-                end = tail.prev_free_block
+                end = tail.prev_free_block  # type: ignore[assignment]
             if back is not tail:
-                first: Any = tail.next_free_block
+                first: KVCacheBlock = tail.next_free_block  # type: ignore[assignment]
                 end.next_free_block = first
                 first.prev_free_block = end
                 end = back
@@ -473,8 +483,8 @@ class BlockPool:
             ref_cnt = block.ref_cnt - 1
             block.ref_cnt = ref_cnt
             if ref_cnt == 0:
-                prev: Any = block.prev_free_block
-                nxt: Any = block.next_free_block
+                prev: KVCacheBlock = block.prev_free_block  # type: ignore[assignment]
+                nxt: KVCacheBlock = block.next_free_block  # type: ignore[assignment]
                 prev.next_free_block = block
                 nxt.prev_free_block = block
 
@@ -592,12 +602,12 @@ class BlockPool:
         """
         watchers = self._reuse_watchers
         fired: list[tuple[ReuseWatcher, KVCacheBlock]] = []
-        node: Any = self.free_block_queue.fake_free_list_head.next_free_block
+        node: KVCacheBlock = self.free_block_queue.fake_free_list_head.next_free_block  # type: ignore[assignment]
         for _ in range(num_blocks):
             watcher = watchers.get(node.block_id)
             if watcher is not None:
                 fired.append((watcher, node))
-            node = node.next_free_block
+            node = node.next_free_block  # type: ignore[assignment]
         for watcher, block in fired:
             watcher(block)
         for _, block in fired:
@@ -734,6 +744,19 @@ class BlockPool:
                 block_size=block_size,
                 kv_cache_group_id=kv_cache_group_id,
             )
+            # Ints of a subclass: the call again with plain ones. Falling through never
+            # happens, so below the four are plain ints to mypy, and the compiled build
+            # does their arithmetic natively.
+            return BlockPool.cache_full_blocks(
+                self,
+                request,
+                blocks,
+                int(num_cached_blocks),
+                int(num_full_blocks),
+                int(block_size),
+                int(kv_cache_group_id),
+                block_mask,
+            )
         if type(blocks) is not list:
             blocks = _as_list(blocks)
         try:
@@ -772,8 +795,9 @@ class BlockPool:
             raise InvalidBlockMask(f"block_mask has {len(block_mask)} entries for {num_new}")
         # Verify that every block to cache belongs to this pool (the others are not read)
         for i in range(num_cached_blocks, num_full_blocks):
-            if getattr(blocks[i], "pool", None) is not self or type(blocks[i]) is not KVCacheBlock:
-                raise UnknownBlock(f"{blocks[i]!r} is not a block of this pool")
+            listed = blocks[i]
+            if type(listed) is not KVCacheBlock or listed.pool is not self:
+                raise UnknownBlock(f"{listed!r} is not a block of this pool")
         factor = block_size // hbs
         # Verify that the request has a hash for every block up to num_full_blocks
         if len(block_hashes) // factor < num_full_blocks:
@@ -791,6 +815,10 @@ class BlockPool:
             )
             lora_id, lora_name = _lora_of(request)
         stored: list[bytes] = []
+        block: KVCacheBlock  # checked above; typed for the compiled build's field access
+        # Any, so that the compiled build boxes the key once for the block and the map
+        # (it keeps a tuple-typed local unboxed, then boxes it anew at each use).
+        key: Any
         if num_new == 1:
             # One block (a decode step filled it): nothing can stand twice, no loops.
             block = blocks[num_cached_blocks]
@@ -1095,6 +1123,9 @@ class BlockPool:
             group_id = kv_cache_group_ids[0]
             if type(group_id) is not int:
                 _verify_ints(kv_cache_group_id=group_id)
+                # An int of a subclass: again with a plain one (so that below it is an
+                # int to mypy, compared natively in the compiled build).
+                return BlockPool.get_cached_block(self, block_hash, [int(group_id)])
             # Verify that no group id is negative
             if group_id < 0:
                 raise InvalidGroup(f"KV cache group id {group_id} is negative")
@@ -1509,7 +1540,7 @@ class BlockPool:
 
     def _verify_all_cacheable(
         self,
-        blocks: Sequence[KVCacheBlock],
+        blocks: list[KVCacheBlock],
         start: int,
         stop: int,
         block_size: int,
@@ -1577,6 +1608,11 @@ class BlockPool:
         del entry[block.block_id]
         # One block left: store it bare again, as a first insertion would.
         self._cached[key] = next(iter(entry.values())) if len(entry) == 1 else entry
+
+
+def _entry(values: Sequence[object], index: int) -> object:
+    """``values[index]`` read untyped (the compiled build would type-check a block)."""
+    return values[index]
 
 
 def _is_int(value: object) -> bool:

@@ -284,6 +284,23 @@ def test_cache_full_blocks_with_a_block_size_of_several_hash_blocks_takes_every_
     assert b.block_hash_num_tokens == 4
 
 
+class Count(int):
+    """An int of a subclass (as an IntEnum or a numpy-free wrapper would pass)."""
+
+
+def test_cache_full_blocks_and_get_cached_block_take_ints_of_a_subclass() -> None:
+    # Both run again on plain ints when handed a subclass (impl/pool.py): same result.
+    pool = BlockPool(6, True, 1, enable_kv_cache_events=True)
+    plain = BlockPool(6, True, 1, enable_kv_cache_events=True)
+    for target, n in ((pool, Count), (plain, int)):
+        blocks = target.get_new_blocks(3)
+        target.cache_full_blocks(REQ, blocks, n(0), n(3), n(1), n(2), [True, False, True])
+        assert ids(target.get_cached_block(b"h2", [n(2)])) == [blocks[2].block_id]
+        assert_rejected(target, InvalidGroup, target.get_cached_block, b"h2", [n(-1)])
+    assert pool.snapshot() == plain.snapshot()
+    pool.check_invariants()
+
+
 def test_duplicate_keys_stay_side_by_side_and_the_first_is_found() -> None:
     pool = BlockPool(6, True, 1)
     a, b, c = pool.get_new_blocks(3)
