@@ -655,6 +655,8 @@ class VllmTarget(BlockPoolApiTarget):
                 args.append(list(block_mask))
             self._vllm(lambda: self.pool.cache_full_blocks(*args))
 
+        if "empty-range" in self.workarounds and num_cached_blocks >= num_full_blocks:
+            return  # nothing to cache: 0.10.1+ (and the model) read nothing either
         if "promotion" in self.workarounds:
             self._evict_before_promotion(
                 blocks, num_cached_blocks, num_full_blocks, block_size, block_mask
@@ -1011,6 +1013,13 @@ WORKAROUNDS: dict[str, str] = {
         "range has a key (they chain the hashes they compute themselves from it); "
         "the model and 0.10.1+ do not need one. The workaround hands the pool the "
         "blocks and hashes from the range on, so there is no block before it"
+    ),
+    "empty-range": (
+        "vLLM 0.10.0 and earlier assert that the hash list covers num_cached_blocks "
+        "before looking at the range, so a call with num_cached_blocks beyond "
+        "num_full_blocks (nothing to cache, which the model accepts) fails when the "
+        "request has fewer hashes. Level 2 only: the workaround does not send a call "
+        "whose range is empty"
     ),
     "free-listed-twice": (
         "vLLM 0.23 and earlier queue a block once per time it is listed in one "
