@@ -127,6 +127,7 @@ def _new_pool_rule(
     events: Sequence[bool],
     mediums: Sequence[str] = MEDIUMS,
     lookaheads: Sequence[int] = LOOKAHEADS,
+    several_groups: bool = True,
 ) -> Callable[..., Any]:
     """The machine's first step: build a pool from drawn parameters."""
 
@@ -137,7 +138,7 @@ def _new_pool_rule(
         # caching on three times as often: most rules need it
         enable_caching=st.sampled_from([c for c in caching for _ in range(3 if c else 1)]),
         enable_events=st.sampled_from(events),
-        num_groups=st.integers(1, 3),
+        num_groups=st.integers(1, 3) if several_groups else st.just(1),
         profile=st.sampled_from([p.name for p in profiles]),
         medium=st.sampled_from(mediums),
         lookahead=st.sampled_from(lookaheads),
@@ -172,6 +173,9 @@ class PoolMachine(LockStep[PoolState, PoolTarget], RuleBasedStateMachine):
 
     make_target: ClassVar[TargetFactory]
     profiles: ClassVar[tuple[Profile, ...]] = tuple(PROFILES.values())
+    one_block_size_per_group: ClassVar[bool] = False
+    """Set for a target without ``mixed_block_sizes``: the first full-block size a
+    group is cached at is kept for every later full-block call of that group."""
 
     held = Bundle("held")
     block_ids = BLOCK_IDS
@@ -198,6 +202,7 @@ class PoolMachine(LockStep[PoolState, PoolTarget], RuleBasedStateMachine):
     def start(self, config: PoolConfig, num_groups: int) -> Any:
         """Build the model and the target for ``config``; every block id joins the bundle."""
         self.num_groups = num_groups
+        self.group_block_size: dict[int, int] = {}
         self.model = model.new_pool(
             config.num_blocks,
             config.enable_caching,
@@ -327,6 +332,17 @@ class PoolMachine(LockStep[PoolState, PoolTarget], RuleBasedStateMachine):
             None,
         )
 
+    def full_block_size(self, group: int, block_size: int) -> int:
+        """The block size a full-block call of ``group`` uses: ``block_size``, unless the
+        target keeps one size per group (``one_block_size_per_group``) and ``group`` was
+        cached at another; sizes that are no positive multiple of the hash block size
+        (level 2's invalid calls) are left as drawn."""
+        assert self.model is not None
+        hbs = self.model.config.hash_block_size
+        if not self.one_block_size_per_group or block_size <= 0 or block_size % hbs:
+            return block_size
+        return self.group_block_size.setdefault(group, block_size)
+
     def _cache_full_blocks(
         self,
         block_ids: list[int],
@@ -338,6 +354,7 @@ class PoolMachine(LockStep[PoolState, PoolTarget], RuleBasedStateMachine):
         mask: list[bool] | None,
     ) -> None:
         assert self.model is not None
+        block_size = self.full_block_size(group, block_size)
         request = request_for(tokens, self.model.config.hash_block_size)
         self._step(
             f"cache_full_blocks(tokens={tokens}, blocks={block_ids}, "
@@ -729,13 +746,13 @@ class PoolMachine(LockStep[PoolState, PoolTarget], RuleBasedStateMachine):
     ) -> None:
         """Caching blocks the program may not hold (free or null ones)."""
         assert self.model is not None
-        hbs = self.model.config.hash_block_size
-        request = request_for(tokens, hbs)
+        request = request_for(tokens, self.model.config.hash_block_size)
+        size = self.full_block_size(0, self.model.config.hash_block_size)
         self._step(
             f"cache_full_blocks(tokens={tokens}, blocks={block_ids}, 0, {num_full_blocks}, "
-            f"block_size={hbs}, group=0)",
-            lambda s: model.cache_full_blocks(s, request, block_ids, 0, num_full_blocks, hbs, 0),
-            lambda t: t.cache_full_blocks(request, block_ids, 0, num_full_blocks, hbs, 0),
+            f"block_size={size}, group=0)",
+            lambda s: model.cache_full_blocks(s, request, block_ids, 0, num_full_blocks, size, 0),
+            lambda t: t.cache_full_blocks(request, block_ids, 0, num_full_blocks, size, 0),
             returns_none=True,
         )
 
@@ -940,7 +957,10 @@ def pool_machine(
         "make_target": staticmethod(make_target),
         "level": level,
         "profiles": chosen,
-        "new_pool": _new_pool_rule(chosen, caching, events, mediums, lookaheads),
+        "new_pool": _new_pool_rule(
+            chosen, caching, events, mediums, lookaheads, "groups" not in unsupported
+        ),
+        "one_block_size_per_group": "mixed_block_sizes" in unsupported,
     }
     if level >= 2:
         attrs["unknown_block_among_known"] = _unknown_block_among_known
@@ -954,7 +974,9 @@ def _without(machine: type[PoolMachine], unsupported: frozenset[str]) -> type[Po
     ``cache_partial_block`` drops every rule that calls it; ``block_mask``
     makes every rule that draws a mask (``use_mask`` or ``mask``) draw none;
     ``block_size_multiple`` makes full blocks one hash block long
-    (``size_factor`` 1, raw ``block_size`` 1).
+    (``size_factor`` 1, raw ``block_size`` 1); ``groups`` draws group 0 only
+    (no negative group either: such a pool's calls name no group) and
+    ``mixed_block_sizes`` is handled by ``one_block_size_per_group``.
     """
     unknown = unsupported - set(OPERATIONS) - set(FEATURES)
     if unknown:
@@ -976,6 +998,8 @@ def _without(machine: type[PoolMachine], unsupported: frozenset[str]) -> type[Po
             changes.update(use_mask=st.just(False), mask=st.none())
         if "block_size_multiple" in unsupported and "partial" not in name:
             changes.update(size_factor=st.just(1), block_size=st.just(1))
+        if "groups" in unsupported:
+            changes.update(group=st.just(0), groups=st.just({0}), more_groups=st.just(set()))
         blind = [op for op in _BLIND_OPERATIONS if op not in unsupported]
         if name == "extension_call" and len(blind) < len(_BLIND_OPERATIONS):
             if not blind:

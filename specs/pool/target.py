@@ -63,13 +63,18 @@ OPERATIONS = (*PROTOCOL_OPERATIONS[:-1], *EXTENSIONS, "snapshot")
 FEATURES = (
     "block_mask",
     "block_size_multiple",
+    "mixed_block_sizes",
+    "groups",
     "events",
     "replace_existing_hashes",
     "medium",
     "lookahead",
 )
 """What a pool may lack beside whole operations: ``cache_full_blocks``'s
-``block_mask`` argument, blocks several hash blocks long, KV events,
+``block_mask`` argument, blocks several hash blocks long, full blocks of
+different sizes in one KV cache group (vLLM 0.12-0.23 key a block by its hash
+blocks' concatenation, so only one size per group is consistent), several KV
+cache groups (vLLM before 0.9.1), KV events,
 ``cache_partial_block``'s ``replace_existing_hashes``, a ``medium`` and
 ``num_hash_lookahead_tokens`` at construction (vLLM 0.33). A target that lacks one
 (an old vLLM release) is checked on programs that never use it."""

@@ -1,6 +1,5 @@
 """kvpool against the real vLLM block pool: conformance, planted bugs, level-2 findings."""
 
-import os
 from pathlib import Path
 
 import pytest
@@ -10,7 +9,7 @@ from kvpool.specs.cli import app
 from kvpool.specs.conformance import run_conformance
 from kvpool.specs.targets.vllm.findings import KNOWN_FINDINGS, classify_divergence
 from kvpool.specs.targets.vllm.pool import VllmTargetFactory
-from kvpool.specs.targets.vllm.releases import release_dir
+from tests.vllm.helpers import require_cached_release
 
 pytestmark = pytest.mark.usefixtures("require_vllm")
 
@@ -80,11 +79,7 @@ def test_a_suppressed_finding_is_stepped_over() -> None:
 
 
 def test_a_cached_release_runs_in_a_child_interpreter(tmp_path: Path) -> None:
-    if not (release_dir("0.24.0") / ".kvpool-complete").is_file():
-        reason = "vLLM 0.24.0 is not in the kvpool cache (ci/fetch_vllm_releases.py 0.24.0)"
-        if os.environ.get("KVPOOL_REQUIRE_VLLM") == "1":
-            pytest.fail(f"KVPOOL_REQUIRE_VLLM=1 but {reason}", pytrace=False)
-        pytest.skip(reason)
+    require_cached_release("0.24.0")
     result = CliRunner().invoke(
         app,
         [

@@ -139,8 +139,10 @@ KNOWN_FINDINGS: dict[str, KnownFinding] = {
             "full-block-size",
             "cache_full_blocks",
             "InvalidBlockSize",
-            "accepts AssertionError",
-            "nothing checked when there is nothing to cache; an assert otherwise",
+            "accepts AssertionError IndexError",
+            "nothing checked when there is nothing to cache; an assert otherwise (before "
+            "0.10.1 an IndexError when the range also starts past the blocks: those "
+            "releases read the block before the range first)",
         ),
         _finding(
             "full-negative-group",
@@ -160,8 +162,10 @@ KNOWN_FINDINGS: dict[str, KnownFinding] = {
             "mask-length",
             "cache_full_blocks",
             "InvalidBlockMask",
-            "accepts AssertionError",
-            "nothing checked when there is nothing to cache; an assert otherwise",
+            "accepts AssertionError IndexError",
+            "nothing checked when there is nothing to cache; an assert otherwise (before "
+            "0.10.1 an IndexError when the range also starts past the blocks: those "
+            "releases read the block before the range first)",
         ),
         _finding(
             "partial-on-boundary",

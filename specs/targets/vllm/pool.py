@@ -125,9 +125,27 @@ class VllmApi:
     last_hash_names_block: bool = True
     """A block of k hash blocks is keyed by the last of its k hashes (0.24.0+,
     and before 0.12 through the per-block-size shim). 0.12-0.23 key it by the
-    concatenation of the k hashes, which only a caller knowing the group's
-    block size can look up: those releases are checked with block_size ==
-    hash_block_size."""
+    concatenation of the k hashes: the adapter maps each concatenation back to
+    the last hash, and those releases are checked with one block size per KV
+    cache group (as a real group has), so every key of a group is cut alike."""
+    hash_tuple: Any = None
+    """0.8.0-0.10.1: block hashes are this ``NamedTuple`` (``BlockHashType``,
+    then ``BlockHash``): an int ``hash_value``, the block's ``token_ids`` and
+    optional ``extra_keys``. None from 0.10.2 on (bytes)."""
+    group_tuple: Any = None
+    """0.9.1-0.10.1: ``BlockHashWithGroupId(block_hash, group_id)``, a
+    ``NamedTuple``; before 0.9.1 (with ``hash_tuple``) there are no groups."""
+    hashes_as_argument: bool = False
+    """Before 0.10.1: ``cache_full_blocks`` takes the hashes as a list
+    (``block_hashes``) and a ``hash_fn``, hashing itself the blocks past the
+    list's end; from 0.10.1 the pool reads ``request.block_hashes``."""
+    has_events: bool = True
+    """0.9.0+: a ``kv_event_queue`` and ``take_events``."""
+
+    @property
+    def groups(self) -> bool:
+        """Whether keys name a KV cache group (0.9.1+)."""
+        return self.hash_tuple is None or self.group_tuple is not None
 
     def unsupported_operations(self) -> frozenset[str]:
         """Operations and features this release lacks (``kvpool.specs.pool.target``)."""
@@ -139,7 +157,9 @@ class VllmApi:
         if not self.events_with_group:
             missing.add("events")
         if not self.last_hash_names_block:
-            missing.add("block_size_multiple")
+            missing.add("mixed_block_sizes")
+        if not self.groups:
+            missing.add("groups")
         for operation in ("unpin_blocks", "move_block_hashes", "is_block_writable"):
             if not getattr(self, operation):
                 missing.add(operation)
@@ -176,17 +196,26 @@ def load_vllm(pool_class: Any = None) -> VllmApi:
     version = str(getattr(vllm, "__version__", "unknown"))
     # reset_prefix_cache logs a warning each time it refuses; the machine asks often.
     logging.getLogger("vllm").setLevel(logging.ERROR)
+    hash_tuple = None
     if not hasattr(utils, "make_block_hash_with_group_id"):
-        raise UnsupportedRelease(
-            f"vLLM {version} predates byte-string block hashes (0.10.2); "
-            "kvpool's vLLM adapter supports 0.10.2 and later"
-        )
-    kv_events = importlib.import_module("vllm.distributed.kv_events")
+        # 0.8.0-0.10.1: NamedTuple hashes (kv_cache_utils.BlockHashType, then BlockHash)
+        hash_tuple = getattr(utils, "BlockHash", None) or getattr(utils, "BlockHashType", None)
+        if "hash_value" not in getattr(hash_tuple, "_fields", ()):
+            raise UnsupportedRelease(
+                f"vLLM {version} has neither byte-string block hashes (0.10.2+) nor the "
+                "NamedTuple hashes of 0.8.0-0.10.1; kvpool's vLLM adapter cannot read it"
+            )
+    try:
+        kv_events: Any = importlib.import_module("vllm.distributed.kv_events")
+    except ImportError:  # 0.8.x: no KV events at all
+        kv_events = None
     if not _none_hash_ready and hasattr(utils, "init_none_hash"):
         utils.init_none_hash(_vllm_sha256())
         _none_hash_ready = True
     base = block_pool.BlockPool
     cls = pool_class if pool_class is not None else base
+    stored = getattr(getattr(kv_events, "BlockStored", None), "__struct_fields__", ())
+    removed = getattr(getattr(kv_events, "BlockRemoved", None), "__struct_fields__", ())
     # Read from the class hierarchy (eras.takes): a subclass's or a fork's
     # ``__init__(self, *args, **kwargs)`` says nothing about its parameters.
     touch_annotation = eras.annotation(cls, "touch", "blocks", base)
@@ -200,7 +229,7 @@ def load_vllm(pool_class: Any = None) -> VllmApi:
         block_mask=eras.takes(cls, "cache_full_blocks", "block_mask", base),
         cache_partial_block=hasattr(cls, "cache_partial_block"),
         hash_num_tokens=hasattr(utils.KVCacheBlock, "block_hash_num_tokens"),
-        events_with_group="group_idx" in getattr(kv_events.BlockRemoved, "__struct_fields__", ()),
+        events_with_group="group_idx" in removed,
         map_is_object=hasattr(block_pool, "BlockHashToBlockMap"),
         unpin_blocks=hasattr(cls, "unpin_blocks"),
         move_block_hashes=hasattr(cls, "move_block_hashes"),
@@ -211,9 +240,18 @@ def load_vllm(pool_class: Any = None) -> VllmApi:
         ),
         medium_arg=eras.takes(cls, "__init__", "medium", base),
         lookahead_arg=eras.takes(cls, "__init__", "num_hash_lookahead_tokens", base)
-        and "lookahead_token_ids" in getattr(kv_events.BlockStored, "__struct_fields__", ()),
+        and "lookahead_token_ids" in stored,
         last_hash_names_block=_names_block_by_last_hash(utils),
+        hash_tuple=hash_tuple,
+        group_tuple=getattr(utils, "BlockHashWithGroupId", None) if hash_tuple else None,
+        hashes_as_argument=eras.takes(cls, "cache_full_blocks", "block_hashes", base),
+        has_events=found_take_events(cls),
     )
+
+
+def found_take_events(cls: type) -> bool:
+    """Whether the pool has KV events (``take_events``; 0.9.0+)."""
+    return eras.found_in_hierarchy(cls, "take_events") is not None
 
 
 def _names_block_by_last_hash(utils: Any) -> bool:
@@ -293,6 +331,18 @@ class DuckRequest:
         raise AttributeError(f"the duck-typed request has no {name!r}: the release reads it")
 
 
+class LegacyDuckRequest(DuckRequest):
+    """The request for 0.8.0-0.10.0, whose ``cache_full_blocks`` hashes the blocks past
+    its hash list itself: it reads ``mm_positions`` and ``mm_hashes`` for the extra keys,
+    and ``request_id`` in the assert that the block is full."""
+
+    def __init__(self, block_hashes: list[Any], token_ids: Sequence[int]) -> None:
+        super().__init__(block_hashes, token_ids)
+        self.mm_positions: list[Any] = []
+        self.mm_hashes: list[Any] = []
+        self.request_id = "kvpool"
+
+
 # --------------------------------------------------------------------------
 # The target
 # --------------------------------------------------------------------------
@@ -337,8 +387,14 @@ class VllmTarget(BlockPoolApiTarget):
         self._to_model: dict[bytes, bytes] = {}
         self._token_counts: dict[Any, dict[int, int]] = {}
         self._int_to_model: dict[int, bytes] = {}
+        self._concatenated: dict[tuple[bytes, int], bytes] = {}
+        """0.12-0.23: (the machine's hash, k) -> the key vLLM gives a block of k hash blocks."""
+        self._group_block_size: dict[int, int] = {}
+        """0.12-0.23: the block size each group's blocks were cached at (one per group)."""
         cls = self.api.pool_class
-        kwargs: dict[str, Any] = {"enable_kv_cache_events": config.enable_events}
+        kwargs: dict[str, Any] = {}
+        if self.api.has_events:  # 0.8.x takes no enable_kv_cache_events
+            kwargs["enable_kv_cache_events"] = config.enable_events
         for name, value, default, supported in (
             ("medium", config.medium, model.MEDIUM_GPU, self.api.medium_arg),
             (
@@ -373,8 +429,28 @@ class VllmTarget(BlockPoolApiTarget):
             self._int_to_model[int.from_bytes(digest[-8:], "big")] = block_hash
         return digest
 
+    def vllm_block_hash(self, block_hash: bytes) -> Any:
+        """What vLLM's pool is given as a block's hash for the machine's ``block_hash``.
+
+        The 32-byte digest (``vllm_hash``); for 0.8.0-0.10.1 the era's
+        ``NamedTuple`` with the digest as its int ``hash_value``, no token ids and
+        no extra keys. The pool compares those tuples for equality and reads only
+        ``hash_value`` (a chain's parent, events), never ``token_ids``
+        (vllm/v1/core/block_pool.py of 0.8.5-0.10.1), so this is an injective
+        encoding like the digest itself.
+        """
+        digest = self.vllm_hash(block_hash)
+        if self.api.hash_tuple is None:
+            return digest
+        return self.api.hash_tuple(int.from_bytes(digest, "big"), (), None)
+
     def model_hash(self, value: Any) -> bytes:
         """The machine's hash for a hash vLLM reports (bytes, or the int events carry)."""
+        if self.api.hash_tuple is not None and isinstance(value, self.api.hash_tuple):
+            digest = value.hash_value.to_bytes(32, "big") if 0 <= value.hash_value < 2**256 else b""
+            if value.token_ids == () and value.extra_keys is None and digest in self._to_model:
+                return self._to_model[digest]
+            return f"<unknown hash {value!r}>".encode()
         if isinstance(value, int):
             found = self._int_to_model.get(value)
             return found if found is not None else f"<unknown int hash {value}>".encode()
@@ -386,6 +462,11 @@ class VllmTarget(BlockPoolApiTarget):
         """``BlockHashWithGroupId`` (hash + 4 big-endian group bytes) as ``(hash, group)``."""
         if key is None:
             return None
+        if self.api.hash_tuple is not None:
+            # 0.9.1-0.10.1: BlockHashWithGroupId(block_hash, group_id); before, no groups
+            if self.api.group_tuple is not None:
+                return self.model_hash(key.block_hash), int(key.group_id)
+            return self.model_hash(key), 0
         raw = bytes(key)
         return self.model_hash(raw[:-4]), int.from_bytes(raw[-4:], "big")
 
@@ -396,7 +477,27 @@ class VllmTarget(BlockPoolApiTarget):
         size = block_size or 0
         if not self.api.hash_block_size_arg and size >= hbs and size % hbs == 0:
             hashes = model.hashes_at_block_size(hashes, hbs, size)
-        return DuckRequest([self.vllm_hash(h) for h in hashes], request.all_token_ids)
+        kind = LegacyDuckRequest if self.api.hashes_as_argument else DuckRequest
+        return kind([self.vllm_block_hash(h) for h in hashes], request.all_token_ids)
+
+    def _register_concatenations(self, request: CacheRequest, block_size: int) -> None:
+        """0.12-0.23: map the key vLLM makes for each block of ``block_size`` back to its hash.
+
+        Those releases key a block of k hash blocks by its k hashes concatenated
+        (``BlockHashListWithBlockSize`` in vllm/v1/core/kv_cache_utils.py of
+        0.12.0-0.23.x); the model names it by the last of them, which in a
+        chained hash covers the whole prefix.
+        """
+        hbs = self.config.hash_block_size
+        if self.api.last_hash_names_block or block_size <= hbs or block_size % hbs:
+            return
+        k = block_size // hbs
+        hashes = request.block_hashes
+        for end in range(k, len(hashes) + 1, k):
+            joined = b"".join(self.vllm_hash(h) for h in hashes[end - k : end])
+            self._to_model.setdefault(joined, hashes[end - 1])
+            self._int_to_model.setdefault(int.from_bytes(joined[-8:], "big"), hashes[end - 1])
+            self._concatenated.setdefault((hashes[end - 1], k), joined)
 
     # Events -------------------------------------------------------------------
 
@@ -509,57 +610,96 @@ class VllmTarget(BlockPoolApiTarget):
             ),
         )
         blocks = self._blocks(block_ids)
-        args: list[Any] = [
-            self.vllm_request(request, block_size),
-            blocks,
-            num_cached_blocks,
-            num_full_blocks,
-            block_size,
-            kv_cache_group_id,
-        ]
+        vllm_request = self.vllm_request(request, block_size)
         hbs = self.config.hash_block_size
         if block_size > hbs and block_size % hbs == 0 and not self.api.last_hash_names_block:
-            raise TargetError(
-                f"vLLM {self.api.version} keys a block of several hash blocks by their "
-                "concatenation; `kvpool check --target vllm==X` checks it with "
-                "block_size == hash_block_size"
-            )
-        if block_mask is not None:
-            if not self.api.block_mask:
-                raise TargetError(f"vLLM {self.api.version} has no block_mask (0.22.0+)")
-            args.append(list(block_mask))
+            known = self._group_block_size.setdefault(kv_cache_group_id, block_size)
+            if known != block_size:
+                raise TargetError(
+                    f"vLLM {self.api.version} keys a block of several hash blocks by their "
+                    f"concatenation, so one KV cache group has one block size; group "
+                    f"{kv_cache_group_id} was cached at {known}, now at {block_size} "
+                    "(`kvpool check --target vllm==X` keeps one size per group)"
+                )
+            self._register_concatenations(request, block_size)
+        elif not self.api.last_hash_names_block and block_size == hbs:
+            self._group_block_size.setdefault(kv_cache_group_id, block_size)
+        if block_mask is not None and not self.api.block_mask:
+            raise TargetError(f"vLLM {self.api.version} has no block_mask (0.22.0+)")
+        if not self.api.groups and kv_cache_group_id != 0:
+            raise TargetError(f"vLLM {self.api.version} has no KV cache groups (0.9.1+)")
+        # Before 0.10.1 the hashes are an argument, a list the pool appends to.
+        hash_list = list(vllm_request.block_hashes)
+
+        def call(num_cached: int, num_full: int) -> None:
+            # Before 0.10.1 the pool asserts that the block before the range has a
+            # key (it chains the hashes it computes itself from it). The workarounds
+            # hand it the blocks and hashes from the range on instead: the same
+            # positions and keys, with no block before them.
+            offset = 0
+            if self.api.hashes_as_argument and num_cached > 0:
+                parent: Any = blocks[num_cached - 1] if num_cached <= len(blocks) else None
+                null_parent = "null-in-cache" in self.workarounds and self._is_null(parent)
+                uncached = "uncached-parent" in self.workarounds and parent is not None
+                if null_parent or (uncached and parent.block_hash is None):
+                    offset = num_cached
+            args: list[Any] = [vllm_request, blocks[offset:]]
+            if self.api.hashes_as_argument:
+                args.append(hash_list[offset:])
+            args += [num_cached - offset, num_full - offset, block_size]
+            if self.api.groups:
+                args.append(kv_cache_group_id)
+            if self.api.hashes_as_argument:
+                args.append(_vllm_sha256())
+            if block_mask is not None:
+                args.append(list(block_mask))
+            self._vllm(lambda: self.pool.cache_full_blocks(*args))
+
+        if "empty-range" in self.workarounds and num_cached_blocks >= num_full_blocks:
+            return  # nothing to cache: 0.10.1+ (and the model) read nothing either
         if "promotion" in self.workarounds:
             self._evict_before_promotion(
                 blocks, num_cached_blocks, num_full_blocks, block_size, block_mask
             )
         unhashed = {b.block_id for b in blocks if b.block_hash is None}
-        if "null-in-cache" in self.workarounds and any(b.is_null for b in blocks):
-            self._cache_around_null_blocks(args, blocks, num_cached_blocks, num_full_blocks)
+        # With events on, split calls would emit other events than one call; the
+        # releases with this bug (0.13 and earlier) have no events the machine reads.
+        if (
+            "null-in-cache" in self.workarounds
+            and not self.config.enable_events
+            and any(self._is_null(b) for b in blocks)
+        ):
+            self._cache_around_null_blocks(call, blocks, num_cached_blocks, num_full_blocks)
         else:
-            self._vllm(lambda: self.pool.cache_full_blocks(*args))
+            call(num_cached_blocks, num_full_blocks)
         if not self.api.hash_num_tokens:
             self._record_token_counts(
                 blocks, unhashed, num_cached_blocks, num_full_blocks, block_size
             )
 
+    def _is_null(self, block: Any) -> bool:
+        """Whether ``block`` is the null block (0.8.x-0.9.0 blocks have no ``is_null``)."""
+        return block is self.pool.null_block
+
     def _cache_around_null_blocks(
-        self, args: list[Any], blocks: Sequence[Any], num_cached_blocks: int, num_full_blocks: int
+        self,
+        call: Callable[[int, int], None],
+        blocks: Sequence[Any],
+        num_cached_blocks: int,
+        num_full_blocks: int,
     ) -> None:
         """The ``null-in-cache`` workaround: one call per run of positions without a null block.
 
         With events off (the only way those releases are checked) the runs
         together cache exactly what one call that skips null blocks caches.
         """
-        if self.config.enable_events:
-            raise TargetError("the null-in-cache workaround needs events off")
         start = max(0, num_cached_blocks)
         end = min(num_full_blocks, len(blocks))
         run_start = start
         for i in range(start, end + 1):
-            if i == end or blocks[i].is_null:
+            if i == end or self._is_null(blocks[i]):
                 if run_start < i:
-                    call = [*args[:2], run_start, i, *args[4:]]
-                    self._vllm(lambda c=call: self.pool.cache_full_blocks(*c))  # type: ignore[misc]
+                    call(run_start, i)
                 run_start = i + 1
 
     def _evict_before_promotion(
@@ -581,7 +721,7 @@ class VllmTarget(BlockPoolApiTarget):
             masked = block_mask is not None and not block_mask[i - num_cached_blocks]
             covered = state.blocks[blocks[i].block_id].hash_num_tokens
             longer = covered is not None and covered < (i + 1) * block_size
-            if longer and not blocks[i].is_null and not masked:
+            if longer and not self._is_null(blocks[i]) and not masked:
                 self._vllm(lambda b=blocks[i]: self.pool._maybe_evict_cached_block(b))  # type: ignore[misc]
 
     def _record_token_counts(
@@ -678,9 +818,47 @@ class VllmTarget(BlockPoolApiTarget):
         self._guard(
             "get_cached_block", lambda s: model.get_cached_block(s, block_hash, kv_cache_group_ids)
         )
-        digest = self.vllm_hash(block_hash)
-        blocks = self._vllm(lambda: self.pool.get_cached_block(digest, list(kv_cache_group_ids)))
-        return None if blocks is None else [b.block_id for b in blocks]
+        group_ids = list(kv_cache_group_ids)
+        if not self.api.groups:
+            # 0.8.x-0.9.0: one group, and get_cached_block(hash) returns one block or None
+            if any(g != 0 for g in group_ids):
+                raise TargetError(f"vLLM {self.api.version} has no KV cache groups (0.9.1+)")
+            key = self.vllm_block_hash(block_hash)
+            found = [self._vllm(lambda: self.pool.get_cached_block(key)) for _ in group_ids]
+            return None if any(b is None for b in found) else [b.block_id for b in found]
+        if self.api.last_hash_names_block:
+            key = self.vllm_block_hash(block_hash)
+            blocks = self._vllm(lambda: self.pool.get_cached_block(key, group_ids))
+            return None if blocks is None else [b.block_id for b in blocks]
+        return self._get_cached_block_per_block_size(block_hash, group_ids)
+
+    def _get_cached_block_per_block_size(
+        self, block_hash: bytes, group_ids: list[int]
+    ) -> Sequence[int] | None:
+        """0.12-0.23: one lookup per group block size, as those releases' managers make it.
+
+        A group's key for ``block_hash`` depends on the group's block size (the
+        concatenation ``_register_concatenations`` recorded); vLLM's coordinator
+        looks up each manager's groups, which share a block size, with that
+        manager's key. A hash no block of that size was cached under is looked
+        up as a key no block can have. The answers are put back in
+        ``group_ids``' order; one miss is a miss, as in one call.
+        """
+        hbs = self.config.hash_block_size
+        by_key: dict[bytes, list[int]] = {}
+        for group in group_ids:
+            k = self._group_block_size.get(group, hbs) // hbs
+            key = self.vllm_hash(block_hash) if k == 1 else self._concatenated.get((block_hash, k))
+            if key is None:
+                key = hashlib.sha256(b"kvpool:never cached:" + block_hash).digest() * k
+            by_key.setdefault(key, []).append(group)
+        found: dict[int, int] = {}
+        for key, groups in by_key.items():
+            blocks = self._vllm(lambda k=key, g=groups: self.pool.get_cached_block(k, g))  # type: ignore[misc]
+            if blocks is None:
+                return None
+            found.update(zip(groups, (b.block_id for b in blocks), strict=True))
+        return [found[g] for g in group_ids]
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         ids = sorted(set(block_ids))
@@ -700,7 +878,17 @@ class VllmTarget(BlockPoolApiTarget):
     def reset_prefix_cache(self) -> bool:
         return self._vllm(lambda: super(VllmTarget, self).reset_prefix_cache())
 
+    def get_usage(self) -> float:
+        if "usage-counts-null" in self.workarounds:
+            # The null block is never free: leave it out of the total, as 0.10.2+ do.
+            total = self.pool.num_gpu_blocks - 1
+            free = self._vllm(lambda: self.pool.get_num_free_blocks())
+            return 0.0 if not total else 1.0 - free / total
+        return self._vllm(lambda: super(VllmTarget, self).get_usage())
+
     def take_events(self) -> Sequence[KVCacheEvent]:
+        if not self.api.has_events:
+            return []  # 0.8.x: no events (and the pool is checked with events off)
         return self._vllm(lambda: super(VllmTarget, self).take_events())
 
     # The abstraction function -------------------------------------------------
@@ -743,7 +931,7 @@ class VllmTarget(BlockPoolApiTarget):
             blocks=tuple(blocks),
             free_queue=free,
             cached=self._hash_map(),
-            pending_events=tuple(self.event(e) for e in pool.kv_event_queue),
+            pending_events=tuple(self.event(e) for e in getattr(pool, "kv_event_queue", ())),
         )
         return self.with_watchers(state, getattr(pool, "_reuse_watchers", {}))
 
@@ -813,6 +1001,25 @@ WORKAROUNDS: dict[str, str] = {
         "it; the workaround caches the runs of positions between null blocks in "
         "separate calls, which with events off (as those releases are checked) "
         "caches exactly what skipping the null block does"
+    ),
+    "usage-counts-null": (
+        "vLLM 0.10.1 and earlier count the null block as used in get_usage (one block "
+        "of num_gpu_blocks is never free, so usage never reaches 0); 0.10.2 and the "
+        "model leave it out. The workaround computes the usage from vLLM's free count "
+        "over the blocks other than the null block"
+    ),
+    "uncached-parent": (
+        "vLLM 0.10.0 and earlier assert that the block before a cache_full_blocks "
+        "range has a key (they chain the hashes they compute themselves from it); "
+        "the model and 0.10.1+ do not need one. The workaround hands the pool the "
+        "blocks and hashes from the range on, so there is no block before it"
+    ),
+    "empty-range": (
+        "vLLM 0.10.0 and earlier assert that the hash list covers num_cached_blocks "
+        "before looking at the range, so a call with num_cached_blocks beyond "
+        "num_full_blocks (nothing to cache, which the model accepts) fails when the "
+        "request has fewer hashes. Level 2 only: the workaround does not send a call "
+        "whose range is empty"
     ),
     "free-listed-twice": (
         "vLLM 0.23 and earlier queue a block once per time it is listed in one "
