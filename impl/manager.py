@@ -192,6 +192,8 @@ class KVCacheManager:
         self.managers: list[SingleTypeKVCacheManager] = [
             get_manager_for_kv_cache_spec(spec, self.block_pool, g) for g, spec in enumerate(specs)
         ]
+        for manager in self.managers:
+            manager.use_eagle = use_eagle
         self.num_kv_cache_groups = len(specs)
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in specs))
         # Same-spec groups are searched together, full attention first.

@@ -391,7 +391,7 @@ def allocate_slots(
     if m.pool.config.enable_caching and not delay_cache_blocks:
         num_to_cache = min(num_computed + num_new_tokens, request.num_tokens)
         for g in groups:
-            m, _ = single.cache_blocks(m, g, request, num_to_cache)
+            m, _ = single.cache_blocks(m, g, request, num_to_cache, state.config.use_eagle)
     return replace(state, managers=m), tuple(new_blocks)
 
 
@@ -429,7 +429,7 @@ def cache_blocks(
     if not m.pool.config.enable_caching:
         return state, None
     for g in range(len(m.specs)):
-        m, _ = single.cache_blocks(m, g, request, num_computed_tokens)
+        m, _ = single.cache_blocks(m, g, request, num_computed_tokens, state.config.use_eagle)
     return replace(state, managers=m), None
 
 

@@ -142,8 +142,14 @@ def _start_rule(
     events: Sequence[bool],
     block_factors: Sequence[int],
     min_window: int,
+    uncached_layouts: Sequence[str] = (),
+    hash_sized_layouts: Sequence[str] = (),
 ) -> Callable[..., None]:
-    """The machine's first step, drawing only from the configurations given."""
+    """The machine's first step, drawing only from the configurations given.
+
+    A layout in ``uncached_layouts`` is drawn with prefix caching off; one in
+    ``hash_sized_layouts`` with blocks of one hash block when caching is on.
+    """
 
     @initialize(
         layout=st.sampled_from(list(layouts)),
@@ -160,6 +166,10 @@ def _start_rule(
         prompts=st.lists(PROMPT, min_size=1, max_size=3),
     )
     def start(self: "ManagerMachine", **drawn: Any) -> None:
+        if drawn["layout"] in uncached_layouts:
+            drawn["caching"] = False
+        if drawn["caching"] and drawn["layout"] in hash_sized_layouts:
+            drawn["factor"] = 1
         self.start(**drawn)
 
     return start
@@ -762,6 +772,8 @@ def manager_machine(
     min_window: int = 1,
     level: int = 1,
     hybrids: bool = True,
+    uncached_layouts: Sequence[str] = (),
+    hash_sized_layouts: Sequence[str] = (),
 ) -> type[ManagerMachine]:
     """A state machine class that checks ``make_target`` on the given layouts and profiles.
 
@@ -779,7 +791,15 @@ def manager_machine(
     if level == 2 and hybrids:
         layouts = (*layouts, *(h for h in HYBRID_LAYOUTS if h not in layouts))
     attrs = {
-        "initial": _start_rule(layouts, chosen, events, block_factors, min_window),
+        "initial": _start_rule(
+            layouts,
+            chosen,
+            events,
+            block_factors,
+            min_window,
+            uncached_layouts,
+            hash_sized_layouts,
+        ),
         "make_target": staticmethod(make_target),
         "lockstep": lockstep,
     }
