@@ -21,15 +21,21 @@ the class it wraps.
 
 What is compared, and what is not (docs/semantics.md, "The request layer"):
 
-* groups of full attention or sliding window with ``block_size ==
-  hash_block_size``, the hashless-first profile;
+* every attention type 0.33 runs on a CPU (full, sliding window, chunked
+  local, Mamba) and hybrids of them, blocks of one or two hash blocks, events
+  on and off, the hashless-first profile (``VLLM_SCOPE``); Mamba with prefix
+  caching off, and a single group's blocks of one hash block when caching is
+  on: vLLM refuses the rest (``vllm_refuses``);
 * ``get_computed_blocks`` returns a 3-tuple in 0.33; its third element (a
   shared-prefix boundary for sparse retention) is dropped. 0.33 records hit
   statistics from the scheduler, at admission; the adapter records them
   right after the lookup, where seed 004 does;
 * ``get_num_common_prefix_blocks`` is deprecated in 0.33 (always 0): the
   adapter answers None and the machine does not compare it;
-* events carry vLLM's integer hashes and extra fields: runs use events off;
+* events: the manager's msgspec events become the model's
+  (``manager_event``); their integer hashes are mapped back to the model's
+  through the pairs of hashes the adapter sees on each request (vLLM's
+  hasher's and the model's name the same prefixes, which the machine checks);
 * no snapshot: vLLM registers requests in its tables at other moments than
   the model (without any observable effect), so whole states are not
   compared; the safety checks use vLLM's block tables and the model's map.
@@ -42,7 +48,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvpool.model.errors import PoolError
+from kvpool.model.errors import NoNewTokens, PoolError
 from kvpool.model.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from kvpool.model.manager import Blocks, PrefixCacheStats
 from kvpool.model.request import Request
@@ -52,7 +58,12 @@ from kvpool.specs.request.target import ManagerSetup, ManagerTargetSpec
 from kvpool.specs.targets.importing import import_from_here
 from kvpool.specs.targets.vllm import eras
 from kvpool.specs.targets.vllm.hasher import VllmRequests, find_hasher
-from kvpool.specs.targets.vllm.pool import MODEL_ONLY_EVENT_FIELDS, UnmappedEvent, rejection
+from kvpool.specs.targets.vllm.pool import (
+    MODEL_ONLY_EVENT_FIELDS,
+    UnmappedEvent,
+    VllmRejection,
+    rejection,
+)
 
 HASHER_ENV = "KVPOOL_VLLM_HASHER"
 """``vllm`` (default): vLLM's own request block hasher; ``kvpool``: kvpool's hashes."""
@@ -231,17 +242,28 @@ class VllmManagerTarget:
         hits = None
         if new_computed_blocks is not None and any(new_computed_blocks):
             pool_blocks = self.manager.block_pool.blocks
+            # an unknown id becomes a block of no pool, as at the pool layer
+            stand_in = type(self.manager.block_pool.null_block)
             hits = self._blocks_class(
-                tuple([pool_blocks[b] for b in group] for group in new_computed_blocks)
+                tuple(
+                    [pool_blocks[b] if 0 <= b < len(pool_blocks) else stand_in(b) for b in group]
+                    for group in new_computed_blocks
+                )
             )
-        blocks = self.manager.allocate_slots(
-            self._request(request),
-            num_new_tokens,
-            num_new_computed_tokens,
-            hits,
-            num_lookahead_tokens,
-            delay_cache_blocks=delay_cache_blocks,
-        )
+        try:
+            blocks = self.manager.allocate_slots(
+                self._request(request),
+                num_new_tokens,
+                num_new_computed_tokens,
+                hits,
+                num_lookahead_tokens,
+                delay_cache_blocks=delay_cache_blocks,
+            )
+        except VllmRejection as error:
+            # 0.33 signals "no new tokens" with a ValueError, which NoNewTokens is too
+            if isinstance(error.original, ValueError):
+                raise NoNewTokens(str(error.original)) from error
+            raise
         return None if blocks is None else _ids(blocks)
 
     def free(self, request: Request) -> None:
@@ -456,11 +478,19 @@ class VllmManagerFactory:
     """
 
     levels = (1,)
-    """Level 2 is not claimed: vLLM asserts, or accepts, where the model rejects (findings)."""
+    """Level 2 is not claimed: vLLM asserts, or accepts, where the model rejects
+    (``REQUEST_FINDINGS``)."""
 
-    def __init__(self, manager_class: Any = None, hasher: str | None = None) -> None:
+    def __init__(
+        self,
+        manager_class: Any = None,
+        hasher: str | None = None,
+        suppress: Sequence[tuple[str, str]] = (),
+    ) -> None:
         self._manager_class = manager_class
         self.hash_mode = hasher
+        self.suppress = tuple(suppress)
+        """(operation, model exception) pairs stepped over (``SteppingOver``)."""
 
     def manager_class(self) -> Any:
         """The class to instantiate (None: vLLM's own), imported on first use."""
@@ -476,10 +506,11 @@ class VllmManagerFactory:
             self._manager_class = found
         return self._manager_class
 
-    def __call__(self, setup: ManagerSetup) -> VllmManagerTarget:
+    def __call__(self, setup: ManagerSetup) -> Any:
         hasher = chosen_hasher(self.hash_mode)
         cls = VllmHashingManagerTarget if hasher == "vllm" else VllmManagerTarget
-        return cls(setup, self.manager_class(), hasher)
+        target = cls(setup, self.manager_class(), hasher)
+        return SteppingOver(target, setup, self.suppress) if self.suppress else target
 
     def preflight(self, level: int, profiles: Sequence[str]) -> None:
         """Fail fast, before any program runs, if this manager cannot be checked here."""
@@ -492,6 +523,55 @@ class VllmManagerFactory:
                 f"{cls!r} is not a KVCacheManager: a subclass of vLLM's "
                 "vllm.v1.core.kv_cache_manager.KVCacheManager, or a fork's class with its methods"
             )
+
+
+STEPPED = (
+    "get_computed_blocks",
+    "allocate_slots",
+    "free",
+    "cache_blocks",
+    "evict_blocks",
+    "reset_prefix_cache",
+    "take_events",
+    "make_prefix_cache_stats",
+)
+"""The calls that change a manager's state: the shadow model runs each of them."""
+
+
+class SteppingOver:
+    """A manager target with the model run beside it, to step over known level-2 findings.
+
+    Every call that changes state runs on a shadow model first
+    (``ModelManagerTarget``); when the model rejects it with an exception
+    paired with the operation in ``suppressed``, the call is rejected so and
+    never reaches vLLM. For listing findings one after another
+    (``kvpool.specs.targets.vllm.survey.survey_request_level2``), never for a
+    verdict.
+    """
+
+    def __init__(
+        self, target: Any, setup: ManagerSetup, suppressed: Sequence[tuple[str, str]]
+    ) -> None:
+        from kvpool.specs.request.model_target import ModelManagerTarget
+
+        self._target = target
+        self._model = ModelManagerTarget(setup)
+        self._suppressed = frozenset(suppressed)
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._target, name)
+        if name not in STEPPED:
+            return value
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                getattr(self._model, name)(*args, **kwargs)
+            except PoolError as error:
+                if (name, type(error).__name__) in self._suppressed:
+                    raise type(error)(f"known vLLM finding, not sent to vLLM: {error}") from error
+            return value(*args, **kwargs)
+
+        return call
 
 
 def _looks_like(cls: type, base: type) -> bool:
