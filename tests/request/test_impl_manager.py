@@ -208,3 +208,39 @@ def test_a_request_without_the_skip_flag_reads_the_cache() -> None:
     duck = SimpleNamespace(**{name: getattr(probe, name) for name in read})
     blocks, num_tokens = impl.get_computed_blocks(duck)
     assert blocks.get_block_ids() == ([1, 2],) and num_tokens == 4
+
+
+@pytest.mark.parametrize("eagle", [False, True])
+def test_the_prompt_tail_is_keyed_beside_the_full_key_in_model_and_impl(eagle: bool) -> None:
+    """Blocks of two hash blocks: the prompt's last hit-able boundary (10 of 12 tokens, all 12
+    with EAGLE: on a block boundary, so nothing) is keyed once its block is full (vLLM 0.33)."""
+    from kvpool.model.events import BlockStored
+    from kvpool.model.request import with_computed
+    from kvpool.specs.request.model_target import ModelManagerTarget
+    from kvpool.specs.request.target import ManagerSetup
+    from kvpool.specs.targets.impl.request import ImplManagerTarget
+
+    setup = ManagerSetup(8, (full_attention(4),), 16, 2, use_eagle=eagle, enable_events=True)
+    request = new_request("r", (1, 2, 2, 1, 1, 2, 1, 2, 2, 2, 1, 1), 2)
+    tails = []
+    for target in (ModelManagerTarget(setup), ImplManagerTarget(setup)):
+        target.allocate_slots(request, 10)
+        before = target.snapshot().managers.pool
+        target.allocate_slots(with_computed(request, 10), 2)
+        after = target.snapshot()
+        events = target.take_events()
+        tails.append(
+            (
+                after,
+                [
+                    e.block_hashes
+                    for e in events
+                    if isinstance(e, BlockStored) and e.block_size == 2
+                ],
+                len(before.cached),
+            )
+        )
+    assert tails[0] == tails[1]
+    _, stored, cached_before = tails[0]
+    assert cached_before == 2  # only the two full blocks while block 3 is partly written
+    assert stored == ([] if eagle else [(request.block_hashes[4],)])
