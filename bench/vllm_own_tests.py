@@ -23,7 +23,12 @@ class, and lists what passes, what fails and why (issue #16, the drop-in)::
     python bench/vllm_own_tests.py --swap impl --tests-dir /path/to/vllm-0.33.0
 
 ``--tests-dir`` is an unpacked vLLM 0.33.0 source distribution (it has
-``tests/``; the wheel does not).
+``tests/``; the wheel does not): ``pip download vllm==0.33.0 --no-binary :all:
+--no-deps -vvv`` names its address (then fails building its metadata), and
+``curl -O`` of that address and ``tar xzf`` get it (docs/vllm-conformance.md).
+kvpool's pool is built as a vLLM caller builds it: ``strict=False`` (vLLM's
+semantics and key shapes) and an ``event_hook`` making vLLM's event classes
+(``kvpool.impl.vllm_shape.CallerEvents``).
 
 Run it, from the repository root, with an interpreter that has vLLM::
 
@@ -144,15 +149,34 @@ def _swap_in(kind: str) -> None:
     module = importlib.import_module(module_name)
     original = getattr(module, class_name)
     replacement = getattr(importlib.import_module("kvpool.impl"), class_name)
-    if class_name == "BlockPool":
-        # vLLM's semantics where kvpool is stricter on purpose (the impl's one switch)
-        strict_pool = replacement
+    # vLLM's semantics and shapes where kvpool differs on purpose (the impl's one
+    # switch), and vLLM's own event classes with vLLM's hashes (the event hook)
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
-        class VllmSemanticsBlockPool(strict_pool):  # type: ignore[valid-type,misc]
+    from kvpool.impl.vllm_shape import CallerEvents
+
+    events = CallerEvents(
+        BlockStored, BlockRemoved, AllBlocksCleared, external_hash=maybe_convert_block_hash
+    )
+    kvpool_class = replacement
+    if class_name == "BlockPool":
+
+        class VllmSemanticsBlockPool(kvpool_class):  # type: ignore[valid-type,misc]
             def __init__(self, *args: Any, **kwargs: Any) -> None:
-                super().__init__(*args, strict=False, **kwargs)
+                super().__init__(*args, strict=False, event_hook=events, **kwargs)
 
         replacement = VllmSemanticsBlockPool
+    else:
+
+        class VllmSemanticsManager(kvpool_class):  # type: ignore[valid-type,misc]
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                super().__init__(*args, **kwargs)
+                # the manager builds its pool: the same switch and hook, set on it
+                self.block_pool.strict = False
+                self.block_pool.event_hook = events
+
+        replacement = VllmSemanticsManager
     for loaded in list(sys.modules.values()):
         if getattr(loaded, "__name__", "").startswith(("vllm", "tests")) and (
             getattr(loaded, class_name, None) is original

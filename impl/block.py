@@ -72,9 +72,17 @@ class KVCacheBlock:
         self.is_null = is_null
 
     @property
-    def block_hash(self) -> HashKey | None:
-        """The primary hash key ``(hash, group id)``, or None if the block is not cached."""
-        return self._block_hash
+    def block_hash(self) -> HashKey | bytes | None:
+        """The primary hash key ``(hash, group id)``, or None if the block is not cached.
+
+        In a pool built with ``strict=False`` (vLLM's semantics), vLLM's shape
+        of the same key: ``hash + group id`` as 4 big-endian bytes.
+        """
+        key = self._block_hash
+        pool = self.pool
+        if key is None or pool is None or pool.strict:
+            return key
+        return vllm_key(key)
 
     @property
     def block_hash_num_tokens(self) -> int | None:
@@ -103,3 +111,13 @@ class KVCacheBlock:
             f"prev_free_block={prev_id}, next_free_block={next_id}"
             f"{', is_null=True' if self.is_null else ''})"
         )
+
+
+def vllm_key(key: HashKey) -> bytes:
+    """The key ``(hash, group id)`` in vLLM's shape: the hash, then the group id in 4 big-endian
+    bytes (``make_block_hash_with_group_id`` in vllm/v1/core/kv_cache_utils.py, vLLM 0.33.0).
+
+    >>> vllm_key((b"h", 2))
+    b'h\\x00\\x00\\x00\\x02'
+    """
+    return key[0] + key[1].to_bytes(4, "big")

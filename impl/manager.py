@@ -23,6 +23,7 @@ from kvpool.impl.pool import BlockPool, Unchecked
 from kvpool.impl.single_type import (
     SingleTypeKVCacheManager,
     get_manager_for_kv_cache_spec,
+    num_prompt_tokens,
     verify_hash_block_size,
 )
 from kvpool.model.errors import (
@@ -79,6 +80,29 @@ class KVCacheBlocks:
         return f"KVCacheBlocks({self.get_block_ids()})"
 
 
+class KVCacheBlockCopy:
+    """One pending copy-on-write copy, as vLLM 0.33's ``KVCacheBlockCopy`` names its ends."""
+
+    __slots__ = ("dst_block_id", "src_block_id")
+
+    def __init__(self, src_block_id: int, dst_block_id: int) -> None:
+        self.src_block_id = src_block_id
+        self.dst_block_id = dst_block_id
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, KVCacheBlockCopy)
+            and other.src_block_id == self.src_block_id
+            and other.dst_block_id == self.dst_block_id
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.src_block_id, self.dst_block_id))
+
+    def __repr__(self) -> str:
+        return f"KVCacheBlockCopy({self.src_block_id} -> {self.dst_block_id})"
+
+
 @mypyc_attr(allow_interpreted_subclasses=True)
 class KVCacheManager:
     """A KV cache manager over ``kvpool.impl.BlockPool``, one single-type manager per group.
@@ -110,13 +134,16 @@ class KVCacheManager:
         enable_mamba_shared_prefix_checkpoint: bool = False,
         *,
         profile: Profile = DEFAULT_PROFILE,
+        fine_grained_hits: bool = False,
     ) -> None:
         """vLLM 0.33's constructor. ``kv_cache_config`` is this module's ``KVCacheConfig`` or
         vLLM's (its groups' specs are read by class name: full attention, MLA and hidden
         states, sliding window, chunked local attention, Mamba). Arguments kvpool does not
         model must keep vLLM's defaults (``InvalidManagerConfig`` otherwise):
         ``max_in_flight_tokens``, ``num_prefill_lookahead``, context parallelism,
-        ``watermark`` and the Mamba shared-prefix checkpoint.
+        ``watermark`` and the Mamba shared-prefix checkpoint. ``fine_grained_hits`` (not
+        vLLM's: there a Mamba "align" group turns it on) lets hits end inside a block when
+        every group is full attention with blocks larger than a hash block (vllm#51843).
         """
         # Verify that the arguments kvpool does not model keep vLLM's defaults
         unmodelled = {
@@ -196,6 +223,22 @@ class KVCacheManager:
             manager.use_eagle = use_eagle
         self.num_kv_cache_groups = len(specs)
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in specs))
+        self.fine_grained_hits = (
+            bool(fine_grained_hits)
+            and not use_eagle
+            and all(s.attention is AttentionType.FULL and s.block_size > hbs for s in specs)
+        )
+        for manager in self.managers:
+            manager.fine_grained_hits = self.fine_grained_hits
+        # Caching reads the prompt's length where a full-attention group's blocks hold several
+        # hash blocks (the prompt's tail); it is checked before anything changes
+        self._caches_prompt_tail = any(
+            s.attention is AttentionType.FULL and s.block_size > hbs for s in specs
+        )
+        self.pending_copies: list[tuple[KVCacheBlock, KVCacheBlock]] = []
+        self._uncached = 0
+        self.new_block_ids: list[tuple[int, int]] = []
+        """(group, block) to zero, in the order recorded."""
         # Same-spec groups are searched together, full attention first.
         kinds: list[tuple[KVCacheSpec, list[int]]] = []
         for g, spec in enumerate(specs):
@@ -216,6 +259,14 @@ class KVCacheManager:
         self, block_hashes: Sequence[bytes], max_length: int
     ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
         """The longest prefix every group has cached, and its length in tokens."""
+        blocks, length, uncached = self._find(block_hashes, max_length)
+        self._uncached = uncached
+        return blocks, length
+
+    def _find(
+        self, block_hashes: Sequence[bytes], max_length: int
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int, int]:
+        """The hit, its length, and how far past it some group's own search reached."""
         managers = self.managers
         if len(managers) == 1:
             manager = managers[0]
@@ -227,28 +278,59 @@ class KVCacheManager:
                 manager.kv_cache_spec,
                 self.use_eagle,
             )
-            return hit, len(hit[0]) * manager.block_size
+            return hit, self._extend(hit, block_hashes, max_length, [0], manager.kv_cache_spec), 0
 
         hits: dict[int, list[KVCacheBlock]] = {}
+        lengths: dict[int, int] = {}
         length = max_length
+        longest = 0
         while True:
             candidate = length
             for spec, ids in self._kinds:
                 cls = type(managers[ids[0]])
                 if spec.attention is AttentionType.FULL and ids[0] in hits:
-                    candidate = min(candidate, len(hits[ids[0]]) * spec.block_size)
+                    candidate = min(candidate, lengths[ids[0]])
                     continue
                 found = cls.find_longest_cache_hit(
                     block_hashes, candidate, ids, self.block_pool, spec, False
                 )
+                candidate = self._extend(found, block_hashes, candidate, ids, spec)
                 for g, blocks in zip(ids, found, strict=True):
                     hits[g] = blocks
-                candidate = len(found[0]) * spec.block_size
+                    lengths[g] = candidate
+                if candidate > longest:
+                    longest = candidate
             if candidate >= length:
                 break
             length = candidate
         keep = -(-length // self.specs[0].block_size)
-        return tuple(hits[g][:keep] for g in range(len(managers))), length
+        return tuple(hits[g][:keep] for g in range(len(managers))), length, longest - length
+
+    def _extend(
+        self,
+        found: tuple[list[KVCacheBlock], ...],
+        block_hashes: Sequence[bytes],
+        max_length: int,
+        ids: Sequence[int],
+        spec: KVCacheSpec,
+    ) -> int:
+        """With fine-grained hits, extend a full-attention hit (in place) into the next
+        block at its highest cached hash boundary; return the hit's length in tokens."""
+        block_size = spec.block_size
+        if not self.fine_grained_hits or spec.attention is not AttentionType.FULL:
+            return len(found[0]) * block_size
+        hbs = self.block_pool.hash_block_size
+        scale = block_size // hbs
+        first = len(found[0]) * scale
+        top = min(first + scale - 1, max_length // hbs, len(block_hashes))
+        for fine_idx in range(top - 1, first - 1, -1):
+            tail = self.block_pool.get_cached_block(block_hashes[fine_idx], ids)
+            if tail is None:
+                continue
+            for blocks, block in zip(found, tail, strict=True):
+                blocks.append(block)
+            return (fine_idx + 1) * hbs
+        return len(found[0]) * block_size
 
     def get_computed_blocks(self, request: Any) -> tuple[KVCacheBlocks, int]:
         """The cached blocks the request may reuse (at most num_tokens - 1 tokens) and their tokens.
@@ -261,9 +343,28 @@ class KVCacheManager:
         verify_hash_block_size(request, self.block_pool.hash_block_size)
         if not self.enable_caching or getattr(request, "skip_reading_prefix_cache", False):
             return self.empty_kv_cache_blocks, 0
+        blocks, num_tokens, _ = self._lookup(request)
+        return blocks, num_tokens
+
+    def get_computed_blocks_with_boundary(self, request: Any) -> tuple[KVCacheBlocks, int, int]:
+        """vLLM 0.33's ``get_computed_blocks``: the hit, its tokens, and the shared-prefix
+        boundary (the hit plus the tokens some group reached beyond it, or 0)."""
+        # Verify that the request has the fields the manager reads, of their types
+        _verify_request(request, lookup_only=True)
+        # Verify that the request is hashed in the pool's hash blocks
+        verify_hash_block_size(request, self.block_pool.hash_block_size)
+        if not self.enable_caching or getattr(request, "skip_reading_prefix_cache", False):
+            return self.empty_kv_cache_blocks, 0, 0
+        return self._lookup(request)
+
+    def _lookup(self, request: Any) -> tuple[KVCacheBlocks, int, int]:
+        # through find_longest_cache_hit, which a subclass may override; it leaves the
+        # tokens past the hit some group reached in _uncached
+        self._uncached = 0
         blocks, num_tokens = self.find_longest_cache_hit(
             request.block_hashes, request.num_tokens - 1
         )
+        uncached = self._uncached
         if self.prefix_cache_stats is not None:
             self.prefix_cache_stats = record(
                 self.prefix_cache_stats,
@@ -271,7 +372,8 @@ class KVCacheManager:
                 num_tokens,
                 request.num_preemptions > 0,
             )
-        return self.create_kv_cache_blocks(blocks), num_tokens
+        boundary = num_tokens + uncached if uncached else 0
+        return self.create_kv_cache_blocks(blocks), num_tokens, boundary
 
     # ------------------------------------------------------------------
     # Allocation
@@ -339,12 +441,27 @@ class KVCacheManager:
             raise HitOnRunningRequest(f"request {rid!r} already holds blocks")
 
         num_computed = request.num_computed_tokens + num_new_computed_tokens
+        # A hit ending inside a block is copied to a private block (copy-on-write)
+        partial = [
+            len(group_hits) > 0 and num_computed % m.block_size != 0
+            for m, group_hits in zip(managers, hits, strict=True)
+        ]
+        # Verify that a hit ending inside a block ends in its last block
+        for g, m in enumerate(managers):
+            if partial[g] and num_computed // m.block_size != len(hits[g]) - 1:
+                raise InvalidHit(
+                    f"a hit of {num_computed} tokens ends in block "
+                    f"{num_computed // m.block_size}, not in the last of the "
+                    f"{len(hits[g])} hit blocks of group {g}"
+                )
         if self.enable_caching and not delay_cache_blocks:
             # Verify that the hashes the caching step will read are bytes (read before
             # anything changes, so a bad request is rejected whole)
             self._verify_hashes_to_cache(
                 request, hits, min(num_computed + num_new_tokens, request.num_tokens)
             )
+            if self._caches_prompt_tail:
+                num_prompt_tokens(request)
 
         for manager in managers:
             manager.remove_skipped_blocks(rid, request.num_computed_tokens)
@@ -352,20 +469,49 @@ class KVCacheManager:
         needed = 0
         for manager, group_hits in zip(managers, hits, strict=True):
             needed += manager.get_num_blocks_to_allocate(rid, num_slots, group_hits)
+        needed += sum(partial)
         if needed > self.block_pool.get_num_free_blocks():
             return None
 
         if self.enable_caching and has_hits:
             for group_hits in hits:
                 self.block_pool.touch(group_hits)
-        for manager, group_hits in zip(managers, hits, strict=True):
+        for g, (manager, group_hits) in enumerate(zip(managers, hits, strict=True)):
             manager.save_new_computed_blocks(rid, group_hits)
-        new_blocks = tuple(manager.allocate_new_blocks(rid, num_slots) for manager in managers)
+            if partial[g]:
+                # only the whole blocks count as cached: the copy is cached once full
+                manager.num_cached_block[rid] = num_computed // manager.block_size
+        new_blocks: list[list[KVCacheBlock]] = []
+        for g, manager in enumerate(managers):
+            copied: list[KVCacheBlock] = []
+            if partial[g]:
+                copied.append(self._copy_on_write(manager, rid, num_computed, hits[g][-1]))
+            new_blocks.append(copied + manager.allocate_new_blocks(rid, num_slots))
         if self.enable_caching and not delay_cache_blocks:
             num_to_cache = min(num_computed + num_new_tokens, request.num_tokens)
-            for manager in managers:
-                manager.cache_blocks(request, num_to_cache)
-        return self.create_kv_cache_blocks(new_blocks)
+            self._cache(request, num_to_cache)
+        return self.create_kv_cache_blocks(tuple(new_blocks))
+
+    def _copy_on_write(
+        self, manager: SingleTypeKVCacheManager, rid: str, num_computed: int, source: KVCacheBlock
+    ) -> KVCacheBlock:
+        """Put a fresh block in place of the shared block the hit ends in; record the copy.
+
+        The fresh block takes a second reference, the copy's; the source keeps
+        the request's until the scheduler frees both ends after the copy.
+        """
+        destination = self.block_pool.get_new_blocks(1)[0]
+        self.block_pool.touch([destination])
+        manager.req_to_blocks[rid][num_computed // manager.block_size] = destination
+        self.pending_copies.append((source, destination))
+        self.new_block_ids.append((manager.kv_cache_group_id, destination.block_id))
+        return destination
+
+    def _cache(self, request: Any, num_tokens: int) -> None:
+        """Cache every group's full blocks, and the prompt's tail where blocks hold several hash
+        blocks (the managers' ``cache_blocks``, unrounded with fine-grained hits)."""
+        for manager in self.managers:
+            manager.cache_blocks(request, num_tokens)
 
     def _verify_hashes_to_cache(
         self, request: Any, hits: tuple[Sequence[KVCacheBlock], ...], num_tokens: int
@@ -398,8 +544,9 @@ class KVCacheManager:
             self._verify_hashes_to_cache(
                 request, self.empty_kv_cache_blocks.blocks, num_computed_tokens
             )
-            for manager in self.managers:
-                manager.cache_blocks(request, num_computed_tokens)
+            if self._caches_prompt_tail:
+                num_prompt_tokens(request)
+            self._cache(request, num_computed_tokens)
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Remove the given blocks from the prefix cache."""
@@ -423,6 +570,68 @@ class KVCacheManager:
     def take_events(self) -> list[KVCacheEvent]:
         """Every pool event since the last call, oldest first."""
         return self.block_pool.take_events()
+
+    # ------------------------------------------------------------------
+    # vLLM 0.33's further scheduler calls
+    # ------------------------------------------------------------------
+
+    def take_kv_cache_block_copies(self) -> tuple[list[KVCacheBlockCopy], list[KVCacheBlock]]:
+        """The pending copies, oldest first, and the blocks they retain (source, destination
+        of each); the scheduler frees those with ``block_pool.free_blocks`` after the copy."""
+        pending, self.pending_copies = self.pending_copies, []
+        copies = [KVCacheBlockCopy(src.block_id, dst.block_id) for src, dst in pending]
+        return copies, [block for pair in pending for block in pair]
+
+    def truncate_computed_blocks(
+        self, blocks: KVCacheBlocks, num_computed_tokens: Unchecked
+    ) -> KVCacheBlocks:
+        """The hit cut back to ``num_computed_tokens`` (whole blocks of every group); pure."""
+        # Verify that the arguments have the operation's types
+        if not isinstance(blocks, KVCacheBlocks):
+            raise InvalidArgument("blocks must be KVCacheBlocks")
+        _verify_ints(num_computed_tokens=num_computed_tokens)
+        # Verify that the hit has one entry per group
+        if len(blocks.blocks) != len(self.managers):
+            raise InvalidHit(f"{len(blocks.blocks)} hit lists for {len(self.managers)} groups")
+        out: list[list[KVCacheBlock]] = []
+        for manager, group_blocks in zip(self.managers, blocks.blocks, strict=True):
+            # Verify that the length is a whole number of blocks
+            if num_computed_tokens < 0 or num_computed_tokens % manager.block_size != 0:
+                raise InvalidTokenCount(
+                    f"num_computed_tokens={num_computed_tokens} is not a whole number of "
+                    f"{manager.block_size}-token blocks"
+                )
+            count = num_computed_tokens // manager.block_size
+            if manager.kv_cache_spec.attention is AttentionType.MAMBA:
+                count = min(count, len(group_blocks))
+            # Verify that the hit covers the length
+            elif count > len(group_blocks):
+                raise InvalidHit(f"a hit of {len(group_blocks)} blocks cannot cover {count}")
+            out.append(list(group_blocks[:count]))
+        return self.create_kv_cache_blocks(tuple(out))
+
+    def take_new_block_ids(self) -> list[int]:
+        """The blocks to zero recorded since the last call (copy destinations), group by group."""
+        ids, self.new_block_ids = self.new_block_ids, []
+        ids.sort(key=lambda entry: entry[0])
+        return [block for _, block in ids]
+
+    def estimate_cached_tokens(self, request: Any) -> int:
+        """The fewest tokens any group's blocks of the request are cached for."""
+        # Verify that the request has an id
+        _verify_request_id(getattr(request, "request_id", None))
+        cached: int | None = None
+        for manager in self.managers:
+            group = 0
+            for block in manager.req_to_blocks.get(request.request_id, ()):
+                n = block.block_hash_num_tokens
+                if n is not None and n > group:
+                    group = n
+            cached = group if cached is None or group < cached else cached
+        return cached or 0
+
+    def new_step_starts(self) -> None:
+        """A scheduler step begins; no group kvpool models keeps per-step state."""
 
     # ------------------------------------------------------------------
     # Queries
@@ -466,13 +675,17 @@ class KVCacheManager:
         True
         """
         return KVCacheManagerState(
-            config=ManagerConfig(self.max_model_len, self.use_eagle, self.log_stats),
+            config=ManagerConfig(
+                self.max_model_len, self.use_eagle, self.log_stats, self.fine_grained_hits
+            ),
             managers=ManagersState(
                 pool=self.block_pool.snapshot(),
                 specs=self.specs,
                 tables=tuple(m.table() for m in self.managers),
             ),
             stats=self.prefix_cache_stats,
+            pending_copies=tuple((s.block_id, d.block_id) for s, d in self.pending_copies),
+            new_block_ids=tuple(self.new_block_ids),
         )
 
 

@@ -29,7 +29,7 @@ from typing import Any, Protocol, cast
 
 from mypy_extensions import mypyc_attr
 
-from kvpool.impl.block import KVCacheBlock
+from kvpool.impl.block import KVCacheBlock, vllm_key
 from kvpool.impl.free_queue import FreeKVCacheBlockQueue
 from kvpool.model.errors import (
     AlreadyCached,
@@ -60,6 +60,12 @@ from kvpool.model.profiles import DEFAULT_PROFILE, EventSemantics, FreeOrder, Pr
 from kvpool.model.state import BlockState, HashKey, PoolConfig, PoolState
 
 ReuseWatcher = Callable[[KVCacheBlock], object]
+"""What ``unpin_blocks`` registers: called with the block when the pool reuses it."""
+
+EventHook = Callable[[KVCacheEvent, Any], object]
+"""What a pool built with ``event_hook`` queues instead of each of its events: the hook's
+result for (the event, the request that caused it or None). ``kvpool.impl.vllm_shape.CallerEvents``
+builds the caller's own event classes (vLLM's msgspec ones, with int hashes) this way."""
 """What ``unpin_blocks`` registers: called with the block when the pool reuses it."""
 
 CacheEntry = KVCacheBlock | dict[int, KVCacheBlock]
@@ -104,8 +110,15 @@ class BlockPool:
     ``strict=False`` is the one switch for vLLM's own semantics where kvpool
     is stricter on purpose: ``cache_partial_block`` then also takes a prefix
     ending on a block boundary and blocks of one hash block, as vLLM 0.32+
-    do (docs/semantics.md, ``cache_partial_block``). It is off in every
-    conformance check: the model has no such switch.
+    do (docs/semantics.md, ``cache_partial_block``). It also shows the keys
+    vLLM's own managers read in vLLM's shape (``hash + 4 group-id bytes``):
+    ``block.block_hash``, ``cache_partial_block``'s result, and vLLM's
+    internal map under its name, ``cached_block_hash_to_block``. It is off in
+    every conformance check: the model has no such switch.
+
+    ``event_hook`` (None: kvpool's own event dataclasses) turns each event
+    into the caller's object as it is queued (``EventHook``); a drop-in for
+    vLLM passes ``vllm_shape.CallerEvents`` with vLLM's event classes.
 
     >>> pool = BlockPool(4, enable_caching=True, hash_block_size=1)
     >>> [b.block_id for b in pool.get_new_blocks(2)], pool.get_num_free_blocks()
@@ -122,6 +135,7 @@ class BlockPool:
         "blocks",
         "enable_caching",
         "enable_kv_cache_events",
+        "event_hook",
         "free_block_queue",
         "hash_block_size",
         "kv_event_queue",
@@ -146,6 +160,7 @@ class BlockPool:
         *,
         profile: Profile = DEFAULT_PROFILE,
         strict: bool = True,
+        event_hook: EventHook | None = None,
     ) -> None:
         # Verify that the sizes are integers and the medium a string
         for name, value in (
@@ -160,6 +175,8 @@ class BlockPool:
         num_hash_lookahead_tokens = int(num_hash_lookahead_tokens)
         if not isinstance(medium, str):
             raise InvalidArgument(f"medium must be a string, got {type(medium).__name__}")
+        if event_hook is not None and not callable(event_hook):
+            raise InvalidArgument("event_hook must be callable")
         # Verify that the pool has room for the null block
         if num_gpu_blocks < 1:
             raise InvalidConfig(f"num_gpu_blocks must be at least 1, got {num_gpu_blocks}")
@@ -178,6 +195,7 @@ class BlockPool:
         self.medium = medium
         self.profile = profile
         self.strict = strict
+        self.event_hook = event_hook
         self.blocks: list[KVCacheBlock] = [
             KVCacheBlock(i, pool=self) for i in range(num_gpu_blocks)
         ]
@@ -185,7 +203,8 @@ class BlockPool:
         self.null_block.is_null = True
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[1:])
         self._cached: dict[HashKey, CacheEntry] = {}
-        self.kv_event_queue: list[KVCacheEvent] = []
+        # kvpool's events, or what event_hook made of them
+        self.kv_event_queue: list[Any] = []
         self._hashless_first = profile.free_order_for(enable_caching) is FreeOrder.HASHLESS_FIRST
         # Freed blocks need sorting by hash only when the rule looks at hashes
         # and hashes can exist; otherwise they all go to one end.
@@ -839,7 +858,7 @@ class BlockPool:
                     and (block_mask is None or block_mask[i - num_cached_blocks])
                 ]
                 lookahead = self._lookahead(token_ids, ends)
-            self.kv_event_queue.append(
+            self._emit(
                 BlockStored(
                     block_hashes=tuple(stored),
                     parent_block_hash=parent,
@@ -851,7 +870,8 @@ class BlockPool:
                     extra_keys=(None,) * len(stored) if stored else None,
                     group_idx=kv_cache_group_id,
                     lookahead_token_ids=lookahead,
-                )
+                ),
+                request,
             )
 
     def cache_partial_block(
@@ -862,13 +882,14 @@ class BlockPool:
         kv_cache_group_id: Unchecked,
         block_size: Unchecked,
         replace_existing_hashes: Unchecked = False,
-    ) -> HashKey | None:
+    ) -> HashKey | bytes | None:
         """Make ``block`` reachable from the prefix of ``num_tokens`` tokens ending inside it.
 
         The key is the request's hash at ``num_tokens``. It becomes the
         block's primary key if it has none, replaces a primary key covering
         fewer tokens (promotion), and is otherwise added beside it. Returns
-        the key, or None for the null block. With ``replace_existing_hashes``
+        the key (in vLLM's shape under ``strict=False``), or None for the null
+        block. With ``replace_existing_hashes``
         every key of the block goes first (one BlockRemoved each) and the key
         becomes its only one, always with a BlockStored.
 
@@ -952,7 +973,7 @@ class BlockPool:
         elif primary is not None:
             extra = block._extra_keys
             if primary == key or (extra is not None and key in extra):
-                return key
+                return key if self.strict else vllm_key(key)
             num_primary = block._block_hash_num_tokens
             if num_primary is not None and num_primary < num_tokens:
                 self._drop_keys(block)
@@ -969,8 +990,8 @@ class BlockPool:
             self._add_beside(key, entry, block)
 
         if self.enable_kv_cache_events:
-            self.kv_event_queue.append(stored)
-        return key
+            self._emit(stored, request)
+        return key if self.strict else vllm_key(key)
 
     def emit_cached_block_events(
         self,
@@ -1025,7 +1046,7 @@ class BlockPool:
         if not self.enable_kv_cache_events or num_cached_blocks == 0:
             return
         lora_id, lora_name = _lora_of(request)
-        self.kv_event_queue.append(
+        self._emit(
             BlockStored(
                 block_hashes=tuple(hashes),
                 parent_block_hash=None,
@@ -1039,7 +1060,8 @@ class BlockPool:
                 lookahead_token_ids=self._lookahead(
                     token_ids, [(i + 1) * block_size for i in range(num_cached_blocks)]
                 ),
-            )
+            ),
+            request,
         )
 
     def _lookahead(
@@ -1160,7 +1182,7 @@ class BlockPool:
         if self.metrics_collector is not None:
             self.metrics_collector.reset()
         if self.enable_kv_cache_events:
-            self.kv_event_queue.append(AllBlocksCleared())
+            self._emit(AllBlocksCleared())
         return True
 
     # ------------------------------------------------------------------
@@ -1189,6 +1211,29 @@ class BlockPool:
         if usable == 0:
             return 0.0
         return 1.0 - self.free_block_queue.num_free_blocks / usable
+
+    def _emit(self, event: KVCacheEvent, request: object = None) -> None:
+        """Queue ``event``, or what the pool's event hook makes of it."""
+        hook = self.event_hook
+        self.kv_event_queue.append(event if hook is None else hook(event, request))
+
+    @property
+    def cached_block_hash_to_block(self) -> Any:
+        """vLLM's internal hash map, keyed in vLLM's shape (``strict=False`` only).
+
+        A view of the pool's own map (``vllm_shape.VllmHashMap``) for code
+        written against vLLM's ``BlockPool``: writing through it changes the
+        map alone, as writing vLLM's map does, so the block records and the
+        invariants are the writer's business.
+        """
+        if self.strict:
+            raise AttributeError(
+                "cached_block_hash_to_block is vLLM's internal map; "
+                "a pool built with strict=False shows it"
+            )
+        from kvpool.impl.vllm_shape import VllmHashMap
+
+        return VllmHashMap(self)
 
     def take_events(self) -> list[KVCacheEvent]:
         """Every event emitted since the last call, oldest first; the queue is emptied.
@@ -1511,9 +1556,7 @@ class BlockPool:
         if entry is not block:
             self._put_back(key, entry, block)
         if self.enable_kv_cache_events and (self._removal_per_copy or entry is block):
-            self.kv_event_queue.append(
-                BlockRemoved(block_hashes=(key[0],), medium=self.medium, group_idx=key[1])
-            )
+            self._emit(BlockRemoved(block_hashes=(key[0],), medium=self.medium, group_idx=key[1]))
         if block._extra_keys is not None:
             for key in block._extra_keys:
                 self._unmap(key, block)
@@ -1527,9 +1570,7 @@ class BlockPool:
         if entry is not block:
             self._put_back(key, entry, block)
         if self.enable_kv_cache_events and (self._removal_per_copy or entry is block):
-            self.kv_event_queue.append(
-                BlockRemoved(block_hashes=(key[0],), medium=self.medium, group_idx=key[1])
-            )
+            self._emit(BlockRemoved(block_hashes=(key[0],), medium=self.medium, group_idx=key[1]))
 
     def _put_back(self, key: HashKey, entry: Any, block: KVCacheBlock) -> None:
         """Restore a popped shared entry without ``block``."""

@@ -19,11 +19,26 @@ from kvpool.impl.pool import BlockPool
 from kvpool.model.errors import (
     HashBlockSizeMismatch,
     HitOnRunningRequest,
+    InvalidArgument,
     InvalidTokenCount,
     UnknownGroup,
     UnknownRequest,
 )
 from kvpool.model.single_type import AttentionType, GroupTable, KVCacheSpec
+
+
+def num_prompt_tokens(request: Any) -> int:
+    """The request's prompt length (vLLM's ``num_prompt_tokens``, or kvpool's prompt ids);
+    InvalidArgument if it has neither."""
+    count = getattr(request, "num_prompt_tokens", None)
+    if count is None:
+        prompt = getattr(request, "prompt_token_ids", None)
+        if not isinstance(prompt, Sequence):
+            raise InvalidArgument("not a request: it has no prompt length")
+        count = len(prompt)
+    if not isinstance(count, int) or isinstance(count, bool):
+        raise InvalidArgument(f"num_prompt_tokens must be an int, got {type(count).__name__}")
+    return count
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -60,6 +75,9 @@ class SingleTypeKVCacheManager:
         self._null_block = block_pool.null_block
         self.use_eagle = False
         """EAGLE drafts read the whole prompt (the manager sets it, as vLLM's coordinator does)."""
+        self.fine_grained_hits = False
+        """Hits may end inside a block, so the prompt's tail is cached without rounding (the
+        manager sets it, as vLLM's coordinator sets ``cache_hit_alignment_tokens``)."""
 
     # ------------------------------------------------------------------
 
@@ -228,12 +246,14 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         if self.block_size == hbs:
             return
         # The last hash-block boundary a resend of the prompt can hit (docs/semantics.md)
-        limit = request.num_prompt_tokens - (0 if self.use_eagle else 1)
+        limit = num_prompt_tokens(request) - (0 if self.use_eagle else 1)
         num_hashes = len(request.block_hashes)
         boundary = (limit // hbs if limit // hbs < num_hashes else num_hashes) * hbs
-        # what a block-aligned hit could match (EAGLE: everything)
+        # what a hit could match: block-aligned hits round down (not with EAGLE, nor with
+        # fine-grained hits)
         size = self.block_size
-        cacheable = num_tokens if self.use_eagle else num_tokens // size * size
+        aligned = not (self.use_eagle or self.fine_grained_hits)
+        cacheable = num_tokens // size * size if aligned else num_tokens
         if boundary == 0 or boundary > cacheable or boundary % size == 0:
             return
         blocks = self.req_to_blocks[request.request_id]

@@ -24,6 +24,7 @@ what decided the rest.
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
+import kvpool.model.copy_on_write as cow
 import kvpool.model.pool as pool_ops
 import kvpool.model.single_type as single
 from kvpool.model.errors import (
@@ -39,7 +40,7 @@ from kvpool.model.events import KVCacheEvent
 from kvpool.model.profiles import DEFAULT_PROFILE, Profile
 from kvpool.model.request import Request, verify_hash_block_size
 from kvpool.model.single_type import AttentionType, KVCacheSpec
-from kvpool.model.state import BlockHash
+from kvpool.model.state import BlockHash, PoolState
 
 Blocks = tuple[tuple[int, ...], ...]
 """Block ids per KV cache group: ``blocks[g][i]`` is block i of group g."""
@@ -157,6 +158,8 @@ class ManagerConfig:
     max_model_len: int
     use_eagle: bool = False
     log_stats: bool = False
+    fine_grained_hits: bool = False
+    """Hits may end inside a block (vLLM 0.33; ``kvpool.model.copy_on_write``)."""
 
 
 @dataclass(frozen=True)
@@ -167,6 +170,13 @@ class KVCacheManagerState:
     managers: single.ManagersState
     stats: PrefixCacheStats | None = None
     """None unless log_stats."""
+    pending_copies: tuple[tuple[int, int], ...] = ()
+    """Copy-on-write copies (source, destination) not yet taken by the scheduler, oldest first.
+    Each end holds one extra reference until the scheduler frees it after the copy."""
+    new_block_ids: tuple[tuple[int, int], ...] = ()
+    """Blocks to zero before use, not yet taken (``take_new_block_ids``), as (group,
+    block) in the order recorded: the copy destinations (vLLM records every new block
+    only when its config needs zeroing, which kvpool does not model)."""
 
 
 def new_kv_cache_manager(
@@ -179,13 +189,16 @@ def new_kv_cache_manager(
     log_stats: bool = False,
     enable_events: bool = False,
     profile: Profile = DEFAULT_PROFILE,
+    fine_grained_hits: bool = False,
 ) -> KVCacheManagerState:
     """A manager over a fresh pool of ``num_blocks``, one group per spec.
 
     ``hash_block_size`` defaults to the first group's block size. Groups
     must share one block size; a Mamba group's block must hold a whole
     request (``block_size >= max_model_len``); EAGLE is supported with one
-    group of full attention or sliding window.
+    group of full attention or sliding window. ``fine_grained_hits`` asks for
+    hits ending inside a block; it takes effect only where
+    ``copy_on_write.fine_grained_hits_enabled`` allows it (vllm#51843).
 
     Complexity: O(num_blocks + len(specs)).
 
@@ -217,8 +230,9 @@ def new_kv_cache_manager(
         pool = pool_ops.new_pool(num_blocks, enable_caching, hbs, enable_events, profile)
     except ValueError as error:
         raise InvalidManagerConfig(str(error)) from error
+    fine = cow.fine_grained_hits_enabled(specs, hbs, fine_grained_hits, use_eagle)
     return KVCacheManagerState(
-        config=ManagerConfig(max_model_len, use_eagle, log_stats),
+        config=ManagerConfig(max_model_len, use_eagle, log_stats, fine),
         managers=single.new_managers(pool, specs),
         stats=PrefixCacheStats() if log_stats else None,
     )
@@ -236,7 +250,9 @@ def find_hit(
 
     One group: its own search. Several: each attention type in turn (full
     attention first) may only shorten the candidate length; repeat until no
-    type shortens it, then trim full-attention hits to that length.
+    type shortens it, then trim full-attention hits to that length. With
+    fine-grained hits a full-attention search may end inside a block
+    (``copy_on_write.extend_into_partial_block``).
 
     Complexity: O(groups * max_length / block_size) lookups per round.
 
@@ -244,14 +260,30 @@ def find_hit(
     >>> find_hit(new_kv_cache_manager(4, [full_attention(2)], 8), [b"x"], 3)
     (((),), 0)
     """
+    blocks, length, _ = find_hit_with_boundary(state, block_hashes, max_length)
+    return blocks, length
+
+
+def find_hit_with_boundary(
+    state: KVCacheManagerState, block_hashes: Sequence[BlockHash], max_length: int
+) -> tuple[Blocks, int, int]:
+    """``find_hit``, and how many tokens past the hit some group's own search reached.
+
+    The third value is vLLM 0.33's ``num_uncached_common_prefix_tokens``: the
+    longest length any search returned minus the reconciled hit (0 with one
+    group).
+
+    >>> from kvpool.model.single_type import full_attention
+    >>> find_hit_with_boundary(new_kv_cache_manager(4, [full_attention(2)], 8), [b"x"], 3)
+    (((),), 0, 0)
+    """
     m = state.managers
     specs = m.specs
     eagle = state.config.use_eagle
+    fine = state.config.fine_grained_hits
     if len(specs) == 1:
-        (hit,) = single.find_longest_cache_hit(
-            m.pool, specs[0], block_hashes, max_length, [0], eagle
-        )
-        return (hit,), len(hit) * specs[0].block_size
+        (hit,), length = _search(m.pool, specs[0], block_hashes, max_length, [0], eagle, fine)
+        return (hit,), length, 0
 
     kinds: list[tuple[KVCacheSpec, list[int]]] = []
     for g, spec in enumerate(specs):
@@ -264,23 +296,42 @@ def find_hit(
     kinds.sort(key=lambda k: k[0].attention is not AttentionType.FULL)
 
     hits: dict[int, tuple[int, ...]] = {}
+    lengths: dict[int, int] = {}
     length = max_length
+    longest = 0
     while True:
         candidate = length
         for spec, ids in kinds:
             if spec.attention is AttentionType.FULL and ids[0] in hits:
-                candidate = min(candidate, len(hits[ids[0]]) * spec.block_size)
+                candidate = min(candidate, lengths[ids[0]])
                 continue
-            found = single.find_longest_cache_hit(m.pool, spec, block_hashes, candidate, ids, False)
+            found, candidate = _search(m.pool, spec, block_hashes, candidate, ids, False, fine)
             for g, blocks in zip(ids, found, strict=True):
                 hits[g] = blocks
-            candidate = len(found[0]) * spec.block_size
+                lengths[g] = candidate
+            longest = max(longest, candidate)
         if candidate >= length:
             break
         length = candidate
     block_size = specs[0].block_size
     trimmed = tuple(hits[g][: -(-length // block_size)] for g in range(len(specs)))
-    return trimmed, length
+    return trimmed, length, longest - length
+
+
+def _search(
+    pool: PoolState,
+    spec: KVCacheSpec,
+    block_hashes: Sequence[BlockHash],
+    max_length: int,
+    ids: Sequence[int],
+    eagle: bool,
+    fine: bool,
+) -> tuple[tuple[tuple[int, ...], ...], int]:
+    """One attention type's hit for groups ``ids`` and its length in tokens."""
+    found = single.find_longest_cache_hit(pool, spec, block_hashes, max_length, ids, eagle)
+    if fine and spec.attention is AttentionType.FULL:
+        return cow.extend_into_partial_block(pool, spec, block_hashes, max_length, ids, found)
+    return found, len(found[0]) * spec.block_size
 
 
 def get_computed_blocks(
@@ -291,7 +342,8 @@ def get_computed_blocks(
     At most ``num_tokens - 1`` tokens hit: the last token is always
     computed, for its logits. Nothing hits when caching is off or the
     request skips reading the cache; only real lookups are counted in the
-    stats.
+    stats. (vLLM 0.33 answers a third value too: see
+    ``get_computed_blocks_with_boundary``.)
 
     Complexity: that of ``find_hit``.
 
@@ -301,16 +353,38 @@ def get_computed_blocks(
     >>> get_computed_blocks(m, new_request("r", [1, 2, 3], 2))[1]
     (((),), 0)
     """
+    state, (blocks, num_tokens, _) = get_computed_blocks_with_boundary(state, request)
+    return state, (blocks, num_tokens)
+
+
+def get_computed_blocks_with_boundary(
+    state: KVCacheManagerState, request: Request
+) -> tuple[KVCacheManagerState, tuple[Blocks, int, int]]:
+    """vLLM 0.33's ``get_computed_blocks``: the hit, its tokens, and the shared-prefix boundary.
+
+    The boundary is the hit plus the tokens some group's own search reached
+    beyond it, or 0 when no group reached further (always 0 with one group).
+
+    Complexity: that of ``find_hit``.
+
+    >>> from kvpool.model.single_type import full_attention
+    >>> from kvpool.model.request import new_request
+    >>> m = new_kv_cache_manager(4, [full_attention(2)], 8)
+    >>> get_computed_blocks_with_boundary(m, new_request("r", [1, 2, 3], 2))[1]
+    (((),), 0, 0)
+    """
     # Verify that the request is hashed in the pool's hash blocks
     verify_hash_block_size(request, state.managers.pool.config.hash_block_size)
     empty: Blocks = tuple(() for _ in state.managers.specs)
     if not state.managers.pool.config.enable_caching or request.skip_reading_prefix_cache:
-        return state, (empty, 0)
-    blocks, num_tokens = find_hit(state, request.block_hashes, request.num_tokens - 1)
+        return state, (empty, 0, 0)
+    blocks, num_tokens, uncached = find_hit_with_boundary(
+        state, request.block_hashes, request.num_tokens - 1
+    )
     if state.stats is not None:
         stats = record(state.stats, request.num_tokens, num_tokens, request.num_preemptions > 0)
         state = replace(state, stats=stats)
-    return state, (blocks, num_tokens)
+    return state, (blocks, num_tokens, num_tokens + uncached if uncached else 0)
 
 
 def allocate_slots(
@@ -366,14 +440,25 @@ def allocate_slots(
     # Verify that only a request holding no blocks takes hits
     if has_hits and any(rid in m.tables[g].req_to_blocks for g in groups):
         raise HitOnRunningRequest(f"request {rid!r} already holds blocks")
+    num_computed = request.num_computed_tokens + num_new_computed_tokens
+    # A hit ending inside a block is copied to a private block (copy-on-write)
+    partial = [bool(hits[g]) and num_computed % m.specs[g].block_size != 0 for g in groups]
+    # Verify that a hit ending inside a block ends in its last block
+    for g in groups:
+        if partial[g] and num_computed // m.specs[g].block_size != len(hits[g]) - 1:
+            raise InvalidHit(
+                f"a hit of {num_computed} tokens ends in block "
+                f"{num_computed // m.specs[g].block_size}, not in the last of the "
+                f"{len(hits[g])} hit blocks of group {g}"
+            )
 
     for g in groups:
         m, _ = single.remove_skipped_blocks(m, g, rid, request.num_computed_tokens)
-    num_computed = request.num_computed_tokens + num_new_computed_tokens
     num_slots = min(
         num_computed + num_new_tokens + num_lookahead_tokens, state.config.max_model_len
     )
     needed = sum(single.get_num_blocks_to_allocate(m, g, rid, num_slots, hits[g]) for g in groups)
+    needed += sum(partial)
     if needed > pool_ops.get_num_free_blocks(m.pool):
         return replace(state, managers=m), None
 
@@ -385,14 +470,69 @@ def allocate_slots(
     new_blocks: list[tuple[int, ...]] = []
     for g in groups:
         m, _ = single.save_new_computed_blocks(m, g, rid, hits[g])
+        if partial[g]:
+            # only the whole blocks count as cached: the copy is cached once full
+            m = _with_num_cached(m, g, rid, num_computed // m.specs[g].block_size)
+    copies = state.pending_copies
+    zero = state.new_block_ids
     for g in groups:
+        copied: tuple[int, ...] = ()
+        if partial[g]:
+            m, destination = _copy_on_write(m, g, rid, num_computed // m.specs[g].block_size)
+            copies = (*copies, (hits[g][-1], destination))
+            zero = (*zero, (g, destination))
+            copied = (destination,)
         m, new = single.allocate_new_blocks(m, g, rid, num_slots)
-        new_blocks.append(new)
+        new_blocks.append(copied + new)
+    state = replace(state, pending_copies=copies, new_block_ids=zero)
     if m.pool.config.enable_caching and not delay_cache_blocks:
         num_to_cache = min(num_computed + num_new_tokens, request.num_tokens)
-        for g in groups:
-            m, _ = single.cache_blocks(m, g, request, num_to_cache, state.config.use_eagle)
+        m = _cache(state, m, request, num_to_cache)
     return replace(state, managers=m), tuple(new_blocks)
+
+
+def _with_num_cached(
+    m: single.ManagersState, group: int, request_id: str, count: int
+) -> single.ManagersState:
+    table = m.tables[group]
+    table = replace(table, num_cached_block={**table.num_cached_block, request_id: count})
+    return replace(m, tables=(*m.tables[:group], table, *m.tables[group + 1 :]))
+
+
+def _copy_on_write(
+    m: single.ManagersState, group: int, request_id: str, index: int
+) -> tuple[single.ManagersState, int]:
+    """Put a fresh block in place of the request's shared block ``index``; return it.
+
+    The fresh block takes a second reference (the pending copy's); the
+    source keeps the request's reference until the scheduler frees it after
+    the copy.
+    """
+    pool, (destination,) = pool_ops.get_new_blocks(m.pool, 1)
+    pool, _ = pool_ops.touch(pool, [destination])
+    table = m.tables[group]
+    blocks = table.req_to_blocks[request_id]
+    blocks = (*blocks[:index], destination, *blocks[index + 1 :])
+    table = replace(table, req_to_blocks={**table.req_to_blocks, request_id: blocks})
+    return replace(m, pool=pool, tables=(*m.tables[:group], table, *m.tables[group + 1 :])), (
+        destination
+    )
+
+
+def _cache(
+    state: KVCacheManagerState, m: single.ManagersState, request: Request, num_tokens: int
+) -> single.ManagersState:
+    """Cache every group's full blocks, and the prompt's tail where blocks hold several hash blocks.
+
+    With fine-grained hits the tail is cached without rounding the cacheable
+    tokens down to the block size (``single.cache_blocks``).
+    """
+    config = state.config
+    for g in range(len(m.specs)):
+        m, _ = single.cache_blocks(
+            m, g, request, num_tokens, config.use_eagle, config.fine_grained_hits
+        )
+    return m
 
 
 def free(state: KVCacheManagerState, request_id: str) -> tuple[KVCacheManagerState, None]:
@@ -428,9 +568,7 @@ def cache_blocks(
     m = state.managers
     if not m.pool.config.enable_caching:
         return state, None
-    for g in range(len(m.specs)):
-        m, _ = single.cache_blocks(m, g, request, num_computed_tokens, state.config.use_eagle)
-    return replace(state, managers=m), None
+    return replace(state, managers=_cache(state, m, request, num_computed_tokens)), None
 
 
 def evict_blocks(
@@ -489,6 +627,123 @@ def take_events(state: KVCacheManagerState) -> tuple[KVCacheManagerState, tuple[
     """
     pool, events = pool_ops.take_events(state.managers.pool)
     return replace(state, managers=replace(state.managers, pool=pool)), events
+
+
+# --------------------------------------------------------------------------
+# vLLM 0.33's further scheduler calls
+# --------------------------------------------------------------------------
+
+
+def take_kv_cache_block_copies(
+    state: KVCacheManagerState,
+) -> tuple[KVCacheManagerState, tuple[tuple[tuple[int, int], ...], tuple[int, ...]]]:
+    """The pending copies (source, destination), oldest first, and the blocks they retain.
+
+    The retained blocks are each copy's source then destination; each holds
+    one reference for the copy, which the scheduler releases with
+    ``free_blocks`` once the copy has run.
+
+    >>> from kvpool.model.single_type import full_attention
+    >>> take_kv_cache_block_copies(new_kv_cache_manager(4, [full_attention(2)], 8))[1]
+    ((), ())
+    """
+    copies = state.pending_copies
+    retained = tuple(b for pair in copies for b in pair)
+    return replace(state, pending_copies=()), (copies, retained)
+
+
+def free_blocks(
+    state: KVCacheManagerState, block_ids: Sequence[int]
+) -> tuple[KVCacheManagerState, None]:
+    """Drop one reference per listed block (the pool's free_blocks), as the scheduler
+    does with the blocks a copy retained.
+
+    >>> from kvpool.model.single_type import full_attention
+    >>> free_blocks(new_kv_cache_manager(4, [full_attention(2)], 8), [])[1] is None
+    True
+    """
+    pool, _ = pool_ops.free_blocks(state.managers.pool, block_ids)
+    return replace(state, managers=replace(state.managers, pool=pool)), None
+
+
+def truncate_computed_blocks(
+    state: KVCacheManagerState, blocks: Blocks, num_computed_tokens: int
+) -> Blocks:
+    """A hit cut back to ``num_computed_tokens``, a whole number of every group's blocks.
+
+    Pure: nothing is touched. A Mamba group keeps what it has if shorter.
+
+    >>> from kvpool.model.single_type import full_attention
+    >>> truncate_computed_blocks(new_kv_cache_manager(4, [full_attention(2)], 8), ((1, 2),), 2)
+    ((1,),)
+    """
+    specs = state.managers.specs
+    # Verify that the hit has one entry per group
+    if len(blocks) != len(specs):
+        raise InvalidHit(f"{len(blocks)} hit lists for {len(specs)} groups")
+    out: list[tuple[int, ...]] = []
+    for spec, group_blocks in zip(specs, blocks, strict=True):
+        # Verify that the length is a whole number of blocks
+        if num_computed_tokens < 0 or num_computed_tokens % spec.block_size != 0:
+            raise InvalidTokenCount(
+                f"num_computed_tokens={num_computed_tokens} is not a whole number of "
+                f"{spec.block_size}-token blocks"
+            )
+        count = num_computed_tokens // spec.block_size
+        if spec.attention is AttentionType.MAMBA:
+            count = min(count, len(group_blocks))
+        # Verify that the hit covers the length
+        elif count > len(group_blocks):
+            raise InvalidHit(f"a hit of {len(group_blocks)} blocks cannot cover {count}")
+        out.append(tuple(group_blocks[:count]))
+    return tuple(out)
+
+
+def take_new_block_ids(state: KVCacheManagerState) -> tuple[KVCacheManagerState, tuple[int, ...]]:
+    """The blocks to zero recorded since the last call (copy destinations), and forget them.
+
+    Group by group (each group's own list, as vLLM keeps one per manager), each
+    group's in the order recorded.
+
+    >>> from kvpool.model.single_type import full_attention
+    >>> take_new_block_ids(new_kv_cache_manager(4, [full_attention(2)], 8))[1]
+    ()
+    """
+    ordered = sorted(state.new_block_ids, key=lambda entry: entry[0])
+    return replace(state, new_block_ids=()), tuple(block for _, block in ordered)
+
+
+def estimate_cached_tokens(state: KVCacheManagerState, request_id: str) -> int:
+    """The fewest tokens any group's blocks of the request are cached for.
+
+    Per group: the most tokens a primary key of one of its blocks covers;
+    over groups: the least (0 when the request holds nothing).
+
+    >>> from kvpool.model.single_type import full_attention
+    >>> estimate_cached_tokens(new_kv_cache_manager(4, [full_attention(2)], 8), "r")
+    0
+    """
+    pool = state.managers.pool
+    cached: int | None = None
+    for table in state.managers.tables:
+        group = max(
+            (pool.blocks[b].hash_num_tokens or 0 for b in table.req_to_blocks.get(request_id, ())),
+            default=0,
+        )
+        cached = group if cached is None else min(cached, group)
+    return cached or 0
+
+
+def new_step_starts(state: KVCacheManagerState) -> tuple[KVCacheManagerState, None]:
+    """A scheduler step begins. No group kvpool models keeps per-step state (in vLLM 0.33
+    only the Mamba "align" manager does), so nothing changes.
+
+    >>> from kvpool.model.single_type import full_attention
+    >>> m = new_kv_cache_manager(4, [full_attention(2)], 8)
+    >>> new_step_starts(m)[0] == m
+    True
+    """
+    return state, None
 
 
 # --------------------------------------------------------------------------

@@ -354,7 +354,12 @@ def allocate_new_blocks(
 
 
 def cache_blocks(
-    state: ManagersState, group: int, request: Request, num_tokens: int, use_eagle: bool = False
+    state: ManagersState,
+    group: int,
+    request: Request,
+    num_tokens: int,
+    use_eagle: bool = False,
+    fine_grained: bool = False,
 ) -> tuple[ManagersState, None]:
     """Put the request's blocks that are full within its first ``num_tokens`` tokens in the map.
 
@@ -364,7 +369,8 @@ def cache_blocks(
     state, not the KV of the tokens its hash would name). A full-attention
     group whose blocks hold several hash blocks also caches the prompt's
     partial tail (``_cache_prompt_tail``), whether or not hits may end
-    inside a block.
+    inside a block; ``fine_grained`` says they may (the manager's
+    ``fine_grained_hits``), which changes what counts as cacheable there.
 
     Complexity: O(number of blocks newly cached).
 
@@ -401,30 +407,37 @@ def cache_blocks(
         table = replace(table, num_cached_block={**table.num_cached_block, rid: num_full})
         state = _with_table(replace(state, pool=pool), group, table)
     if spec.attention is AttentionType.FULL and spec.block_size > state.pool.config.hash_block_size:
-        state = _cache_prompt_tail(state, group, request, num_tokens, use_eagle)
+        state = _cache_prompt_tail(state, group, request, num_tokens, use_eagle, fine_grained)
     return state, None
 
 
 def _cache_prompt_tail(
-    state: ManagersState, group: int, request: Request, num_tokens: int, use_eagle: bool
+    state: ManagersState,
+    group: int,
+    request: Request,
+    num_tokens: int,
+    use_eagle: bool,
+    fine_grained: bool,
 ) -> ManagersState:
     """Key the block where the prompt's last hit-able hash boundary falls inside it.
 
     A resend of the prompt hits at most ``num_prompt_tokens - 1`` tokens (all
     of them with EAGLE, which drops a hash block after the lookup); the last
-    hash-block boundary within that is the boundary. Only what a block-aligned
-    hit could match counts as cacheable: ``num_tokens`` rounded down to the
-    block size (not rounded with EAGLE). Nothing happens when the boundary is
-    0, past the cacheable tokens, on a block boundary or past the request's
-    blocks; otherwise the pool's ``cache_partial_block`` keys the block there
-    (a key it already carries changes nothing). So the key arrives when its
-    block is full, beside the block's full key. Source: vLLM 0.33.0,
+    hash-block boundary within that is the boundary. Only what a hit could
+    match counts as cacheable: ``num_tokens`` rounded down to the block size
+    while hits are block-aligned, so the key arrives when its block is full,
+    beside the block's full key; not rounded with EAGLE, nor with
+    fine-grained hits (a hit may end at any hash boundary, so the key arrives
+    as soon as the boundary's tokens are computed). Nothing happens when the
+    boundary is 0, past the cacheable tokens, on a block boundary or past the
+    request's blocks; otherwise the pool's ``cache_partial_block`` keys the
+    block there (a key it already carries changes nothing). Source: vLLM 0.33.0,
     ``FullAttentionManager.cache_blocks`` and ``_cache_partial_tail_block`` in
     ``vllm/v1/core/single_type_kv_cache_manager.py`` (called on every caching
     of a full-attention group with blocks larger than a hash block), and
     ``HybridKVCacheCoordinator.get_num_cacheable_tokens`` in
-    ``vllm/v1/core/kv_cache_coordinator.py`` (the rounding, without
-    fine-grained hits).
+    ``vllm/v1/core/kv_cache_coordinator.py`` (the rounding, by
+    ``_align_cacheable``, skipped when fine-grained hits are on).
 
     Complexity: O(keys of the block).
     """
@@ -432,7 +445,8 @@ def _cache_prompt_tail(
     hbs = state.pool.config.hash_block_size
     limit = request.num_prompt_tokens - (0 if use_eagle else 1)
     boundary = min(limit // hbs, len(request.block_hashes)) * hbs
-    cacheable = num_tokens if use_eagle else num_tokens // spec.block_size * spec.block_size
+    aligned = not (use_eagle or fine_grained)
+    cacheable = num_tokens // spec.block_size * spec.block_size if aligned else num_tokens
     if boundary == 0 or boundary > cacheable or boundary % spec.block_size == 0:
         return state
     blocks = table.req_to_blocks[request.request_id]

@@ -284,7 +284,7 @@ class VectorsItem(ConformanceItem):
             )
         if problems:
             raise KvpoolFailure(
-                f"{len(result.mismatches)} of {result.run} request-layer vectors from {source} "
+                f"{result.failed} of {result.run} request-layer vectors from {source} "
                 "do not match:\n" + "\n\n".join(problems[:10])
             )
 

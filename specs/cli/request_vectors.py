@@ -89,17 +89,16 @@ def _report(console: Console, result: RequestRunResult, target: str, source: Pat
     for mismatch in result.mismatches[:10]:
         console.rule(f"[red]{mismatch.vector}[/red]")
         console.print(mismatch.describe(), markup=False, highlight=False)
-    if len(result.mismatches) > 10:
-        console.print(f"... and {len(result.mismatches) - 10} more mismatching vectors")
+    if result.failed > 10:
+        console.print(f"... and {result.failed - 10} more mismatching vectors")
     if result.target_error is not None:
         console.rule("[red]target error[/red]")
         console.print(result.target_error, markup=False, highlight=False)
     if result.skipped_why:
         why = ", ".join(f"{n} ({what})" for what, n in sorted(result.skipped_why.items()))
         console.print(f"skipped: {why}", markup=False, highlight=False)
-    failed = len(result.mismatches)
     console.print(
-        f"{target}: {result.passed} passed, {failed} failed, {result.skipped} skipped "
+        f"{target}: {result.passed} passed, {result.failed} failed, {result.skipped} skipped "
         f"({result.run} run from {source})",
         markup=False,
         highlight=False,
@@ -115,4 +114,4 @@ def _report(console: Console, result: RequestRunResult, target: str, source: Pat
             highlight=False,
         )
         raise typer.Exit(EXIT_ERROR)
-    raise typer.Exit(EXIT_MISMATCH if failed else EXIT_OK)
+    raise typer.Exit(EXIT_MISMATCH if result.failed else EXIT_OK)

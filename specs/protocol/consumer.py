@@ -23,7 +23,6 @@ rejections, so any ``error`` answer is a target error. The JSON Schema is
 model`` serves the reference consumer (or any ``module:factory``).
 """
 
-import json
 from collections.abc import Mapping
 from typing import IO
 
@@ -41,8 +40,8 @@ from kvpool.specs.protocol.codec import (
     decode_event,
     decode_hash,
     encode_hash,
-    read_requests,
 )
+from kvpool.specs.protocol.serving import reply, serve_lines
 
 CONSUMER_PROTOCOL_VERSION = 1
 MAX_WORKERS = 64
@@ -122,30 +121,10 @@ class ConsumerServer:
         self.config: ConsumerConfig | None = None
 
     def handle(self, message: Json) -> dict[str, Json]:
-        """The response to one decoded request."""
-        request = message if isinstance(message, dict) else {}
-        request_id = request.get("id")
-        reply: dict[str, Json] = {
-            "id": request_id
-            if isinstance(request_id, int) and not isinstance(request_id, bool)
-            else None
-        }
-        op, args = request.get("op"), request.get("args") or {}
-        try:
-            if not isinstance(message, dict):
-                raise ProtocolError("a request is a JSON object")
-            if reply["id"] is None:
-                raise ProtocolError("a request's id is an integer")
-            reply["ok"] = self._answer(op, args)
-        except ProtocolError as error:
-            reply["error"] = "ProtocolError"
-            reply["message"] = str(error)
-        except Exception as error:  # the served consumer's own crash: say what it raised
-            reply["error"] = type(error).__name__
-            reply["message"] = f"the consumer raised {type(error).__name__}: {error}"[:2000]
-        return reply
+        """The reply to one decoded request (``serving.reply``)."""
+        return reply(message, self._answer, served="consumer")
 
-    def _answer(self, op: Json, args: Json) -> Json:
+    def _answer(self, op: str, args: dict[str, Json]) -> Json:
         if op == "hello":
             declared = getattr(self.make_consumer, "event_semantics", None)
             semantics = list(EVENT_SEMANTICS) if declared is None else [str(s) for s in declared]
@@ -191,19 +170,8 @@ class ConsumerServer:
 def serve_consumer(
     make_consumer: ConsumerFactory, stdin: IO[str], stdout: IO[str], name: str = "python"
 ) -> None:
-    """Answer requests from ``stdin`` on ``stdout`` until stdin closes.
-
-    Each line is read as bounded data (``codec.read_requests``): garbage is
-    answered with a ProtocolError, and the server goes on with the next line.
-    """
-    server = ConsumerServer(make_consumer, name)
-    for message in read_requests(stdin):
-        if isinstance(message, ProtocolError):
-            reply: dict[str, Json] = {"id": None, "error": "ProtocolError", "message": str(message)}
-        else:
-            reply = server.handle(message)
-        stdout.write(json.dumps(reply) + "\n")
-        stdout.flush()
+    """Answer requests from ``stdin`` on ``stdout`` until stdin closes (``serving.serve_lines``)."""
+    serve_lines(ConsumerServer(make_consumer, name).handle, stdin, stdout)
 
 
 # --------------------------------------------------------------------------

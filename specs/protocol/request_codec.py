@@ -51,6 +51,7 @@ from kvpool.specs.request.target import (
     OPERATIONS as TARGET_OPERATIONS,
 )
 from kvpool.specs.request.target import (
+    OPERATIONS_033,
     ManagerSetup,
     ManagerSnapshottable,
     ManagerTarget,
@@ -164,6 +165,8 @@ def encode_setup(setup: ManagerSetup) -> Json:
         "log_stats": setup.log_stats,
         "enable_events": setup.enable_events,
         "profile": setup.profile.name,
+        # written only when on, so that earlier setups encode as they did
+        **({"fine_grained_hits": True} if setup.fine_grained_hits else {}),
     }
 
 
@@ -188,6 +191,7 @@ def decode_setup(value: Json) -> ManagerSetup:
         log_stats=_bool(obj.get("log_stats"), "log_stats"),
         enable_events=_bool(obj.get("enable_events"), "enable_events"),
         profile=PROFILES[profile],
+        fine_grained_hits=_bool(obj.get("fine_grained_hits", False), "fine_grained_hits"),
     )
 
 
@@ -347,6 +351,19 @@ def encode_manager_state(state: KVCacheManagerState) -> Json:
             for table in state.managers.tables
         ],
         "stats": encode_stats(state.stats),
+        # vLLM 0.33's fine-grained hits: written only when there, so that earlier
+        # states encode as they did
+        **({"fine_grained_hits": True} if state.config.fine_grained_hits else {}),
+        **(
+            {"pending_copies": [[s, d] for s, d in state.pending_copies]}
+            if state.pending_copies
+            else {}
+        ),
+        **(
+            {"new_block_ids": [[g, b] for g, b in state.new_block_ids]}
+            if state.new_block_ids
+            else {}
+        ),
     }
 
 
@@ -364,10 +381,21 @@ def decode_manager_state(value: Json, setup: ManagerSetup) -> KVCacheManagerStat
             blocks[rid] = _ints(entry.get("blocks"), "blocks")
             cached[rid] = _int(entry.get("num_cached_blocks"), "num_cached_blocks")
         tables.append(GroupTable(blocks, cached))
+    pairs = [_ints(p, "pair") for p in _list(obj.get("pending_copies", []), "pending_copies")]
+    zero = [_ints(p, "pair") for p in _list(obj.get("new_block_ids", []), "new_block_ids")]
+    if any(len(p) != 2 for p in (*pairs, *zero)):
+        raise ProtocolError("pending_copies and new_block_ids hold pairs")
     return KVCacheManagerState(
-        config=ManagerConfig(setup.max_model_len, setup.use_eagle, setup.log_stats),
+        config=ManagerConfig(
+            setup.max_model_len,
+            setup.use_eagle,
+            setup.log_stats,
+            _bool(obj.get("fine_grained_hits", False), "fine_grained_hits"),
+        ),
         managers=ManagersState(pool, setup.specs, tuple(tables)),
         stats=decode_stats(obj.get("stats")),
+        pending_copies=tuple((p[0], p[1]) for p in pairs),
+        new_block_ids=tuple((p[0], p[1]) for p in zero),
     )
 
 
@@ -378,8 +406,18 @@ def decode_manager_state(value: Json, setup: ManagerSetup) -> KVCacheManagerStat
 
 def encode_args(op: str, *args: Any) -> dict[str, Json]:
     """The JSON arguments of a call made with ``ManagerTarget``'s Python signature."""
-    if op in ("get_computed_blocks", "free", "block_hashes"):
+    if op in (
+        "get_computed_blocks",
+        "free",
+        "block_hashes",
+        "get_computed_blocks_with_boundary",
+        "estimate_cached_tokens",
+    ):
         return {"request": encode_request(args[0])}
+    if op == "free_blocks":
+        return {"block_ids": [int(b) for b in args[0]]}
+    if op == "truncate_computed_blocks":
+        return {"blocks": encode_blocks(args[0]), "num_computed_tokens": args[1]}
     if op == "allocate_slots":
         request, num_new, *rest = args
         defaults: list[Any] = [0, None, 0, False]
@@ -450,13 +488,51 @@ def _call(target: ManagerTarget, op: str, args: Mapping[str, Json]) -> Any:
         return hasher(decode_request(args.get("request")))
     if op == "none_hash":
         return none_hash(_str(args.get("seed"), "seed"))
+    if op in OPERATIONS_033:
+        return _call_033(target, op, args)
     raise ProtocolError(f"unknown operation {op!r}")
+
+
+def _call_033(target: ManagerTarget, op: str, args: Mapping[str, Json]) -> Any:
+    """One of vLLM 0.33's further calls (``ManagerTarget033``) on a target that has it."""
+    method = getattr(target, op, None)
+    if method is None:
+        raise ProtocolError(f"this target has no {op}")
+    if op in ("get_computed_blocks_with_boundary", "estimate_cached_tokens"):
+        return method(decode_request(args.get("request")))
+    if op == "free_blocks":
+        return method(_ints(args.get("block_ids"), "block_ids"))
+    if op == "truncate_computed_blocks":
+        blocks = decode_blocks(args.get("blocks"), "blocks")
+        if blocks is None:
+            raise ProtocolError("truncate_computed_blocks takes blocks per group, got null")
+        return method(blocks, _int(args.get("num_computed_tokens"), "num_computed_tokens"))
+    return method()
 
 
 def encode_result(op: str, result: Any) -> Json:
     """A Python manager target's result of ``op`` as its JSON value."""
-    if op in ("free", "cache_blocks", "evict_blocks"):
+    if op in ("free", "cache_blocks", "evict_blocks", "free_blocks", "new_step_starts"):
         return None
+    if op == "get_computed_blocks_with_boundary":
+        blocks, num_tokens, boundary = result
+        return {
+            "blocks": encode_blocks(blocks),
+            "num_tokens": int(num_tokens),
+            "boundary": int(boundary),
+        }
+    if op == "take_kv_cache_block_copies":
+        copies, retained = result
+        return {
+            "copies": [[int(s), int(d)] for s, d in copies],
+            "retained": [int(b) for b in retained],
+        }
+    if op == "truncate_computed_blocks":
+        return encode_blocks(result)
+    if op == "take_new_block_ids":
+        return [int(b) for b in result]
+    if op == "estimate_cached_tokens":
+        return int(result)
     if op == "get_computed_blocks":
         blocks, num_tokens = result
         return {"blocks": encode_blocks(blocks), "num_tokens": int(num_tokens)}
@@ -493,9 +569,28 @@ def apply(target: ManagerTarget, op: str, args: Mapping[str, Json]) -> Json:
 
 def check_result(op: str, value: Json) -> None:
     """Raise ProtocolError unless ``value`` has the shape of ``op``'s JSON result."""
-    if op in ("free", "cache_blocks", "evict_blocks"):
+    if op in ("free", "cache_blocks", "evict_blocks", "free_blocks", "new_step_starts"):
         if value is not None:
             raise ProtocolError(f"{op} returns null, got {value!r}")
+    elif op == "get_computed_blocks_with_boundary":
+        obj = _object(value, f"{op}'s result")
+        if decode_blocks(obj.get("blocks")) is None:
+            raise ProtocolError(f"{op} returns blocks per group, got null")
+        _int(obj.get("num_tokens"), "num_tokens")
+        _int(obj.get("boundary"), "boundary")
+    elif op == "take_kv_cache_block_copies":
+        obj = _object(value, f"{op}'s result")
+        for pair in _list(obj.get("copies"), "copies"):
+            if len(_ints(pair, "copy")) != 2:
+                raise ProtocolError(f"a copy is [source, destination], got {pair!r:.100}")
+        _ints(obj.get("retained"), "retained")
+    elif op == "truncate_computed_blocks":
+        if decode_blocks(value) is None:
+            raise ProtocolError(f"{op} returns blocks per group, got null")
+    elif op == "take_new_block_ids":
+        _ints(value, f"{op}'s result")
+    elif op == "estimate_cached_tokens":
+        _int(value, f"{op}'s result")
     elif op == "get_computed_blocks":
         obj = _object(value, "get_computed_blocks's result")
         if decode_blocks(obj.get("blocks")) is None:
@@ -533,6 +628,15 @@ def decode_result(op: str, value: Json) -> Any:
     check_result(op, value)
     if op == "get_computed_blocks":
         return decode_blocks(value["blocks"]), value["num_tokens"]
+    if op == "get_computed_blocks_with_boundary":
+        return decode_blocks(value["blocks"]), value["num_tokens"], value["boundary"]
+    if op == "take_kv_cache_block_copies":
+        copies = tuple((int(s), int(d)) for s, d in value["copies"])
+        return copies, tuple(value["retained"])
+    if op == "truncate_computed_blocks":
+        return decode_blocks(value)
+    if op == "take_new_block_ids":
+        return tuple(value)
     if op in ("allocate_slots", "get_block_ids"):
         return decode_blocks(value)
     if op == "get_num_common_prefix_blocks":

@@ -6,19 +6,19 @@ the kit's own tests run Python managers as ``cmd:`` targets::
     python -m kvpool.specs.protocol --layer request impl
 """
 
-import json
 from collections.abc import Sequence
 from typing import IO
 
 from kvpool.model import PROFILES, PoolError
 from kvpool.model.single_type import full_attention
-from kvpool.specs.protocol.codec import Json, ProtocolError, read_requests
+from kvpool.specs.protocol.codec import Json, ProtocolError
 from kvpool.specs.protocol.request_codec import (
     LAYER,
     REQUEST_PROTOCOL_VERSION,
     apply,
     decode_setup,
 )
+from kvpool.specs.protocol.serving import reply, serve_lines
 from kvpool.specs.request.target import (
     ManagerFactory,
     ManagerSetup,
@@ -33,8 +33,10 @@ def request_hello_result(
     profiles: Sequence[str] = tuple(PROFILES),
     snapshot: bool = True,
     hasher: str = "none",
+    fine_grained: bool = False,
 ) -> dict[str, Json]:
-    """What a request-layer target answers to ``hello``."""
+    """What a request-layer target answers to ``hello`` (``fine_grained`` only when true:
+    the target answers vLLM 0.33's further calls and takes ``fine_grained_hits``)."""
     return {
         "protocol": REQUEST_PROTOCOL_VERSION,
         "layer": LAYER,
@@ -43,6 +45,7 @@ def request_hello_result(
         "profiles": list(profiles),
         "snapshot": snapshot,
         "hasher": hasher,
+        **({"fine_grained": True} if fine_grained else {}),
     }
 
 
@@ -55,73 +58,33 @@ class RequestServer:
         self.target: ManagerTarget | None = None
 
     def handle(self, message: Json) -> dict[str, Json]:
-        """The response to one decoded request; never raises for what the request holds.
+        """The reply to one decoded request (``serving.reply``: rejections by name)."""
+        return reply(message, self._answer, rejections=(PoolError,))
 
-        A malformed request is answered with ``"error": "ProtocolError"``; a
-        target that raises something other than a rejection is answered with
-        that exception's class name (which the kit reports as a target error).
-        """
-        request = message if isinstance(message, dict) else {}
-        request_id = request.get("id")
-        reply: dict[str, Json] = {
-            "id": request_id
-            if isinstance(request_id, int) and not isinstance(request_id, bool)
-            else None
-        }
-        op, args = request.get("op"), request.get("args") or {}
-        try:
-            if not isinstance(message, dict):
-                raise ProtocolError("a request is a JSON object")
-            if reply["id"] is None:
-                raise ProtocolError("a request's id is an integer")
-            if not isinstance(op, str):
-                raise ProtocolError("a request's op is a string")
-            if not isinstance(args, dict):
-                raise ProtocolError("a request's args are a JSON object")
-            if op == "hello":
-                probe = self.make_target(ManagerSetup(2, (full_attention(1),), 4, 1))
-                reply["ok"] = request_hello_result(
-                    self.name,
-                    snapshot=isinstance(probe, ManagerSnapshottable),
-                    hasher=str(getattr(probe, "hash_function", "own"))
-                    if callable(getattr(probe, "block_hashes", None))
-                    else "none",
-                )
-            elif op == "new_manager":
-                self.target = None
-                self.target = self.make_target(decode_setup(args))
-                reply["ok"] = None
-            elif op == "none_hash":
-                reply["ok"] = apply(None, "none_hash", args)  # type: ignore[arg-type]
-            elif self.target is None:
-                raise ProtocolError(f"{op[:100]!r} before new_manager")
-            else:
-                reply["ok"] = apply(self.target, str(op), args)
-        except PoolError as error:
-            reply["error"] = type(error).__name__
-            reply["message"] = str(error)
-        except ProtocolError as error:
-            reply["error"] = "ProtocolError"
-            reply["message"] = str(error)
-        except Exception as error:  # the served target's own crash: say what it raised
-            reply["error"] = type(error).__name__
-            reply["message"] = f"the target raised {type(error).__name__}: {error}"[:2000]
-        return reply
+    def _answer(self, op: str, args: dict[str, Json]) -> Json:
+        if op == "hello":
+            probe = self.make_target(ManagerSetup(2, (full_attention(1),), 4, 1))
+            hashes = callable(getattr(probe, "block_hashes", None))
+            return request_hello_result(
+                self.name,
+                snapshot=isinstance(probe, ManagerSnapshottable),
+                hasher=str(getattr(probe, "hash_function", "own")) if hashes else "none",
+                fine_grained=callable(getattr(probe, "take_kv_cache_block_copies", None)),
+            )
+        if op == "new_manager":
+            self.target = None
+            self.target = self.make_target(decode_setup(args))
+            return None
+        if op == "none_hash":  # the hash chain's seed: needs no manager
+            return apply(None, "none_hash", args)  # type: ignore[arg-type]
+        if self.target is None:
+            raise ProtocolError(f"{op[:100]!r} before new_manager")
+        return apply(self.target, op, args)
 
 
 def serve_requests(
     make_target: ManagerFactory, stdin: IO[str], stdout: IO[str], name: str = "python"
 ) -> None:
-    """Answer request-layer requests from ``stdin`` on ``stdout`` until stdin closes.
-
-    Each line is read as bounded data (``codec.read_requests``): garbage is
-    answered with a ProtocolError, and the server goes on with the next line.
-    """
-    server = RequestServer(make_target, name)
-    for message in read_requests(stdin):
-        if isinstance(message, ProtocolError):
-            reply: dict[str, Json] = {"id": None, "error": "ProtocolError", "message": str(message)}
-        else:
-            reply = server.handle(message)
-        stdout.write(json.dumps(reply) + "\n")
-        stdout.flush()
+    """Answer request-layer requests from ``stdin`` on ``stdout`` until stdin closes
+    (``serving.serve_lines``)."""
+    serve_lines(RequestServer(make_target, name).handle, stdin, stdout)

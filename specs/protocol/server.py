@@ -6,7 +6,6 @@ the kit's own tests run Python pools as ``cmd:`` targets::
     python -m kvpool.specs.protocol impl    # kvpool.impl, spoken over stdin/stdout
 """
 
-import json
 from collections.abc import Sequence
 from typing import IO
 
@@ -18,8 +17,8 @@ from kvpool.specs.protocol.codec import (
     ProtocolError,
     apply,
     decode_config,
-    read_requests,
 )
+from kvpool.specs.protocol.serving import reply, serve_lines
 
 
 def hello_result(
@@ -47,68 +46,24 @@ class Server:
         self.target: PoolTarget | None = None
 
     def handle(self, message: Json) -> dict[str, Json]:
-        """The response to one decoded request; never raises for what the request holds.
+        """The reply to one decoded request (``serving.reply``: rejections by name)."""
+        return reply(message, self._answer, rejections=(PoolError,))
 
-        A malformed request is answered with ``"error": "ProtocolError"``; a
-        target that raises something other than a rejection is answered with
-        that exception's class name (which the kit reports as a target error).
-        """
-        if not isinstance(message, dict):
-            return _protocol_error(None, f"a request is a JSON object, not {_kind(message)}")
-        request_id = message.get("id")
-        if isinstance(request_id, bool) or not isinstance(request_id, int):
-            return _protocol_error(None, f"a request's id is an integer, not {_kind(request_id)}")
-        reply: dict[str, Json] = {"id": request_id}
-        op, args = message.get("op"), message.get("args", {})
-        try:
-            if not isinstance(op, str):
-                raise ProtocolError(f"a request's op is a string, not {_kind(op)}")
-            if not isinstance(args, dict):
-                raise ProtocolError(f"a request's args are a JSON object, not {_kind(args)}")
-            if op == "hello":
-                probe = self.make_target(PoolConfig(2))
-                reply["ok"] = hello_result(self.name, snapshot=isinstance(probe, Snapshottable))
-            elif op == "new_pool":
-                self.target = None
-                self.target = self.make_target(decode_config(args))
-                reply["ok"] = None
-            elif self.target is None:
-                raise ProtocolError(f"{op[:100]!r} before new_pool")
-            else:
-                reply["ok"] = apply(self.target, op, args)
-        except PoolError as error:
-            reply["error"] = type(error).__name__
-            reply["message"] = str(error)
-        except ProtocolError as error:
-            reply["error"] = "ProtocolError"
-            reply["message"] = str(error)
-        except Exception as error:  # the served target's own crash: say what it raised
-            reply["error"] = type(error).__name__
-            reply["message"] = f"the target raised {type(error).__name__}: {error}"[:2000]
-        return reply
-
-
-def _kind(value: Json) -> str:
-    return "null" if value is None else type(value).__name__
-
-
-def _protocol_error(request_id: Json, message: str) -> dict[str, Json]:
-    return {"id": request_id, "error": "ProtocolError", "message": message}
+    def _answer(self, op: str, args: dict[str, Json]) -> Json:
+        if op == "hello":
+            probe = self.make_target(PoolConfig(2))
+            return hello_result(self.name, snapshot=isinstance(probe, Snapshottable))
+        if op == "new_pool":
+            self.target = None
+            self.target = self.make_target(decode_config(args))
+            return None
+        if self.target is None:
+            raise ProtocolError(f"{op[:100]!r} before new_pool")
+        return apply(self.target, op, args)
 
 
 def serve(
     make_target: TargetFactory, stdin: IO[str], stdout: IO[str], name: str = "python"
 ) -> None:
-    """Answer requests from ``stdin`` on ``stdout`` until stdin closes.
-
-    Each line is read as bounded data (``codec.read_requests``): garbage is
-    answered with a ProtocolError, and the server goes on with the next line.
-    """
-    server = Server(make_target, name)
-    for message in read_requests(stdin):
-        if isinstance(message, ProtocolError):
-            reply = _protocol_error(None, str(message))
-        else:
-            reply = server.handle(message)
-        stdout.write(json.dumps(reply) + "\n")
-        stdout.flush()
+    """Answer requests from ``stdin`` on ``stdout`` until stdin closes (``serving.serve_lines``)."""
+    serve_lines(Server(make_target, name).handle, stdin, stdout)

@@ -71,6 +71,7 @@ def run_request_conformance(
         hybrids=hybrids,
         uncached_layouts=target.uncached_layouts,
         hash_sized_layouts=target.hash_sized_layouts,
+        fine_grained=target.fine_grained,
     )
 
     def stop() -> None:
@@ -109,4 +110,13 @@ def narrowed(target: ManagerTargetSpec, claimed: dict[str, Any]) -> ManagerTarge
             f"(it can run layouts {list(target.layouts)}, events {list(target.events)}, "
             f"block factors {list(target.block_factors)})"
         )
-    return replace(target, layouts=layouts, events=events, block_factors=factors, min_window=window)
+    # fine-grained hits are an optional feature: the program's claim decides
+    fine = tuple(claimed.get("fine_grained", target.fine_grained))
+    return replace(
+        target,
+        layouts=layouts,
+        events=events,
+        block_factors=factors,
+        min_window=window,
+        fine_grained=fine,
+    )

@@ -113,6 +113,10 @@ class KVTruth:
         """Record that KV with ``provenance`` was written into ``block[slot]`` for ``group``."""
         self.slots.setdefault(block, {})[slot] = (group, provenance)
 
+    def copy(self, source: int, destination: int) -> None:
+        """Record a block copy (copy-on-write): ``destination`` now holds what ``source`` holds."""
+        self.slots[destination] = dict(self.slots.get(source, {}))
+
     def holds(self, block: int, slot: int) -> Slot | None:
         """What ``block[slot]`` holds, or None if nothing was ever written there."""
         return self.slots.get(block, {}).get(slot)
@@ -243,12 +247,18 @@ def requests_read_their_own_kv(
 
 
 def hit_matches_request(
-    truth: KVTruth, request: Request, hit: Sequence[Sequence[int]], block_sizes: Sequence[int]
+    truth: KVTruth,
+    request: Request,
+    hit: Sequence[Sequence[int]],
+    block_sizes: Sequence[int],
+    num_tokens: int | None = None,
 ) -> Reason:
     """Every block of a cache hit holds the requesting request's own KV at its position.
 
     A hit that fails is computed-on-arrival KV for the wrong prefix: the
-    request skips computing those tokens and reads someone else's.
+    request skips computing those tokens and reads someone else's. With
+    ``num_tokens`` only the hit's positions are checked (a fine-grained hit
+    ends inside its last block).
     """
     content = request_content(request)
     for group, blocks in enumerate(hit):
@@ -258,6 +268,8 @@ def hit_matches_request(
                 continue
             for j in range(size):
                 position = i * size + j
+                if num_tokens is not None and position >= num_tokens:
+                    break
                 expected = (group, content.prefix(position + 1))
                 actual = truth.holds(block, j)
                 if actual != expected:
@@ -269,16 +281,52 @@ def hit_matches_request(
     return None
 
 
-def ref_counts_match_tables(
-    pool: PoolState, tables: Mapping[str, Sequence[Sequence[int]]]
+def copy_serves_source_prefix(
+    truth: KVTruth,
+    request: Request,
+    source: int,
+    index: int,
+    num_tokens: int,
+    group: int,
+    block_size: int,
 ) -> Reason:
-    """Every real block is held exactly as many times as request block tables list it.
+    """When a copy-on-write copy runs, its source holds the request's KV for every hit
+    position in the block: the copy then serves exactly the tokens of its source prefix.
+
+    ``index`` is the block's place in the request's table, ``num_tokens`` the
+    request's hit. A source that fails was reused or overwritten while the
+    copy waited: the request reads another prefix's KV as its own.
+    """
+    content = request_content(request)
+    for j in range(num_tokens - index * block_size):
+        position = index * block_size + j
+        expected = (group, content.prefix(position + 1))
+        actual = truth.holds(source, j)
+        if actual != expected:
+            return (
+                f"the copy of block {source} for request {request.request_id} (group {group}, "
+                f"index {index}) runs when its slot {j} holds {_describe(actual)}, not "
+                f"position {position}"
+            )
+    return None
+
+
+def ref_counts_match_tables(
+    pool: PoolState,
+    tables: Mapping[str, Sequence[Sequence[int]]],
+    retained: Sequence[int] = (),
+) -> Reason:
+    """Every real block is held exactly as many times as request block tables list it,
+    plus once per end of a pending copy-on-write copy that retains it (``retained``).
 
     More references than listings is a leak: the block never returns to the
     free queue. Fewer is worse: the block is free (or about to be) while a
-    request still reads it, and the next allocation overwrites its KV.
+    request still reads it, or a copy's source while the copy waits, and the
+    next allocation overwrites its KV.
     """
     listed: dict[int, int] = {}
+    for block in retained:
+        listed[block] = listed.get(block, 0) + 1
     for groups in tables.values():
         for blocks in groups:
             for block in blocks:

@@ -28,7 +28,7 @@ step (``kvpool explain``) or turned into a vector.
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar, cast
 
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -53,6 +53,7 @@ from kvpool.specs.request.invariants import (
     KVTruth,
     cached_blocks_hold_their_prefix,
     check,
+    copy_serves_source_prefix,
     hit_matches_request,
     ref_counts_match_tables,
     request_content,
@@ -67,6 +68,7 @@ from kvpool.specs.request.target import (
     ManagerSetup,
     ManagerSnapshottable,
     ManagerTarget,
+    ManagerTarget033,
 )
 from kvpool.specs.runner.lockstep import LockStep
 
@@ -126,6 +128,8 @@ def layout_specs(
             sliding_window(block_size, window),
             sliding_window(block_size, window + block_size + 1),
         )
+    if layout == "full+full":
+        return (full_attention(block_size), full_attention(block_size))
     if layout == "full+chunked_local":
         return (full_attention(block_size), chunked_local(block_size, block_size * chunk_blocks))
     raise ValueError(f"unknown layout {layout!r}")
@@ -144,27 +148,37 @@ def _start_rule(
     min_window: int,
     uncached_layouts: Sequence[str] = (),
     hash_sized_layouts: Sequence[str] = (),
+    fine_grained: Sequence[bool] = (False,),
 ) -> Callable[..., None]:
     """The machine's first step, drawing only from the configurations given.
 
     A layout in ``uncached_layouts`` is drawn with prefix caching off; one in
     ``hash_sized_layouts`` with blocks of one hash block when caching is on.
     """
-
-    @initialize(
-        layout=st.sampled_from(list(layouts)),
-        hbs=st.integers(1, 2),
-        factor=st.sampled_from(list(block_factors)),
-        num_blocks=st.integers(2, 16),
-        caching=st.sampled_from([True, True, True, False]),
-        eagle=st.sampled_from([False, False, True]),
-        events=st.sampled_from(list(events)),
-        log_stats=st.booleans(),
-        window=st.integers(min_window, max(min_window, 6)),
-        chunk_blocks=st.integers(1, 3),
-        profile=st.sampled_from([p.name for p in profiles]),
-        prompts=st.lists(PROMPT, min_size=1, max_size=3),
+    # drawn only when it can be True, so that other programs draw what they always did
+    extra: dict[str, st.SearchStrategy[Any]] = (
+        {"fine": st.sampled_from(list(fine_grained))} if any(fine_grained) else {}
     )
+
+    decorate = cast(
+        Callable[[Callable[..., None]], Callable[..., None]],
+        cast(Any, initialize)(
+            **extra,
+            layout=st.sampled_from(list(layouts)),
+            hbs=st.integers(1, 2),
+            factor=st.sampled_from(list(block_factors)),
+            num_blocks=st.integers(2, 16),
+            caching=st.sampled_from([True, True, True, False]),
+            eagle=st.sampled_from([False, False, True]),
+            events=st.sampled_from(list(events)),
+            log_stats=st.booleans(),
+            window=st.integers(min_window, max(min_window, 6)),
+            chunk_blocks=st.integers(1, 3),
+            profile=st.sampled_from([p.name for p in profiles]),
+            prompts=st.lists(PROMPT, min_size=1, max_size=3),
+        ),
+    )
+
     def start(self: "ManagerMachine", **drawn: Any) -> None:
         if drawn["layout"] in uncached_layouts:
             drawn["caching"] = False
@@ -172,7 +186,7 @@ def _start_rule(
             drawn["factor"] = 1
         self.start(**drawn)
 
-    return start
+    return decorate(start)
 
 
 class ManagerDivergence(Divergence):
@@ -221,6 +235,7 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
         chunk_blocks: int,
         profile: str,
         prompts: list[tuple[int, ...]],
+        fine: bool = False,
     ) -> None:
         """Build the model and the target; the first requests arrive."""
         chosen = profile_named(profile)
@@ -236,6 +251,7 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
             log_stats=log_stats,
             enable_events=events,
             profile=chosen,
+            fine_grained_hits=fine,
         )
         self.block_sizes = [s.block_size for s in specs]
         self.model = model_manager.new_kv_cache_manager(
@@ -248,6 +264,7 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
             log_stats=log_stats,
             enable_events=events,
             profile=chosen,
+            fine_grained_hits=fine,
         )
         self.target = type(self).make_target(self.setup)
         for prompt in prompts:
@@ -291,7 +308,7 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
             check(
                 (
                     "hit_matches_request",
-                    hit_matches_request(self.truth, request, hit, self.block_sizes),
+                    hit_matches_request(self.truth, request, hit, self.block_sizes, num_hit),
                 )
             )
         num_new = min(chunk, request.num_tokens - num_hit)
@@ -314,7 +331,123 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
         self.waiting.remove(rid)
         self.running.append(rid)
         request = with_computed(request, num_hit)
+        if self.setup.fine_grained_hits:
+            # the scheduler takes the step's copies; the GPU runs them before the forward pass
+            self._take_copies(request, num_hit, hit)
         self._compute(request, num_new, ())
+
+    def _has_033(self) -> bool:
+        """Whether the target answers vLLM 0.33's further calls (``ManagerTarget033``)."""
+        return callable(getattr(self.target, "take_kv_cache_block_copies", None))
+
+    def _take_copies(self, request: Request, num_hit: int, hit: Blocks | None) -> None:
+        """Take the pending copy-on-write copies, run them on the ground truth, free their ends."""
+        self._record("take_kv_cache_block_copies")
+        copies, retained = self._do(
+            "take_kv_cache_block_copies()",
+            model_manager.take_kv_cache_block_copies,
+            lambda t: _copies(_033(t).take_kv_cache_block_copies()),
+        )
+        for source, destination in copies:
+            for group, blocks in enumerate(hit or ()):
+                size = self.block_sizes[group]
+                if blocks and blocks[-1] == source and num_hit % size:
+                    check(
+                        (
+                            "copy_serves_source_prefix",
+                            copy_serves_source_prefix(
+                                self.truth, request, source, num_hit // size, num_hit, group, size
+                            ),
+                        )
+                    )
+            self.truth.copy(source, destination)
+        if retained:
+            ids = list(retained)
+            self._record("free_blocks", block_ids=ids)
+            self._do(
+                f"free_blocks({ids})",
+                lambda s: model_manager.free_blocks(s, ids),
+                lambda t: _033(t).free_blocks(ids),
+                returns_none=True,
+            )
+
+    @precondition(lambda self: self._has_033())
+    @rule(
+        action=st.sampled_from(
+            ["resend", "lookup", "take_new_block_ids", "estimate", "new_step_starts"]
+        ),
+        which=st.integers(0, 9),
+        cut=st.integers(0, 3),
+    )
+    def scheduler_033(self, action: str, which: int, cut: int) -> None:
+        """vLLM 0.33's further scheduler calls: the lookup with its shared-prefix boundary,
+        a hit cut back to whole blocks, the blocks to zero, the cached-token estimate, and
+        the start of a step."""
+        everyone = self.running + self.waiting
+        if action == "resend" and everyone and len(everyone) < 5:
+            # the same prompt again: its hit ends where the first one's prompt did, often
+            # inside a block, which is what fine-grained hits are for
+            prompt = self.requests[everyone[which % len(everyone)]].prompt_token_ids
+            self.add_request(prompt, "plain")
+        elif action == "lookup" and self.waiting and self.setup.enable_caching:
+            request = self.requests[self.waiting[which % len(self.waiting)]]
+            rid = request.request_id
+            self._record("get_computed_blocks_with_boundary", request_id=rid)
+            hit, num_hit, _ = self._do(
+                f"get_computed_blocks_with_boundary({rid})",
+                lambda s: model_manager.get_computed_blocks_with_boundary(s, request),
+                lambda t: _with_boundary(_033(t).get_computed_blocks_with_boundary(request)),
+            )
+            check(
+                (
+                    "hit_matches_request",
+                    hit_matches_request(self.truth, request, hit, self.block_sizes, num_hit),
+                )
+            )
+            if self.lockstep and self.model is not None and self.target is not None:
+                size = self.block_sizes[0]
+                n = num_hit // size * size - cut * size
+                if n >= 0:
+                    self._record(
+                        "truncate_computed_blocks",
+                        blocks=[list(g) for g in hit],
+                        num_computed_tokens=n,
+                    )
+                    expected = model_manager.truncate_computed_blocks(self.model, hit, n)
+                    answer = self._call(
+                        f"truncate_computed_blocks({hit}, {n})",
+                        lambda t: _033(t).truncate_computed_blocks(hit, n),
+                    )
+                    self._compare(
+                        f"truncate_computed_blocks({hit}, {n})",
+                        expected,
+                        tuple(tuple(g) for g in answer),
+                    )
+        elif action == "take_new_block_ids":
+            self._record("take_new_block_ids")
+            self._do(
+                "take_new_block_ids()",
+                model_manager.take_new_block_ids,
+                lambda t: tuple(_033(t).take_new_block_ids()),
+            )
+        elif action == "estimate" and everyone and self.lockstep:
+            assert self.model is not None and self.target is not None
+            request = self.requests[everyone[which % len(everyone)]]
+            self._record("estimate_cached_tokens", request_id=request.request_id)
+            estimate = model_manager.estimate_cached_tokens(self.model, request.request_id)
+            answer = self._call(
+                f"estimate_cached_tokens({request.request_id})",
+                lambda t: _033(t).estimate_cached_tokens(request),
+            )
+            self._compare(f"estimate_cached_tokens({request.request_id})", estimate, answer)
+        elif action == "new_step_starts":
+            self._record("new_step_starts")
+            self._do(
+                "new_step_starts()",
+                model_manager.new_step_starts,
+                lambda t: _033(t).new_step_starts(),
+                returns_none=True,
+            )
 
     @precondition(lambda self: bool(self.running))
     @rule(
@@ -461,7 +594,11 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
         if pool is None:
             return
         check_all(pool, None, self.taken)
-        check(("ref_counts_match_tables", ref_counts_match_tables(pool, tables)))
+        # the machine takes copies as it admits, so none retains a block here unless the
+        # target kept one back (a snapshot shows it; the model never does)
+        state = snapshot if isinstance(target, ManagerSnapshottable) else model
+        retained = [b for pair in state.pending_copies for b in pair]
+        check(("ref_counts_match_tables", ref_counts_match_tables(pool, tables, retained)))
         check(
             (
                 "cached_blocks_hold_their_prefix",
@@ -626,6 +763,23 @@ def _blocks_and_count(result: tuple[Blocks, int]) -> tuple[Blocks, int]:
     return tuple(tuple(g) for g in blocks), count
 
 
+def _033(target: ManagerTarget) -> ManagerTarget033:
+    """The target, with vLLM 0.33's further calls (asked only of targets checked with them)."""
+    return target  # type: ignore[return-value]
+
+
+def _copies(
+    result: tuple[Sequence[tuple[int, int]], Sequence[int]],
+) -> tuple[tuple[tuple[int, int], ...], tuple[int, ...]]:
+    copies, retained = result
+    return tuple((int(s), int(d)) for s, d in copies), tuple(retained)
+
+
+def _with_boundary(result: tuple[Blocks, int, int]) -> tuple[Blocks, int, int]:
+    blocks, count, boundary = result
+    return tuple(tuple(g) for g in blocks), count, boundary
+
+
 def _blocks_or_none(blocks: Blocks | None) -> Blocks | None:
     return None if blocks is None else tuple(tuple(g) for g in blocks)
 
@@ -774,6 +928,7 @@ def manager_machine(
     hybrids: bool = True,
     uncached_layouts: Sequence[str] = (),
     hash_sized_layouts: Sequence[str] = (),
+    fine_grained: Sequence[bool] = (False,),
 ) -> type[ManagerMachine]:
     """A state machine class that checks ``make_target`` on the given layouts and profiles.
 
@@ -799,6 +954,7 @@ def manager_machine(
             min_window,
             uncached_layouts,
             hash_sized_layouts,
+            fine_grained,
         ),
         "make_target": staticmethod(make_target),
         "lockstep": lockstep,

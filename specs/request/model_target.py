@@ -23,6 +23,7 @@ class ModelManagerTarget:
             log_stats=setup.log_stats,
             enable_events=setup.enable_events,
             profile=setup.profile,
+            fine_grained_hits=setup.fine_grained_hits,
         )
 
     def snapshot(self) -> KVCacheManagerState:
@@ -84,3 +85,31 @@ class ModelManagerTarget:
 
     def num_free_blocks(self) -> int:
         return model_manager.num_free_blocks(self.state)
+
+    # vLLM 0.33's further scheduler calls
+
+    def get_computed_blocks_with_boundary(self, request: Request) -> tuple[Blocks, int, int]:
+        self.state, result = model_manager.get_computed_blocks_with_boundary(self.state, request)
+        return result
+
+    def take_kv_cache_block_copies(
+        self,
+    ) -> tuple[Sequence[tuple[int, int]], Sequence[int]]:
+        self.state, result = model_manager.take_kv_cache_block_copies(self.state)
+        return result
+
+    def free_blocks(self, block_ids: Sequence[int]) -> None:
+        self.state, _ = model_manager.free_blocks(self.state, block_ids)
+
+    def truncate_computed_blocks(self, blocks: Blocks, num_computed_tokens: int) -> Blocks:
+        return model_manager.truncate_computed_blocks(self.state, blocks, num_computed_tokens)
+
+    def take_new_block_ids(self) -> Sequence[int]:
+        self.state, ids = model_manager.take_new_block_ids(self.state)
+        return ids
+
+    def estimate_cached_tokens(self, request: Request) -> int:
+        return model_manager.estimate_cached_tokens(self.state, request.request_id)
+
+    def new_step_starts(self) -> None:
+        self.state, _ = model_manager.new_step_starts(self.state)

@@ -24,6 +24,7 @@ from kvpool.specs.errors import TargetAbort, TargetError
 from kvpool.specs.protocol import request_codec as codec
 from kvpool.specs.protocol.codec import Json
 from kvpool.specs.request.target import (
+    OPERATIONS_033,
     ManagerFactory,
     ManagerSetup,
     ManagerSnapshottable,
@@ -125,6 +126,7 @@ def _model_manager(setup: ManagerSetup) -> KVCacheManagerState:
         log_stats=setup.log_stats,
         enable_events=setup.enable_events,
         profile=setup.profile,
+        fine_grained_hits=setup.fine_grained_hits,
     )
 
 
@@ -141,7 +143,11 @@ class RecordingManager:
         self._recorder = recorder
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
+        value = getattr(self._inner, name)
+        if name in OPERATIONS_033 and callable(value):
+            # vLLM 0.33's further calls, recorded only on a target that has them
+            return lambda *args: self._recorder.record(name, args, lambda: value(*args))
+        return value
 
     def _record(self, op: str, *args: Any) -> Any:
         method = getattr(self._inner, op)

@@ -33,6 +33,20 @@ OPERATIONS = (
 )
 """The operations of ``ManagerTarget`` (and the optional ``snapshot``)."""
 
+OPERATIONS_033 = (
+    "get_computed_blocks_with_boundary",
+    "take_kv_cache_block_copies",
+    "free_blocks",
+    "truncate_computed_blocks",
+    "take_new_block_ids",
+    "estimate_cached_tokens",
+    "new_step_starts",
+)
+"""vLLM 0.33's further scheduler calls (``ManagerTarget033``): the machine sends them
+to a target that has them, and programs ask for fine-grained hits only where
+``ManagerTargetSpec.fine_grained`` allows. Optional in the JSON request protocol
+(hello's ``fine_grained``); ``OPERATIONS`` keeps the calls every target answers."""
+
 LAYOUTS = ("full", "sliding_window", "chunked_local", "mamba", "full+sliding_window")
 """The KV cache layouts: one group of each attention type, and a hybrid of two."""
 
@@ -60,6 +74,9 @@ class ManagerSetup:
     log_stats: bool = False
     enable_events: bool = False
     profile: Profile = DEFAULT_PROFILE
+    fine_grained_hits: bool = False
+    """Ask for vLLM 0.33's fine-grained hits (``kvpool.model.copy_on_write``); the
+    target also answers ``ManagerTarget033``'s calls."""
 
 
 class ManagerTarget(Protocol):
@@ -99,6 +116,28 @@ class ManagerTarget(Protocol):
     def num_free_blocks(self) -> int: ...
 
 
+class ManagerTarget033(ManagerTarget, Protocol):
+    """A manager target with vLLM 0.33's further scheduler calls (block ids, not blocks)."""
+
+    def get_computed_blocks_with_boundary(self, request: Request) -> tuple[Blocks, int, int]: ...
+
+    def take_kv_cache_block_copies(
+        self,
+    ) -> tuple[Sequence[tuple[int, int]], Sequence[int]]:
+        """The copies as (source, destination) ids, and the retained block ids."""
+
+    def free_blocks(self, block_ids: Sequence[int]) -> None:
+        """The pool's free_blocks, as the scheduler releases a copy's retained blocks."""
+
+    def truncate_computed_blocks(self, blocks: Blocks, num_computed_tokens: int) -> Blocks: ...
+
+    def take_new_block_ids(self) -> Sequence[int]: ...
+
+    def estimate_cached_tokens(self, request: Request) -> int: ...
+
+    def new_step_starts(self) -> None: ...
+
+
 @runtime_checkable
 class ManagerSnapshottable(Protocol):
     """A manager target that can show its whole state as the model's."""
@@ -125,3 +164,5 @@ class ManagerTargetSpec:
     hash_sized_layouts: tuple[str, ...] = ()
     """Layouts whose blocks are one hash block long when prefix caching is on (drawn
     so; with caching off they take every block factor)."""
+    fine_grained: tuple[bool, ...] = (False,)
+    """Whether programs ask for fine-grained hits (True needs ``ManagerTarget033``)."""

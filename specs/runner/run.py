@@ -75,24 +75,27 @@ MAX_LINES = 60
 class Programs:
     """What the runner keeps of the programs run: the latest, and the failing ones."""
 
-    def __init__(self) -> None:
+    def __init__(self, started: float) -> None:
+        self.started = started
+        """When the run started (``time.perf_counter()``), for the time to detection."""
         self.machine: RuleBasedStateMachine | None = None
         """The machine of the latest program (after a failure: the minimal one)."""
         self.first_failure: tuple[int, list[str], BaseException] | None = None
         """The first program that failed: its number, its lines and what it raised."""
+        self.detected: tuple[int, float] | None = None
+        """The first program that failed as a target fails (``FAILURES``), and the seconds
+        from the start of the run until it ended: the time to detection, before shrinking."""
 
     def ended(self, machine: RuleBasedStateMachine, number: int) -> None:
-        """Called as each program ends; notes the first one that ended in a failure."""
+        """Called as each program ends (in Hypothesis's ``finally``, so an exception in
+        flight is this program's failure); notes the first failures."""
         failure = sys.exception()
-        if self.first_failure is not None or failure is None:
-            return
         if not isinstance(failure, Exception) or isinstance(failure, HypothesisException):
             return
-        self.first_failure = (number, program_lines(machine), failure)
-
-
-# Kept for callers of the earlier name.
-LastProgram = Programs
+        if self.first_failure is None:
+            self.first_failure = (number, program_lines(machine), failure)
+        if self.detected is None and isinstance(failure, FAILURES):
+            self.detected = (number, time.perf_counter() - self.started)
 
 
 def program_lines(machine: RuleBasedStateMachine | None) -> list[str]:
@@ -162,12 +165,10 @@ def run_machine(
         except Exception as error:  # a user's preflight hook
             report.fail("target-error", _unexpected("the target's preflight", error))
             return report
-    programs = Programs()
     deadlines = Deadlines(None)
     started = time.perf_counter()
-    counted = _counting(
-        machine, report, on_example, lambda: deadlines.start_program(), programs, started
-    )
+    programs = Programs(started)
+    counted = _counting(machine, report, on_example, lambda: deadlines.start_program(), programs)
     database = _database(report, hypothesis_profile, seed)
     chosen_overrides = dict(overrides or {})
     if database is not None or _profile_has_database(hypothesis_profile) or seed is not None:
@@ -226,8 +227,11 @@ def run_machine(
                 report.fail("target-error", _raised(report, error))
         finally:
             report.seconds = time.perf_counter() - started
-            if report.seconds_to_first_failure is not None:
-                report.shrink_seconds = report.seconds - report.seconds_to_first_failure
+            if programs.detected is not None:
+                number, seconds = programs.detected
+                report.programs_to_first_failure = number
+                report.seconds_to_first_failure = seconds
+                report.shrink_seconds = report.seconds - seconds
     if isinstance(database, databases.CountingDatabase) and programs.first_failure is not None:
         report.from_database = 0 < programs.first_failure[0] <= database.fetched
         if report.from_database and report.failure_kind in ("divergence", "invariant"):
@@ -442,12 +446,11 @@ def _counting(
     on_example: Callable[[int], None] | None,
     on_start: Callable[[], None],
     last: Programs,
-    started: float,
 ) -> type[RuleBasedStateMachine]:
     """A subclass that counts the programs run (one machine instance per program).
 
-    It also notes when the first program fails: the time to detection, before
-    Hypothesis shrinks that program (the report shows the two apart).
+    Each program's end goes to ``last`` (``Programs.ended``), which keeps the first
+    failure and the time to detection, before Hypothesis shrinks it.
     """
 
     class Counted(machine):  # type: ignore[valid-type,misc]
@@ -463,12 +466,7 @@ def _counting(
                 on_example(report.examples_run)
 
         def teardown(self) -> None:
-            # Runs in Hypothesis's ``finally``: an exception in flight is this program's failure.
             last.ended(self, self.program_number)
-            failed = isinstance(sys.exc_info()[1], FAILURES)
-            if failed and report.seconds_to_first_failure is None:
-                report.seconds_to_first_failure = time.perf_counter() - started
-                report.programs_to_first_failure = report.examples_run
             super().teardown()
 
     Counted.__name__ = Counted.__qualname__ = machine.__name__

@@ -235,11 +235,15 @@ def _request(spec: str) -> TargetDescriptor:
     if spec == "impl":
         from kvpool.specs.targets.impl.request import ImplManagerTarget
 
-        return TargetDescriptor("request", spec, ImplManagerTarget)
+        return TargetDescriptor(
+            "request", spec, ImplManagerTarget, scope={"fine_grained": (False, True)}
+        )
     if spec == "model":
         from kvpool.specs.request.model_target import ModelManagerTarget
 
-        return TargetDescriptor("request", spec, ModelManagerTarget)
+        return TargetDescriptor(
+            "request", spec, ModelManagerTarget, scope={"fine_grained": (False, True)}
+        )
     if spec.startswith("cmd:"):
         from kvpool.specs.targets.cmd.request import CmdManagerFactory
 
@@ -292,6 +296,7 @@ def _from_scope(
             "min_window": scope.min_window,
             "uncached_layouts": scope.uncached_layouts,
             "hash_sized_layouts": scope.hash_sized_layouts,
+            "fine_grained": scope.fine_grained,
         },
     )
 

@@ -170,6 +170,7 @@ def new_world(setup: ManagerSetup) -> World:
         log_stats=setup.log_stats,
         enable_events=setup.enable_events,
         profile=setup.profile,
+        fine_grained_hits=setup.fine_grained_hits,
     )
     return World(manager)
 
@@ -233,7 +234,15 @@ def apply(world: World, op: str, args: Mapping[str, Json]) -> tuple[World, Json]
         )
         world = _with_request(world, request)
         return world, [h.hex() for h in request.block_hashes]
-    if op in ("free", "cache_blocks", "get_computed_blocks", "allocate_slots", "run_model"):
+    if op in (
+        "free",
+        "cache_blocks",
+        "get_computed_blocks",
+        "get_computed_blocks_with_boundary",
+        "allocate_slots",
+        "run_model",
+        "estimate_cached_tokens",
+    ):
         request = _request(world, a["request_id"])
     if op == "run_model":
         request = rq.with_computed(request, a["num_computed_tokens"])
@@ -251,6 +260,34 @@ def apply(world: World, op: str, args: Mapping[str, Json]) -> tuple[World, Json]
             "blocks": _blocks_json(blocks),
             "num_tokens": num,
         }
+    if op == "get_computed_blocks_with_boundary":
+        kv, (blocks, num, boundary) = mm.get_computed_blocks_with_boundary(kv, request)
+        lookups = {**world.lookups, request.request_id: (blocks, num)}
+        return replace(world, manager=kv, lookups=lookups), {
+            "blocks": _blocks_json(blocks),
+            "num_tokens": num,
+            "boundary": boundary,
+        }
+    if op == "take_kv_cache_block_copies":
+        kv, (copies, retained) = mm.take_kv_cache_block_copies(kv)
+        return replace(world, manager=kv), {
+            "copies": [list(pair) for pair in copies],
+            "retained": list(retained),
+        }
+    if op == "free_blocks":
+        kv, _ = mm.free_blocks(kv, a["block_ids"])
+        return replace(world, manager=kv), None
+    if op == "truncate_computed_blocks":
+        cut = mm.truncate_computed_blocks(kv, a["blocks"], a["num_computed_tokens"])
+        return world, _blocks_json(cut)
+    if op == "take_new_block_ids":
+        kv, ids = mm.take_new_block_ids(kv)
+        return replace(world, manager=kv), list(ids)
+    if op == "estimate_cached_tokens":
+        return world, mm.estimate_cached_tokens(kv, request.request_id)
+    if op == "new_step_starts":
+        kv, _ = mm.new_step_starts(kv)
+        return replace(world, manager=kv), None
     if op == "allocate_slots":
         hits: Blocks | None = a["new_computed_blocks"]
         num_hit: int = a["num_new_computed_tokens"]
@@ -392,8 +429,15 @@ OPERATIONS = (
     "get_num_common_prefix_blocks",
     "usage",
     "num_free_blocks",
+    "get_computed_blocks_with_boundary",
+    "take_kv_cache_block_copies",
+    "free_blocks",
+    "truncate_computed_blocks",
+    "take_new_block_ids",
+    "estimate_cached_tokens",
+    "new_step_starts",
 )
-"""Every operation a request scenario may use."""
+"""Every operation a request scenario may use (the last seven: vLLM 0.33's further calls)."""
 
 SCHEDULER_MOVES = ("new_request", "run_model", "preempt")
 """The operations that are the scheduler's, not the manager's (``preempt`` is both)."""
@@ -429,6 +473,13 @@ _ARGS: dict[str, tuple[str, ...]] = {
     "get_num_common_prefix_blocks": ("request_id",),
     "usage": (),
     "num_free_blocks": (),
+    "get_computed_blocks_with_boundary": ("request_id",),
+    "take_kv_cache_block_copies": (),
+    "free_blocks": ("block_ids",),
+    "truncate_computed_blocks": ("blocks", "num_computed_tokens"),
+    "take_new_block_ids": (),
+    "estimate_cached_tokens": ("request_id",),
+    "new_step_starts": (),
 }
 _REQUIRED = {
     "new_request": ("request_id", "prompt"),
@@ -436,6 +487,8 @@ _REQUIRED = {
     "allocate_slots": ("request_id", "num_new_tokens"),
     "cache_blocks": ("request_id", "num_computed_tokens"),
     "evict_blocks": ("block_ids",),
+    "free_blocks": ("block_ids",),
+    "truncate_computed_blocks": ("blocks", "num_computed_tokens"),
 }
 
 
@@ -489,8 +542,11 @@ def decode_args(op: str, args: Mapping[str, Json]) -> dict[str, Any]:
         out["new_computed_blocks"] = None if hits in (None, "lookup") else _groups(hits)
     elif op == "cache_blocks":
         out["num_computed_tokens"] = _count(args["num_computed_tokens"], "num_computed_tokens")
-    elif op == "evict_blocks":
-        out["block_ids"] = _ids(args["block_ids"], "evict_blocks: block_ids")
+    elif op in ("evict_blocks", "free_blocks"):
+        out["block_ids"] = _ids(args["block_ids"], f"{op}: block_ids")
+    elif op == "truncate_computed_blocks":
+        out["blocks"] = _groups(args["blocks"])
+        out["num_computed_tokens"] = _count(args["num_computed_tokens"], "num_computed_tokens")
     return out
 
 
@@ -618,6 +674,8 @@ def encode_setup(setup: ManagerSetup) -> dict[str, Json]:
         "log_stats": setup.log_stats,
         "enable_events": setup.enable_events,
         "profile": setup.profile.name,
+        # written only when on, so that files of earlier programs stay as they were
+        **({"fine_grained_hits": True} if setup.fine_grained_hits else {}),
     }
 
 
@@ -625,7 +683,7 @@ def decode_setup(value: Json) -> ManagerSetup:
     """The manager configuration from JSON, bounded; the model then checks the rest."""
     if not isinstance(value, dict):
         raise ScenarioError("config must be an object")
-    known = set(encode_setup(_EXAMPLE_SETUP))
+    known = {*encode_setup(_EXAMPLE_SETUP), "fine_grained_hits"}
     unknown = sorted(set(value) - known)
     if unknown:
         raise ScenarioError(f"config: unknown field(s) {', '.join(unknown)}")
@@ -654,6 +712,7 @@ def decode_setup(value: Json) -> ManagerSetup:
         log_stats=_flag(value, "log_stats"),
         enable_events=_flag(value, "enable_events"),
         profile=PROFILES[str(profile)],
+        fine_grained_hits=_flag(value, "fine_grained_hits"),
     )
     try:
         new_world(chosen)
@@ -787,7 +846,7 @@ def _check_references(steps: Sequence[Step], where: str) -> None:
             live.add(str(rid))
         elif rid is not None and rid not in live and step.op not in _QUERIES_BY_ID:
             raise ScenarioError(f"{where} step {n}: {step.op} names request {rid!r}, not live")
-        elif step.op == "get_computed_blocks":
+        elif step.op in ("get_computed_blocks", "get_computed_blocks_with_boundary"):
             looked_up.add(str(rid))
         elif step.op == "allocate_slots" and step.args.get("new_computed_blocks") == "lookup":
             if rid not in looked_up:

@@ -7,8 +7,9 @@ mismatch; ``run_corpus`` stops at the first one.
 
 import json
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 from kvpool.model import PoolConfig, PoolError
 from kvpool.specs.errors import TargetAbort, TargetError
@@ -176,6 +177,31 @@ class RunResult:
     """How many mismatches are kept in full (the rest are only counted in ``failed``)."""
     failed: int = 0
 
+    def replay(
+        self, vector: LoadedVector, run: Callable[[], Mismatch | None], fail_fast: bool
+    ) -> bool:
+        """Run one chosen vector (``run``) and count its outcome; True when replay must stop.
+
+        A target that errors or aborts stops the replay (its error is kept); a
+        mismatch stops it only under ``fail_fast``. Every layer's replay counts here.
+        """
+        self.run += 1
+        try:
+            mismatch = run()
+        except TargetError as error:
+            self.target_error = f"{vector.where} {vector.data['id']}: {error}"
+            return True
+        except TargetAbort as abort:
+            self.target_error = f"{vector.where} {vector.data['id']}: {abort.error}"
+            return True
+        if mismatch is None:
+            self.passed += 1
+            return False
+        self.failed += 1
+        if len(self.mismatches) < self.kept_mismatches:
+            self.mismatches.append(mismatch)
+        return fail_fast
+
     def why_nothing_ran(self, levels: Sequence[int] | None, profiles: Sequence[str] | None) -> str:
         """Why ``run`` is 0, in words (the corpus was empty, or every vector was filtered out)."""
         if not self.skipped:
@@ -208,22 +234,6 @@ def run_corpus(
             result.skipped += 1
             result.skipped_kinds.add((vector.data["level"], config["profile"]))
             continue
-        result.run += 1
-        try:
-            mismatch = run_vector(factory, vector)
-        except TargetError as error:
-            result.target_error = f"{vector.where} {vector.data['id']}: {error}"
+        if result.replay(vector, partial(run_vector, factory, vector), fail_fast):
             break
-        except TargetAbort as abort:
-            result.target_error = f"{vector.where} {vector.data['id']}: {abort.error}"
-            break
-
-        if mismatch is None:
-            result.passed += 1
-        else:
-            result.failed += 1
-            if len(result.mismatches) < result.kept_mismatches:
-                result.mismatches.append(mismatch)
-            if fail_fast:
-                break
     return result

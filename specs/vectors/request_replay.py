@@ -14,6 +14,7 @@ it does not claim, a level or profile it does not claim) is skipped.
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Protocol
 
 from kvpool.model import PoolError
@@ -262,23 +263,11 @@ def run_request_corpus(
             if scope is not None and not in_scope(setup, scope):
                 skip("outside the target's scope")
                 continue
-        result.run += 1
-        try:
-            if data["kind"] == "hash":
-                assert hasher is not None
-                mismatch = run_hash_vector(hasher, vector)
-            else:
-                mismatch = run_manager_vector(factory, vector)
-        except TargetError as error:
-            result.target_error = f"{vector.where} {data['id']}: {error}"
-            break
-        except TargetAbort as abort:
-            result.target_error = f"{vector.where} {data['id']}: {abort.error}"
-            break
-        if mismatch is None:
-            result.passed += 1
+        if data["kind"] == "hash":
+            assert hasher is not None
+            stop = result.replay(vector, partial(run_hash_vector, hasher, vector), fail_fast)
         else:
-            result.mismatches.append(mismatch)
-            if fail_fast:
-                break
+            stop = result.replay(vector, partial(run_manager_vector, factory, vector), fail_fast)
+        if stop:
+            break
     return result

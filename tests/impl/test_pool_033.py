@@ -167,7 +167,8 @@ def test_not_strict_takes_what_vllm_032_takes_in_cache_partial_block() -> None:
     assert_rejected(strict, InvalidBlockSize, strict.cache_partial_block, request, b, 2, 0, 2)
     lenient = BlockPool(3, True, 2, strict=False)
     (b,) = lenient.get_new_blocks(1)
-    assert lenient.cache_partial_block(request, b, 4, 0, 4) == (b"p4", 0)
+    # (and answers with the key in vLLM's shape: the hash, then the group in 4 bytes)
+    assert lenient.cache_partial_block(request, b, 4, 0, 4) == b"p4\0\0\0\0"
     (c,) = lenient.get_new_blocks(1)
-    assert lenient.cache_partial_block(request, c, 2, 0, 2) == (b"p2", 0)
+    assert lenient.cache_partial_block(request, c, 2, 0, 2) == b"p2\0\0\0\0"
     lenient.check_invariants()

@@ -87,6 +87,9 @@ def argument(data: st.DataObject, manager: KVCacheManager, kind: str) -> Any:
 
 OPERATIONS: dict[str, tuple[str, ...]] = {
     "get_computed_blocks": ("request",),
+    "get_computed_blocks_with_boundary": ("request",),
+    "truncate_computed_blocks": ("hits", "int"),
+    "estimate_cached_tokens": ("request",),
     "allocate_slots": ("request", "int", "int", "hits", "int", "bool"),
     "free": ("request",),
     "cache_blocks": ("request", "int"),
@@ -116,7 +119,8 @@ def test_a_call_with_any_arguments_succeeds_whole_or_changes_nothing(
     groups = state.managers.tables
     rids = {r for table in groups for r in table.req_to_blocks}
     tables = {rid: [table.req_to_blocks.get(rid, ()) for table in groups] for rid in rids}
-    assert ref_counts_match_tables(state.managers.pool, tables) is None
+    retained = [b for pair in state.pending_copies for b in pair]
+    assert ref_counts_match_tables(state.managers.pool, tables, retained) is None
 
 
 def test_every_scheduler_facing_operation_is_covered() -> None:
@@ -127,5 +131,12 @@ def test_every_scheduler_facing_operation_is_covered() -> None:
         if not n.startswith("_") and callable(getattr(KVCacheManager, n))
     }
     not_calls = {"usage", "snapshot", "find_longest_cache_hit", "create_kv_cache_blocks"}
-    without_arguments = {"reset_prefix_cache", "make_prefix_cache_stats", "take_events"}
+    without_arguments = {
+        "reset_prefix_cache",
+        "make_prefix_cache_stats",
+        "take_events",
+        "take_kv_cache_block_copies",
+        "take_new_block_ids",
+        "new_step_starts",
+    }
     assert public - not_calls - without_arguments == set(OPERATIONS)

@@ -28,7 +28,7 @@ from kvpool.model.profiles import profile_named
 from kvpool.model.request import Request
 from kvpool.specs.protocol import request_codec as codec
 from kvpool.specs.protocol.codec import Json, ProtocolError
-from kvpool.specs.request.target import HYBRID_LAYOUTS, LAYOUTS, ManagerSetup
+from kvpool.specs.request.target import HYBRID_LAYOUTS, LAYOUTS, OPERATIONS_033, ManagerSetup
 from kvpool.specs.targets.cmd.session import Dialect, Session, SessionFailure
 
 QUERIES = frozenset({"get_block_ids", "usage", "num_free_blocks", "snapshot", "block_hashes"})
@@ -90,6 +90,10 @@ def _check_hello(hello: dict[str, Json]) -> dict[str, Json]:
         or not all(isinstance(f, int) and not isinstance(f, bool) and f >= 1 for f in factors)
     ):
         raise SessionFailure(f"hello: block_factors must be integers >= 1, got {factors!r:.200}")
+    if not isinstance(hello.get("fine_grained", False), bool):
+        raise SessionFailure(
+            f"hello: fine_grained must be true or false, got {hello['fine_grained']!r:.100}"
+        )
     window = hello.get("min_window", 1)
     if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= 6:
         raise SessionFailure(
@@ -176,7 +180,14 @@ class CmdManagerFactory:
                 claimed[name] = tuple(hello[name])
         if "min_window" in hello:
             claimed["min_window"] = int(hello["min_window"])
+        if hello.get("fine_grained", False):
+            claimed["fine_grained"] = (False, True)
         return claimed
+
+    @property
+    def fine_grained(self) -> bool:
+        """Whether the program answers vLLM 0.33's further calls (hello's ``fine_grained``)."""
+        return bool(self.session.hello_answer().get("fine_grained", False))
 
     def preflight(self, level: int, profiles: Sequence[str]) -> None:
         """Start the program; raise TargetError if it cannot run ``level`` and ``profiles``."""
@@ -264,6 +275,13 @@ class CmdManagerTarget:
         self.factory = factory
         self.setup = setup
         self.generation = generation
+
+    def __getattr__(self, name: str) -> Any:
+        # vLLM 0.33's further calls, only for a program whose hello says fine_grained
+        factory = self.__dict__.get("factory")
+        if name in OPERATIONS_033 and factory is not None and factory.fine_grained:
+            return lambda *args: self._call(name, *args)
+        raise AttributeError(name)
 
     def _call(self, op: str, *args: Any) -> Any:
         if self.generation != self.factory.generation:

@@ -28,6 +28,7 @@ class ImplManagerTarget:
             log_stats=setup.log_stats,
             enable_kv_cache_events=setup.enable_events,
             profile=setup.profile,
+            fine_grained_hits=setup.fine_grained_hits,
         )
 
     def snapshot(self) -> KVCacheManagerState:
@@ -99,6 +100,35 @@ class ImplManagerTarget:
 
     def num_free_blocks(self) -> int:
         return self.manager.block_pool.get_num_free_blocks()
+
+    # vLLM 0.33's further scheduler calls
+
+    def get_computed_blocks_with_boundary(self, request: Request) -> tuple[Blocks, int, int]:
+        blocks, num_tokens, boundary = self.manager.get_computed_blocks_with_boundary(request)
+        return _ids(blocks), num_tokens, boundary
+
+    def take_kv_cache_block_copies(self) -> tuple[Sequence[tuple[int, int]], Sequence[int]]:
+        copies, retained = self.manager.take_kv_cache_block_copies()
+        return (
+            tuple((c.src_block_id, c.dst_block_id) for c in copies),
+            tuple(b.block_id for b in retained),
+        )
+
+    def free_blocks(self, block_ids: Sequence[int]) -> None:
+        self.manager.block_pool.free_blocks([self._block(b) for b in block_ids])
+
+    def truncate_computed_blocks(self, blocks: Blocks, num_computed_tokens: int) -> Blocks:
+        hit = KVCacheBlocks(tuple([self._block(b) for b in g] for g in blocks))
+        return _ids(self.manager.truncate_computed_blocks(hit, num_computed_tokens))
+
+    def take_new_block_ids(self) -> Sequence[int]:
+        return tuple(self.manager.take_new_block_ids())
+
+    def estimate_cached_tokens(self, request: Request) -> int:
+        return self.manager.estimate_cached_tokens(request)
+
+    def new_step_starts(self) -> None:
+        self.manager.new_step_starts()
 
 
 def _ids(blocks: KVCacheBlocks) -> Blocks:

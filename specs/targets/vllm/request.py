@@ -26,8 +26,9 @@ What is compared, and what is not (docs/semantics.md, "The request layer"):
   on and off, the hashless-first profile (``VLLM_SCOPE``); Mamba with prefix
   caching off, and a single group's blocks of one hash block when caching is
   on: vLLM refuses the rest (``vllm_refuses``);
-* ``get_computed_blocks`` returns a 3-tuple in 0.33; its third element (a
-  shared-prefix boundary for sparse retention) is dropped. 0.33 records hit
+* ``get_computed_blocks`` returns a 3-tuple in 0.33; ``get_computed_blocks``
+  drops the third element (the shared-prefix boundary) and
+  ``get_computed_blocks_with_boundary`` compares it. 0.33 records hit
   statistics from the scheduler, at admission; the adapter records them
   right after the lookup, where seed 004 does;
 * ``get_num_common_prefix_blocks`` is deprecated in 0.33 (always 0): the
@@ -36,6 +37,8 @@ What is compared, and what is not (docs/semantics.md, "The request layer"):
   (``manager_event``); their integer hashes are mapped back to the model's
   through the pairs of hashes the adapter sees on each request (vLLM's
   hasher's and the model's name the same prefixes, which the machine checks);
+* fine-grained hits with copy-on-write on ``fine_grained_scope()``, with the
+  coordinator's switch set by the adapter (``enable_fine_grained_hits``);
 * no snapshot: vLLM registers requests in its tables at other moments than
   the model (without any observable effect), so whole states are not
   compared; the safety checks use vLLM's block tables and the model's map.
@@ -146,6 +149,16 @@ class VllmManagerTarget:
         refused = vllm_refuses(setup)
         if refused is not None:
             raise TargetError(f"vLLM {self.api.version} refuses this configuration: {refused}")
+        fine = setup.fine_grained_hits
+        if fine and (
+            len(specs) < 2
+            or any(s.attention is not AttentionType.FULL for s in specs)
+            or specs[0].block_size <= setup.hash_block_size
+        ):
+            raise TargetError(
+                "the vLLM adapter runs fine-grained hits on two or more full-attention groups "
+                "of blocks larger than a hash block (vLLM's hybrid coordinator)"
+            )
         utils.init_none_hash(hashing.sha256)
         self._blocks_class = manager_module.KVCacheBlocks
         self._has_get_blocks = callable(getattr(self.api.manager_class, "get_blocks", None))
@@ -209,6 +222,8 @@ class VllmManagerTarget:
             raise TargetError(
                 f"{cls.__name__}(kv_cache_config, {shown}) failed: {error!r}"
             ) from error
+        if fine and setup.enable_caching:  # without caching vLLM's coordinator looks nothing up
+            enable_fine_grained_hits(self.manager.coordinator, setup.hash_block_size)
 
     def _request(self, request: Request) -> Any:
         duck = (
@@ -320,6 +335,57 @@ class VllmManagerTarget:
 
     def num_free_blocks(self) -> int:
         return int(self.manager.block_pool.get_num_free_blocks())
+
+    # vLLM 0.33's further scheduler calls
+
+    def get_computed_blocks_with_boundary(self, request: Request) -> tuple[Blocks, int, int]:
+        duck = self._request(request)
+        blocks, num_tokens, boundary = self.manager.get_computed_blocks(duck)
+        self.manager.record_prefix_cache_stats(duck, num_tokens)
+        return _ids(blocks), num_tokens, int(boundary)
+
+    def take_kv_cache_block_copies(self) -> tuple[Sequence[tuple[int, int]], Sequence[int]]:
+        copies, retained = self.manager.take_kv_cache_block_copies()
+        return (
+            tuple((c.src_block_id, c.dst_block_id) for c in copies),
+            tuple(b.block_id for b in retained),
+        )
+
+    def free_blocks(self, block_ids: Sequence[int]) -> None:
+        # the scheduler's _free_cow_retained_blocks, when no step is in flight
+        pool = self.manager.block_pool
+        pool.free_blocks([pool.blocks[b] for b in block_ids])
+
+    def truncate_computed_blocks(self, blocks: Blocks, num_computed_tokens: int) -> Blocks:
+        pool_blocks = self.manager.block_pool.blocks
+        hit = self._blocks_class(tuple([pool_blocks[b] for b in group] for group in blocks))
+        return _ids(self.manager.truncate_computed_blocks(hit, num_computed_tokens))
+
+    def take_new_block_ids(self) -> Sequence[int]:
+        return tuple(self.manager.take_new_block_ids())
+
+    def estimate_cached_tokens(self, request: Request) -> int:
+        return int(self.manager.estimate_cached_tokens(self._request(request)))
+
+    def new_step_starts(self) -> None:
+        self.manager.new_step_starts()
+
+
+def enable_fine_grained_hits(coordinator: Any, hash_block_size: int) -> None:
+    """Turn on 0.33's partial hash hits in a hybrid coordinator of full-attention groups.
+
+    vLLM sets the switch itself only when a Mamba "align" group is present
+    (vllm/v1/core/kv_cache_utils.py, ``partial_hash_hits_enabled``); kvpool
+    models no such group, so the adapter sets what the coordinator's
+    constructor would have: the switch, and every manager's hit alignment
+    (vllm/v1/core/kv_cache_coordinator.py, ``HybridKVCacheCoordinator.__init__``).
+    The full-attention code that then runs is vLLM's own, unchanged.
+    """
+    if not hasattr(coordinator, "attention_groups"):
+        raise TargetError("fine-grained hits need vLLM's HybridKVCacheCoordinator")
+    coordinator.enable_partial_hash_hits = True
+    for manager in coordinator.single_type_managers:
+        manager.cache_hit_alignment_tokens = hash_block_size
 
 
 def vllm_refuses(setup: ManagerSetup) -> str | None:
@@ -618,6 +684,23 @@ def scope(factory: VllmManagerFactory | None = None) -> ManagerTargetSpec:
     )
 
 
+def fine_grained_scope(factory: VllmManagerFactory | None = None) -> ManagerTargetSpec:
+    """Where vLLM's fine-grained hits and copy-on-write are compared: two full-attention
+    groups (a hybrid coordinator) of blocks two hash blocks long, events on and off, the
+    switch turned on by ``enable_fine_grained_hits``."""
+    from kvpool.model import DEFAULT_PROFILE
+
+    return ManagerTargetSpec(
+        factory or VllmManagerFactory(),
+        layouts=("full+full",),
+        profiles=(DEFAULT_PROFILE,),
+        events=(False, True),
+        block_factors=(2,),
+        min_window=2,
+        fine_grained=(True,),
+    )
+
+
 VLLM_SCOPE = scope()
 """Where vLLM 0.33's manager is compared: every attention type it runs on a CPU
 (full, sliding window of at least 2 tokens, chunked local, Mamba) and hybrids of
@@ -628,29 +711,21 @@ caching is on."""
 
 
 SCHEDULER_CALLS_NOT_DRIVEN: dict[str, str] = {
-    "estimate_cached_tokens": "0.33's scheduling estimate from the live keys' token counts: "
-    "not modelled yet (issue #16, part 2)",
-    "finalize_partial_tail_offloads": "a KV connector producer's partial-tail hand-off: "
-    "connectors are not modelled",
+    "finalize_partial_tail_offloads": "a KV connector producer's partial-tail hand-off "
+    "of Mamba 'align' states: connectors and Mamba 'align' are not modelled",
     "get_block_ids_for_computed_tokens": "the block table cut at the computed tokens, "
     "for a KV connector: connectors are not modelled",
     "get_computed_blocks_for_connector": "the lookup for a request with a KV connector: "
     "connectors are not modelled",
-    "new_step_starts": "0.33's step boundary (at most one caching of a block per step): "
-    "not modelled yet (issue #16, part 2)",
     "pop_blocks_for_free": "the scheduler's deferred free, the request's blocks handed "
     "back for a later BlockPool.free_blocks: not modelled yet (issue #16, part 2)",
-    "record_blocks_for_zeroing": "0.33's zeroing of reused blocks for models that read "
-    "them uninitialised: not modelled yet (issue #16, part 2)",
+    "record_blocks_for_zeroing": "re-records blocks for zeroing after a failed KV "
+    "connector load; it acts only where the KV cache config needs zeroing (Mamba layers "
+    "or mixed precision), which kvpool's groups never do",
     "remove_skipped_blocks": "called by the scheduler's connector path only; allocate_slots "
     "makes the same removal itself, which the machine drives",
     "take_boundary_state_offloads": "a KV connector's Mamba boundary states: connectors "
     "and Mamba state caching are not modelled",
-    "take_kv_cache_block_copies": "fine-grained hits with copy-on-write: not modelled yet "
-    "(issue #16, part 2)",
-    "take_new_block_ids": "0.33's zeroing of reused blocks: not modelled yet (issue #16, part 2)",
-    "truncate_computed_blocks": "fine-grained hits (a lookup cut at an aligned end): not "
-    "modelled yet (issue #16, part 2)",
 }
 """Methods of 0.33's ``KVCacheManager`` its scheduler calls that the request machine
 does not drive, each with the reason (``tests/vllm/test_vllm_033_operations.py``

@@ -1,0 +1,122 @@
+"""The drop-in shapes without vLLM: the event hook, vLLM's key shape, the map view.
+
+The comparison with vLLM's own pool, call for call, is tests/vllm/test_vllm_drop_in.py.
+"""
+
+from typing import Any
+
+import pytest
+
+from kvpool.impl import BlockPool
+from kvpool.impl.vllm_shape import CallerEvents, int64_hash, pool_key
+from kvpool.model import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    CacheRequest,
+    InvalidArgument,
+    UnknownBlock,
+)
+from tests.impl.helpers import assert_rejected
+
+REQ = CacheRequest((b"h1", b"h2"), (1, 2, 3, 4))
+
+
+def cached(strict: bool, **kwargs: Any) -> BlockPool:
+    pool = BlockPool(4, True, 2, strict=strict, **kwargs)
+    pool.cache_full_blocks(REQ, pool.get_new_blocks(2), 0, 2, 2, 1)
+    return pool
+
+
+def test_by_default_the_keys_are_kvpool_s_and_vllm_s_map_is_not_shown() -> None:
+    pool = cached(strict=True)
+    assert pool.blocks[1].block_hash == (b"h1", 1)
+    assert not hasattr(pool, "cached_block_hash_to_block")
+
+
+def test_not_strict_shows_keys_in_vllm_s_shape() -> None:
+    pool = cached(strict=False)
+    assert pool.blocks[1].block_hash == b"h1\0\0\0\1"
+    assert pool.blocks[3].block_hash is None
+    assert pool_key(pool.blocks[2].block_hash) == (b"h2", 1)
+    the_map = pool.cached_block_hash_to_block
+    assert len(the_map) == 2 and set(the_map._cache) == {b"h1\0\0\0\1", b"h2\0\0\0\1"}
+    assert the_map.get_one_block(b"h2\0\0\0\1") is pool.blocks[2]
+    assert the_map.get_one_block(b"h2\0\0\0\0") is None
+    pool.check_invariants()
+
+
+def test_the_hook_gets_every_event_with_its_request_and_queues_what_it_returns() -> None:
+    seen: list[tuple[Any, Any]] = []
+
+    def hook(event: Any, request: Any) -> Any:
+        seen.append((event, request))
+        return ("mine", type(event).__name__)
+
+    pool = cached(strict=True, enable_kv_cache_events=True, event_hook=hook)
+    pool.free_blocks(pool.blocks[1:3])
+    pool.get_new_blocks(3)
+    pool.free_blocks(pool.blocks[1:])
+    pool.reset_prefix_cache()
+    events: list[Any] = pool.take_events()
+    assert events == [
+        ("mine", "BlockStored"),
+        ("mine", "BlockRemoved"),
+        ("mine", "BlockRemoved"),
+        ("mine", "AllBlocksCleared"),
+    ]
+    assert [r for _, r in seen] == [REQ, None, None, None]
+    assert seen[1][0] == BlockRemoved(block_hashes=(b"h1",), medium="GPU", group_idx=1)
+
+
+def test_caller_events_builds_the_caller_s_classes_with_converted_hashes() -> None:
+    hook = CallerEvents(dict, dict, dict, external_hash=int64_hash)
+    stored = BlockStored((b"\1" * 9,), b"\2", (1, 2), 2, None, "GPU", None, (None,), 0)
+    got: Any = hook(stored, CacheRequest((), ()))
+    assert got["block_hashes"] == [int.from_bytes(b"\1" * 8, "big")]
+    assert got["parent_block_hash"] == 2 and got["token_ids"] == [1, 2]
+    assert "session_id" not in got
+    assert hook(AllBlocksCleared(), None) == {}
+    # Without a converter the hashes stay kvpool's bytes.
+    plain: Any = CallerEvents(dict, dict, dict)(stored, None)
+    assert plain["block_hashes"] == [b"\1" * 9]
+
+
+def test_a_request_s_session_goes_into_block_stored() -> None:
+    class Request:
+        block_hashes = (b"h1",)
+        all_token_ids = (1, 2)
+        session_id = "session-a"
+
+    pool = BlockPool(
+        3, True, 2, enable_kv_cache_events=True, event_hook=CallerEvents(dict, dict, dict)
+    )
+    pool.cache_full_blocks(Request(), pool.get_new_blocks(1), 0, 1, 2, 0)
+    event: Any
+    [event] = pool.take_events()
+    assert event["session_id"] == "session-a"
+
+
+@pytest.mark.parametrize("bad", [None, 3, "hook"])
+def test_invalid_hook_is_not_callable(bad: Any) -> None:
+    if bad is not None:
+        with pytest.raises(InvalidArgument):
+            BlockPool(3, True, 1, event_hook=bad)
+    with pytest.raises(InvalidArgument):
+        CallerEvents(dict, dict, dict, external_hash=3)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument):
+        CallerEvents(dict, "BlockRemoved", dict)  # type: ignore[arg-type]
+
+
+def test_invalid_map_writes_are_named_and_change_nothing() -> None:
+    pool = cached(strict=False)
+    other = BlockPool(4, True, 2, strict=False)
+    the_map = pool.cached_block_hash_to_block
+    assert_rejected(pool, UnknownBlock, the_map.insert, b"k\0\0\0\0", other.blocks[1])
+    assert_rejected(pool, UnknownBlock, the_map.insert, b"k\0\0\0\0", "block 1")
+    assert_rejected(pool, InvalidArgument, the_map.insert, (b"k", 0), pool.blocks[3])
+    assert_rejected(pool, InvalidArgument, the_map.insert, b"k", pool.blocks[3])
+    entries = the_map._cache
+    assert_rejected(pool, InvalidArgument, entries.__setitem__, b"k\0\0\0\0", {3: pool.blocks[3]})
+    assert_rejected(pool, UnknownBlock, entries.__setitem__, b"k\0\0\0\0", other.blocks[3])
+    assert_rejected(pool, InvalidArgument, the_map.pop, "k", 3)
