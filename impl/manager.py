@@ -23,6 +23,7 @@ from kvpool.impl.pool import BlockPool, Unchecked
 from kvpool.impl.single_type import (
     SingleTypeKVCacheManager,
     get_manager_for_kv_cache_spec,
+    num_prompt_tokens,
     verify_hash_block_size,
 )
 from kvpool.model.errors import (
@@ -218,12 +219,21 @@ class KVCacheManager:
         self.managers: list[SingleTypeKVCacheManager] = [
             get_manager_for_kv_cache_spec(spec, self.block_pool, g) for g, spec in enumerate(specs)
         ]
+        for manager in self.managers:
+            manager.use_eagle = use_eagle
         self.num_kv_cache_groups = len(specs)
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in specs))
         self.fine_grained_hits = (
             bool(fine_grained_hits)
             and not use_eagle
             and all(s.attention is AttentionType.FULL and s.block_size > hbs for s in specs)
+        )
+        for manager in self.managers:
+            manager.fine_grained_hits = self.fine_grained_hits
+        # Caching reads the prompt's length where a full-attention group's blocks hold several
+        # hash blocks (the prompt's tail); it is checked before anything changes
+        self._caches_prompt_tail = any(
+            s.attention is AttentionType.FULL and s.block_size > hbs for s in specs
         )
         self.pending_copies: list[tuple[KVCacheBlock, KVCacheBlock]] = []
         self._uncached = 0
@@ -450,8 +460,8 @@ class KVCacheManager:
             self._verify_hashes_to_cache(
                 request, hits, min(num_computed + num_new_tokens, request.num_tokens)
             )
-            if self.fine_grained_hits:
-                _num_prompt_tokens(request)
+            if self._caches_prompt_tail:
+                num_prompt_tokens(request)
 
         for manager in managers:
             manager.remove_skipped_blocks(rid, request.num_computed_tokens)
@@ -498,22 +508,10 @@ class KVCacheManager:
         return destination
 
     def _cache(self, request: Any, num_tokens: int) -> None:
-        """Cache every group's full blocks; with fine-grained hits, the prompt's partial tail."""
-        hbs = self.block_pool.hash_block_size
+        """Cache every group's full blocks, and the prompt's tail where blocks hold several hash
+        blocks (the managers' ``cache_blocks``, unrounded with fine-grained hits)."""
         for manager in self.managers:
             manager.cache_blocks(request, num_tokens)
-            if not self.fine_grained_hits:
-                continue
-            limit = _num_prompt_tokens(request) - 1
-            boundary = min(limit // hbs, len(request.block_hashes)) * hbs
-            if boundary == 0 or boundary > num_tokens or boundary % manager.block_size == 0:
-                continue
-            blocks = manager.req_to_blocks[request.request_id]
-            index = boundary // manager.block_size
-            if index < len(blocks):
-                self.block_pool.cache_partial_block(
-                    request, blocks[index], boundary, manager.kv_cache_group_id, manager.block_size
-                )
 
     def _verify_hashes_to_cache(
         self, request: Any, hits: tuple[Sequence[KVCacheBlock], ...], num_tokens: int
@@ -546,8 +544,8 @@ class KVCacheManager:
             self._verify_hashes_to_cache(
                 request, self.empty_kv_cache_blocks.blocks, num_computed_tokens
             )
-            if self.fine_grained_hits:
-                _num_prompt_tokens(request)
+            if self._caches_prompt_tail:
+                num_prompt_tokens(request)
             self._cache(request, num_computed_tokens)
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
@@ -696,20 +694,6 @@ def _verify_ints(**values: object) -> None:
     for name, value in values.items():
         if not isinstance(value, int) or isinstance(value, bool):
             raise InvalidArgument(f"{name} must be an int, got {type(value).__name__}")
-
-
-def _num_prompt_tokens(request: Any) -> int:
-    """The request's prompt length (vLLM's ``num_prompt_tokens``, or kvpool's prompt ids);
-    InvalidArgument if it has neither."""
-    count = getattr(request, "num_prompt_tokens", None)
-    if count is None:
-        prompt = getattr(request, "prompt_token_ids", None)
-        if not isinstance(prompt, Sequence):
-            raise InvalidArgument("not a request: it has no prompt length")
-        count = len(prompt)
-    if not isinstance(count, int) or isinstance(count, bool):
-        raise InvalidArgument(f"num_prompt_tokens must be an int, got {type(count).__name__}")
-    return count
 
 
 def _verify_request_id(request_id: object) -> None:

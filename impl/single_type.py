@@ -19,11 +19,26 @@ from kvpool.impl.pool import BlockPool
 from kvpool.model.errors import (
     HashBlockSizeMismatch,
     HitOnRunningRequest,
+    InvalidArgument,
     InvalidTokenCount,
     UnknownGroup,
     UnknownRequest,
 )
 from kvpool.model.single_type import AttentionType, GroupTable, KVCacheSpec
+
+
+def num_prompt_tokens(request: Any) -> int:
+    """The request's prompt length (vLLM's ``num_prompt_tokens``, or kvpool's prompt ids);
+    InvalidArgument if it has neither."""
+    count = getattr(request, "num_prompt_tokens", None)
+    if count is None:
+        prompt = getattr(request, "prompt_token_ids", None)
+        if not isinstance(prompt, Sequence):
+            raise InvalidArgument("not a request: it has no prompt length")
+        count = len(prompt)
+    if not isinstance(count, int) or isinstance(count, bool):
+        raise InvalidArgument(f"num_prompt_tokens must be an int, got {type(count).__name__}")
+    return count
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -58,6 +73,11 @@ class SingleTypeKVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_block: dict[str, int] = {}
         self._null_block = block_pool.null_block
+        self.use_eagle = False
+        """EAGLE drafts read the whole prompt (the manager sets it, as vLLM's coordinator does)."""
+        self.fine_grained_hits = False
+        """Hits may end inside a block, so the prompt's tail is cached without rounding (the
+        manager sets it, as vLLM's coordinator sets ``cache_hit_alignment_tokens``)."""
 
     # ------------------------------------------------------------------
 
@@ -219,6 +239,30 @@ class FullAttentionManager(SingleTypeKVCacheManager):
                 blocks.pop()
         return computed
 
+    def cache_blocks(self, request: Any, num_tokens: int) -> None:
+        """The full blocks, then the prompt's partial tail when blocks hold several hash blocks."""
+        super().cache_blocks(request, num_tokens)
+        hbs = self.block_pool.hash_block_size
+        if self.block_size == hbs:
+            return
+        # The last hash-block boundary a resend of the prompt can hit (docs/semantics.md)
+        limit = num_prompt_tokens(request) - (0 if self.use_eagle else 1)
+        num_hashes = len(request.block_hashes)
+        boundary = (limit // hbs if limit // hbs < num_hashes else num_hashes) * hbs
+        # what a hit could match: block-aligned hits round down (not with EAGLE, nor with
+        # fine-grained hits)
+        size = self.block_size
+        aligned = not (self.use_eagle or self.fine_grained_hits)
+        cacheable = num_tokens // size * size if aligned else num_tokens
+        if boundary == 0 or boundary > cacheable or boundary % size == 0:
+            return
+        blocks = self.req_to_blocks[request.request_id]
+        index = boundary // size
+        if index < len(blocks):
+            self.block_pool.cache_partial_block(
+                request, blocks[index], boundary, self.kv_cache_group_id, self.block_size
+            )
+
     def get_num_common_prefix_blocks(self, request_id: str, num_running_requests: int) -> int:
         count = 0
         for block in self.req_to_blocks.get(request_id, ()):
@@ -314,10 +358,8 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
         if request_id not in self.req_to_blocks:
             return
         chunk = self.kv_cache_spec.attention_chunk_size
+        # the last cached block of an earlier chunk goes too (docs/semantics.md)
         first_useful = num_computed_tokens // chunk * chunk // self.block_size
-        num_cached = self.num_cached_block[request_id]
-        if num_cached > 0 and first_useful > num_cached - 1:
-            first_useful = num_cached - 1
         if first_useful > 0:
             self._release_before(request_id, first_useful)
 

@@ -2,9 +2,10 @@
 
 When a group's block holds several hash blocks, a hit may end inside a
 block: the prompt of an earlier request ended there, and its last hash
-block was registered as a *partial* key of that block
-(``partial_tail``). A later request hitting it must not write into the
-shared block (its next tokens would overwrite the other request's), so
+block was registered as a *partial* key of that block (the prompt's tail,
+``kvpool.model.single_type.cache_blocks``). A later request hitting it
+must not write into the shared block (its next tokens would overwrite the
+other request's), so
 ``allocate_slots`` gives it a private block and records a copy of the
 source into it (``kvpool.model.manager``). The scheduler takes the copies
 once per step (``take_kv_cache_block_copies``), the GPU runs them before
@@ -24,7 +25,6 @@ decisions.
 from collections.abc import Sequence
 
 import kvpool.model.pool as pool_ops
-from kvpool.model.request import Request, cache_request
 from kvpool.model.single_type import AttentionType, KVCacheSpec
 from kvpool.model.state import BlockHash, PoolState
 
@@ -81,33 +81,3 @@ def extend_into_partial_block(
         extended = tuple((*blocks, t) for blocks, t in zip(found, tail, strict=True))
         return extended, (fine_idx + 1) * hbs
     return found, len(found[0]) * spec.block_size
-
-
-def partial_tail(
-    pool: PoolState,
-    spec: KVCacheSpec,
-    group: int,
-    request: Request,
-    blocks: Sequence[int],
-    num_tokens: int,
-) -> PoolState:
-    """Register the block where the prompt's last hit-able hash boundary falls inside it.
-
-    The boundary is the last whole hash block within ``num_prompt_tokens - 1``
-    tokens (a resend hits at most that many). Nothing happens when it is 0,
-    past ``num_tokens``, on a block boundary, or past the request's blocks.
-
-    Complexity: O(keys of the block).
-    """
-    hbs = pool.config.hash_block_size
-    limit = len(request.prompt_token_ids) - 1
-    boundary = min(limit // hbs, len(request.block_hashes)) * hbs
-    if boundary == 0 or boundary > num_tokens or boundary % spec.block_size == 0:
-        return pool
-    index = boundary // spec.block_size
-    if index >= len(blocks):
-        return pool
-    pool, _ = pool_ops.cache_partial_block(
-        pool, cache_request(request), blocks[index], boundary, group, spec.block_size
-    )
-    return pool

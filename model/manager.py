@@ -522,13 +522,16 @@ def _copy_on_write(
 def _cache(
     state: KVCacheManagerState, m: single.ManagersState, request: Request, num_tokens: int
 ) -> single.ManagersState:
-    """Cache every group's full blocks; with fine-grained hits, the prompt's partial tail too."""
+    """Cache every group's full blocks, and the prompt's tail where blocks hold several hash blocks.
+
+    With fine-grained hits the tail is cached without rounding the cacheable
+    tokens down to the block size (``single.cache_blocks``).
+    """
+    config = state.config
     for g in range(len(m.specs)):
-        m, _ = single.cache_blocks(m, g, request, num_tokens)
-        if state.config.fine_grained_hits:
-            blocks = m.tables[g].req_to_blocks[request.request_id]
-            pool = cow.partial_tail(m.pool, m.specs[g], g, request, blocks, num_tokens)
-            m = replace(m, pool=pool)
+        m, _ = single.cache_blocks(
+            m, g, request, num_tokens, config.use_eagle, config.fine_grained_hits
+        )
     return m
 
 

@@ -63,6 +63,11 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def num_prompt_tokens(self) -> int:
+        """How many tokens the prompt holds (vLLM's ``Request.num_prompt_tokens``)."""
+        return len(self.prompt_token_ids)
+
+    @property
     def lora_id(self) -> int | None:
         """The LoRA adapter's id, for events (None without an adapter)."""
         return None if self.lora is None else self.lora.lora_id

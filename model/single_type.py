@@ -36,6 +36,7 @@ from kvpool.model.errors import (
 )
 from kvpool.model.pool import (
     cache_full_blocks,
+    cache_partial_block,
     free_blocks,
     get_cached_block,
     get_new_blocks,
@@ -353,14 +354,23 @@ def allocate_new_blocks(
 
 
 def cache_blocks(
-    state: ManagersState, group: int, request: Request, num_tokens: int
+    state: ManagersState,
+    group: int,
+    request: Request,
+    num_tokens: int,
+    use_eagle: bool = False,
+    fine_grained: bool = False,
 ) -> tuple[ManagersState, None]:
     """Put the request's blocks that are full within its first ``num_tokens`` tokens in the map.
 
     Only blocks past those already cached, and only as far as the request
     has hashes. Never goes back: a smaller ``num_tokens`` than before
     caches nothing. Mamba groups never cache (their block holds a running
-    state, not the KV of the tokens its hash would name).
+    state, not the KV of the tokens its hash would name). A full-attention
+    group whose blocks hold several hash blocks also caches the prompt's
+    partial tail (``_cache_prompt_tail``), whether or not hits may end
+    inside a block; ``fine_grained`` says they may (the manager's
+    ``fine_grained_hits``), which changes what counts as cacheable there.
 
     Complexity: O(number of blocks newly cached).
 
@@ -384,19 +394,69 @@ def cache_blocks(
     num_cached = table.num_cached_block[rid]
     num_hashed = len(request.block_hashes) * state.pool.config.hash_block_size
     num_full = min(num_tokens, num_hashed) // spec.block_size
-    if num_cached >= num_full:
-        return state, None
-    pool, _ = cache_full_blocks(
-        state.pool,
-        cache_request(request),
-        table.req_to_blocks[rid],
-        num_cached,
-        num_full,
-        spec.block_size,
-        group,
+    if num_cached < num_full:
+        pool, _ = cache_full_blocks(
+            state.pool,
+            cache_request(request),
+            table.req_to_blocks[rid],
+            num_cached,
+            num_full,
+            spec.block_size,
+            group,
+        )
+        table = replace(table, num_cached_block={**table.num_cached_block, rid: num_full})
+        state = _with_table(replace(state, pool=pool), group, table)
+    if spec.attention is AttentionType.FULL and spec.block_size > state.pool.config.hash_block_size:
+        state = _cache_prompt_tail(state, group, request, num_tokens, use_eagle, fine_grained)
+    return state, None
+
+
+def _cache_prompt_tail(
+    state: ManagersState,
+    group: int,
+    request: Request,
+    num_tokens: int,
+    use_eagle: bool,
+    fine_grained: bool,
+) -> ManagersState:
+    """Key the block where the prompt's last hit-able hash boundary falls inside it.
+
+    A resend of the prompt hits at most ``num_prompt_tokens - 1`` tokens (all
+    of them with EAGLE, which drops a hash block after the lookup); the last
+    hash-block boundary within that is the boundary. Only what a hit could
+    match counts as cacheable: ``num_tokens`` rounded down to the block size
+    while hits are block-aligned, so the key arrives when its block is full,
+    beside the block's full key; not rounded with EAGLE, nor with
+    fine-grained hits (a hit may end at any hash boundary, so the key arrives
+    as soon as the boundary's tokens are computed). Nothing happens when the
+    boundary is 0, past the cacheable tokens, on a block boundary or past the
+    request's blocks; otherwise the pool's ``cache_partial_block`` keys the
+    block there (a key it already carries changes nothing). Source: vLLM 0.33.0,
+    ``FullAttentionManager.cache_blocks`` and ``_cache_partial_tail_block`` in
+    ``vllm/v1/core/single_type_kv_cache_manager.py`` (called on every caching
+    of a full-attention group with blocks larger than a hash block), and
+    ``HybridKVCacheCoordinator.get_num_cacheable_tokens`` in
+    ``vllm/v1/core/kv_cache_coordinator.py`` (the rounding, by
+    ``_align_cacheable``, skipped when fine-grained hits are on).
+
+    Complexity: O(keys of the block).
+    """
+    spec, table = _group(state, group)
+    hbs = state.pool.config.hash_block_size
+    limit = request.num_prompt_tokens - (0 if use_eagle else 1)
+    boundary = min(limit // hbs, len(request.block_hashes)) * hbs
+    aligned = not (use_eagle or fine_grained)
+    cacheable = num_tokens // spec.block_size * spec.block_size if aligned else num_tokens
+    if boundary == 0 or boundary > cacheable or boundary % spec.block_size == 0:
+        return state
+    blocks = table.req_to_blocks[request.request_id]
+    index = boundary // spec.block_size
+    if index >= len(blocks):
+        return state
+    pool, _ = cache_partial_block(
+        state.pool, cache_request(request), blocks[index], boundary, group, spec.block_size
     )
-    table = replace(table, num_cached_block={**table.num_cached_block, rid: num_full})
-    return _with_table(replace(state, pool=pool), group, table), None
+    return replace(state, pool=pool)
 
 
 def free(state: ManagersState, group: int, request_id: str) -> tuple[ManagersState, None]:
@@ -433,8 +493,8 @@ def remove_skipped_blocks(
     """Free the blocks no future token of the request attends to; nulls take their place.
 
     Sliding window: blocks entirely before the window of the next token
-    (token ``num_computed_tokens``). Chunked local: blocks of earlier chunks,
-    keeping the last cached block. Full attention and Mamba skip nothing.
+    (token ``num_computed_tokens``). Chunked local: blocks of earlier chunks.
+    Full attention and Mamba skip nothing.
     Blocks are released from the window edge backwards, stopping at the
     first null block (everything before it was released earlier).
 
@@ -455,11 +515,11 @@ def remove_skipped_blocks(
         first_useful_token = num_computed_tokens - spec.sliding_window + 1
         first_useful = max(0, first_useful_token) // spec.block_size
     elif spec.attention is AttentionType.CHUNKED_LOCAL:
+        # Every block of an earlier chunk goes, the last cached one too (vLLM 0.33.0;
+        # 0.10.1.1 kept it to read the next event's parent hash from it, which the
+        # model reads from the request's hashes).
         chunk = spec.attention_chunk_size
         first_useful = num_computed_tokens // chunk * chunk // spec.block_size
-        num_cached = table.num_cached_block[request_id]
-        if num_cached > 0:
-            first_useful = min(first_useful, num_cached - 1)
     else:
         return state, None
 

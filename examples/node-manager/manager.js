@@ -495,22 +495,47 @@ class KVCacheManager {
     const numCached = table.cached.get(r.request_id);
     const numHashed = r.hashes.length * this.hbs;
     const numFull = Math.floor(Math.min(numTokens, numHashed) / spec.block_size);
-    if (numCached >= numFull) return;
-    this.pool.cache_full_blocks({
-      request: {
-        block_hashes: r.hashes,
-        all_token_ids: r.tokens,
-        lora_id: r.lora === null ? null : r.lora.lora_id,
-        lora_name: r.lora === null ? null : r.lora.name,
-      },
-      block_ids: table.blocks.get(r.request_id),
-      num_cached_blocks: numCached,
-      num_full_blocks: numFull,
-      block_size: spec.block_size,
+    const request = {
+      block_hashes: r.hashes,
+      all_token_ids: r.tokens,
+      lora_id: r.lora === null ? null : r.lora.lora_id,
+      lora_name: r.lora === null ? null : r.lora.name,
+    };
+    if (numCached < numFull) {
+      this.pool.cache_full_blocks({
+        request,
+        block_ids: table.blocks.get(r.request_id),
+        num_cached_blocks: numCached,
+        num_full_blocks: numFull,
+        block_size: spec.block_size,
+        kv_cache_group_id: g,
+        block_mask: null,
+      });
+      table.cached.set(r.request_id, numFull);
+    }
+    if (spec.attention === "full" && spec.block_size > this.hbs) {
+      this.cachePromptTail(g, r, request, numTokens);
+    }
+  }
+
+  // The prompt's last hit-able hash boundary, when it falls inside a block whose
+  // caching a block-aligned hit could use (kvpool.model.single_type._cache_prompt_tail).
+  cachePromptTail(g, r, request, numTokens) {
+    const size = this.specs[g].block_size;
+    const limit = r.prompt_token_ids.length - (this.eagle ? 0 : 1);
+    const boundary = Math.min(Math.floor(limit / this.hbs), r.hashes.length) * this.hbs;
+    const cacheable = this.eagle ? numTokens : Math.floor(numTokens / size) * size;
+    if (boundary === 0 || boundary > cacheable || boundary % size === 0) return;
+    const blocks = this.tables[g].blocks.get(r.request_id);
+    const index = Math.floor(boundary / size);
+    if (index >= blocks.length) return;
+    this.pool.cache_partial_block({
+      request,
+      block_id: blocks[index],
+      num_tokens: boundary,
       kv_cache_group_id: g,
-      block_mask: null,
+      block_size: size,
     });
-    table.cached.set(r.request_id, numFull);
   }
 
   freeGroup(g, rid) {
@@ -531,9 +556,8 @@ class KVCacheManager {
       firstUseful = Math.floor(Math.max(0, numComputed - spec.sliding_window + 1) / spec.block_size);
     } else if (spec.attention === "chunked_local") {
       const chunk = spec.attention_chunk_size;
+      // every block of an earlier chunk goes, the last cached one too (vLLM 0.33.0)
       firstUseful = Math.floor((Math.floor(numComputed / chunk) * chunk) / spec.block_size);
-      const numCached = table.cached.get(rid);
-      if (numCached > 0) firstUseful = Math.min(firstUseful, numCached - 1);
     } else {
       return;
     }

@@ -69,6 +69,8 @@ def run_request_conformance(
         min_window=target.min_window,
         level=level,
         hybrids=hybrids,
+        uncached_layouts=target.uncached_layouts,
+        hash_sized_layouts=target.hash_sized_layouts,
         fine_grained=target.fine_grained,
     )
 

@@ -147,9 +147,15 @@ def _start_rule(
     events: Sequence[bool],
     block_factors: Sequence[int],
     min_window: int,
+    uncached_layouts: Sequence[str] = (),
+    hash_sized_layouts: Sequence[str] = (),
     fine_grained: Sequence[bool] = (False,),
 ) -> Callable[..., None]:
-    """The machine's first step, drawing only from the configurations given."""
+    """The machine's first step, drawing only from the configurations given.
+
+    A layout in ``uncached_layouts`` is drawn with prefix caching off; one in
+    ``hash_sized_layouts`` with blocks of one hash block when caching is on.
+    """
     # drawn only when it can be True, so that other programs draw what they always did
     extra: dict[str, st.SearchStrategy[Any]] = (
         {"fine": st.sampled_from(list(fine_grained))} if any(fine_grained) else {}
@@ -175,6 +181,10 @@ def _start_rule(
     )
 
     def start(self: "ManagerMachine", **drawn: Any) -> None:
+        if drawn["layout"] in uncached_layouts:
+            drawn["caching"] = False
+        if drawn["caching"] and drawn["layout"] in hash_sized_layouts:
+            drawn["factor"] = 1
         self.start(**drawn)
 
     return decorate(start)
@@ -918,6 +928,8 @@ def manager_machine(
     min_window: int = 1,
     level: int = 1,
     hybrids: bool = True,
+    uncached_layouts: Sequence[str] = (),
+    hash_sized_layouts: Sequence[str] = (),
     fine_grained: Sequence[bool] = (False,),
 ) -> type[ManagerMachine]:
     """A state machine class that checks ``make_target`` on the given layouts and profiles.
@@ -936,7 +948,16 @@ def manager_machine(
     if level == 2 and hybrids:
         layouts = (*layouts, *(h for h in HYBRID_LAYOUTS if h not in layouts))
     attrs = {
-        "initial": _start_rule(layouts, chosen, events, block_factors, min_window, fine_grained),
+        "initial": _start_rule(
+            layouts,
+            chosen,
+            events,
+            block_factors,
+            min_window,
+            uncached_layouts,
+            hash_sized_layouts,
+            fine_grained,
+        ),
         "make_target": staticmethod(make_target),
         "lockstep": lockstep,
     }

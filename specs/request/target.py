@@ -159,5 +159,10 @@ class ManagerTargetSpec:
     events: tuple[bool, ...] = (False, True)
     block_factors: tuple[int, ...] = (1, 2)
     min_window: int = 1
+    uncached_layouts: tuple[str, ...] = ()
+    """Layouts the target runs with prefix caching off only (drawn so)."""
+    hash_sized_layouts: tuple[str, ...] = ()
+    """Layouts whose blocks are one hash block long when prefix caching is on (drawn
+    so; with caching off they take every block factor)."""
     fine_grained: tuple[bool, ...] = (False,)
     """Whether programs ask for fine-grained hits (True needs ``ManagerTarget033``)."""

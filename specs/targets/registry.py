@@ -122,7 +122,8 @@ class TargetDescriptor:
     checked at this level and these profiles."""
     scope: Mapping[str, Any] = field(default_factory=dict)
     """The part of the layer's space the target is checked on (request layer:
-    ``layouts``, ``events``, ``block_factors``, ``min_window``; radix layer:
+    ``layouts``, ``events``, ``block_factors``, ``min_window``, ``uncached_layouts``,
+    ``hash_sized_layouts``; radix layer:
     ``events``)."""
     release: str | None = None
     """A vLLM release to check in a child interpreter that imports it."""
@@ -293,6 +294,8 @@ def _from_scope(
             "events": scope.events,
             "block_factors": scope.block_factors,
             "min_window": scope.min_window,
+            "uncached_layouts": scope.uncached_layouts,
+            "hash_sized_layouts": scope.hash_sized_layouts,
             "fine_grained": scope.fine_grained,
         },
     )

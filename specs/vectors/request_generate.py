@@ -52,7 +52,7 @@ from kvpool.specs.vectors.format import (
     sha256,
 )
 
-REQUEST_GENERATOR_VERSION = 1
+REQUEST_GENERATOR_VERSION = 2
 """Bumped whenever generate_request_corpus() produces a different corpus."""
 
 QUERIES = ("get_block_ids", "usage", "num_free_blocks")
@@ -348,7 +348,7 @@ def other_attention_scenarios() -> Iterator[ManagerScript]:
     s = ManagerScript(
         "chunked-local/earlier-chunks",
         "blocks of earlier chunks count as computed (null); the hit continues in the current "
-        "chunk; the last cached block of an old chunk is kept",
+        "chunk; every block of an old chunk is released, the last cached one too",
         ["chunked_local", "hits"],
         setup_of([chunked_local(2, 4)], num_blocks=10, hash_block_size=2),
     )

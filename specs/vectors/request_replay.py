@@ -67,12 +67,17 @@ def layout_of(setup: ManagerSetup) -> str:
 
 def in_scope(setup: ManagerSetup, scope: Mapping[str, Any]) -> bool:
     """Whether a vector's setup lies in the part of the space a target claims."""
-    if "layouts" in scope and layout_of(setup) not in scope["layouts"]:
+    layout = layout_of(setup)
+    if "layouts" in scope and layout not in scope["layouts"]:
         return False
     if "events" in scope and setup.enable_events not in scope["events"]:
         return False
     factors = {s.block_size // setup.hash_block_size for s in setup.specs}
     if "block_factors" in scope and not factors <= set(scope["block_factors"]):
+        return False
+    if setup.enable_caching and layout in scope.get("uncached_layouts", ()):
+        return False
+    if setup.enable_caching and layout in scope.get("hash_sized_layouts", ()) and factors != {1}:
         return False
     windows = [s.sliding_window for s in setup.specs if s.attention is AttentionType.SLIDING_WINDOW]
     return not windows or min(windows) >= int(scope.get("min_window", 1))

@@ -20,6 +20,7 @@ from kvpool.impl.single_type import get_manager_for_kv_cache_spec
 from kvpool.model import manager as model_manager
 from kvpool.model import pool as pool_ops
 from kvpool.model import single_type as single
+from kvpool.model.errors import InvalidArgument
 from kvpool.model.pool import new_pool
 from kvpool.model.request import new_request
 from kvpool.model.single_type import (
@@ -208,3 +209,110 @@ def test_a_request_without_the_skip_flag_reads_the_cache() -> None:
     duck = SimpleNamespace(**{name: getattr(probe, name) for name in read})
     blocks, num_tokens = impl.get_computed_blocks(duck)
     assert blocks.get_block_ids() == ([1, 2],) and num_tokens == 4
+
+
+@pytest.mark.parametrize("eagle", [False, True])
+def test_the_prompt_tail_is_keyed_beside_the_full_key_in_model_and_impl(eagle: bool) -> None:
+    """Blocks of two hash blocks: the prompt's last hit-able boundary (10 of 12 tokens, all 12
+    with EAGLE: on a block boundary, so nothing) is keyed once its block is full (vLLM 0.33)."""
+    from kvpool.model.events import BlockStored
+    from kvpool.model.request import with_computed
+    from kvpool.specs.request.model_target import ModelManagerTarget
+    from kvpool.specs.request.target import ManagerSetup
+    from kvpool.specs.targets.impl.request import ImplManagerTarget
+
+    setup = ManagerSetup(8, (full_attention(4),), 16, 2, use_eagle=eagle, enable_events=True)
+    request = new_request("r", (1, 2, 2, 1, 1, 2, 1, 2, 2, 2, 1, 1), 2)
+    tails = []
+    for target in (ModelManagerTarget(setup), ImplManagerTarget(setup)):
+        target.allocate_slots(request, 10)
+        before = target.snapshot().managers.pool
+        target.allocate_slots(with_computed(request, 10), 2)
+        after = target.snapshot()
+        events = target.take_events()
+        tails.append(
+            (
+                after,
+                [
+                    e.block_hashes
+                    for e in events
+                    if isinstance(e, BlockStored) and e.block_size == 2
+                ],
+                len(before.cached),
+            )
+        )
+    assert tails[0] == tails[1]
+    _, stored, cached_before = tails[0]
+    assert cached_before == 2  # only the two full blocks while block 3 is partly written
+    assert stored == ([] if eagle else [(request.block_hashes[4],)])
+
+
+def test_with_fine_grained_hits_the_prompt_tail_is_keyed_before_its_block_is_full() -> None:
+    """Fine-grained hits: the cached tokens are not rounded down to the block size (vLLM 0.33's
+    ``_align_cacheable``), so the tail's key (10 of 12 tokens) arrives with the allocation that
+    computes it, in model and impl alike. Filling the block promotes it to its full key (the
+    partial key removed, as vLLM's ``cache_full_blocks`` does), and the tail is keyed again."""
+    from kvpool.model.events import BlockRemoved, BlockStored
+    from kvpool.model.request import with_computed
+    from kvpool.specs.request.model_target import ModelManagerTarget
+    from kvpool.specs.request.target import ManagerSetup
+    from kvpool.specs.targets.impl.request import ImplManagerTarget
+
+    specs = (full_attention(4), full_attention(4))
+    setup = ManagerSetup(12, specs, 16, 2, enable_events=True, fine_grained_hits=True)
+    request = new_request("r", (1, 2, 2, 1, 1, 2, 1, 2, 2, 2, 1, 1), 2)
+    seen = []
+    for target in (ModelManagerTarget(setup), ImplManagerTarget(setup)):
+        target.allocate_slots(request, 10)
+        first = target.take_events()
+        target.allocate_slots(with_computed(request, 10), 2)
+        second = target.take_events()
+        seen.append(
+            (
+                target.snapshot(),
+                [
+                    [(type(e).__name__, e.group_idx, e.block_hashes) for e in events]
+                    for events in (first, second)
+                ],
+            )
+        )
+    assert seen[0] == seen[1]
+    _, (first, second) = seen[0]
+    h = request.block_hashes
+    stored, removed = BlockStored.__name__, BlockRemoved.__name__
+    assert first == [e for g in (0, 1) for e in [(stored, g, (h[1], h[3])), (stored, g, (h[4],))]]
+    assert second == [
+        e
+        for g in (0, 1)
+        for e in [(removed, g, (h[4],)), (stored, g, (h[5],)), (stored, g, (h[4],))]
+    ]
+
+
+@pytest.mark.parametrize("fine", [False, True])
+def test_invalid_impl_request_without_a_prompt_length_changes_nothing_where_the_tail_is_keyed(
+    fine: bool,
+) -> None:
+    """Full-attention blocks of two hash blocks: caching reads the prompt's length (its tail),
+    fine-grained hits or not, so a request without one is refused before anything changes."""
+    impl = KVCacheManager(
+        KVCacheConfig(8, (full_attention(4), full_attention(4))),
+        16,
+        hash_block_size=2,
+        fine_grained_hits=fine,
+    )
+    probe = new_request("r", (1, 2, 2, 1, 1, 2, 1, 2, 2, 2), 2)
+    read = ("request_id", "num_tokens", "block_hashes", "num_computed_tokens")
+    stranger = SimpleNamespace(
+        **{name: getattr(probe, name) for name in read},
+        num_preemptions=0,
+        all_token_ids=probe.all_token_ids,
+    )
+    before = impl.snapshot()
+    with pytest.raises(InvalidArgument):
+        impl.allocate_slots(stranger, 10)
+    assert impl.snapshot() == before
+    impl.allocate_slots(probe, 8, delay_cache_blocks=True)
+    before = impl.snapshot()
+    with pytest.raises(InvalidArgument):
+        impl.cache_blocks(stranger, 8)
+    assert impl.snapshot() == before

@@ -203,11 +203,13 @@ def test_sliding_window_releases_blocks_before_the_window() -> None:
     assert m.pool.free_queue[:3] == (3, 2, 1)  # released from the window edge backwards
 
 
-def test_chunked_local_keeps_the_last_cached_block() -> None:
+def test_chunked_local_releases_the_last_cached_block_of_an_earlier_chunk() -> None:
+    """vLLM 0.33.0: every block of an earlier chunk goes (0.10.1.1 kept the last cached one)."""
     spec = chunked_local(2, 4)
     m, _a = computed(spec, 8, TOKENS[:6], free_after=False)  # 3 blocks, all cached
     m, _ = remove_skipped_blocks(m, 0, "a", 8)  # chunk 2 starts at block 4
-    assert m.tables[0].req_to_blocks["a"] == (NULL, NULL, 3)
+    assert m.tables[0].req_to_blocks["a"] == (NULL, NULL, NULL)
+    assert m.pool.free_queue[-3:] == (3, 2, 1)  # released from the chunk edge backwards
 
 
 def test_common_prefix_counts_blocks_every_running_request_holds() -> None:

@@ -289,6 +289,71 @@ KNOWN_FINDINGS: dict[str, KnownFinding] = {
 """The level-2 divergences of vLLM's pool, by key (docs/vllm-conformance.md, docs/semantics.md)."""
 
 
+REQUEST_FINDINGS: dict[str, KnownFinding] = {
+    f.key: f
+    for f in (
+        _finding(
+            "manager-no-new-tokens",
+            "allocate_slots",
+            "NoNewTokens",
+            "accepts",
+            "0.33 raises ValueError only when there are no new tokens and no computed tokens "
+            "to adopt: zero new tokens with a hit adopts the hit (a deliberate 0.33 extension "
+            "for asynchronous KV loads), and a negative count allocates nothing",
+        ),
+        _finding(
+            "manager-negative-count",
+            "allocate_slots",
+            "InvalidTokenCount",
+            "accepts",
+            "a negative num_new_computed_tokens or num_lookahead_tokens is not checked: the "
+            "call allocates as if the count were smaller",
+        ),
+        _finding(
+            "manager-hash-block-size",
+            "get_computed_blocks allocate_slots",
+            "HashBlockSizeMismatch",
+            "accepts",
+            "vLLM's Request carries no hash block size: hashes of other-sized hash blocks "
+            "are read as the pool's, so a lookup hits nothing and an allocation keys its "
+            "blocks with hashes naming other prefixes than the blocks hold",
+        ),
+        _finding(
+            "manager-hit-groups",
+            "allocate_slots",
+            "InvalidHit",
+            "accepts",
+            "hit lists are zipped with the groups: extra lists are ignored",
+        ),
+        _finding(
+            "manager-unknown-hit-block",
+            "allocate_slots",
+            "UnknownBlock",
+            "accepts RuntimeError",
+            "a hit block of no pool (what an unknown id stands for) fails to leave the free "
+            "queue with RuntimeError when touched, and is ignored when the call adopts no hit",
+        ),
+        _finding(
+            "manager-cache-range",
+            "cache_blocks",
+            "InvalidBlockRange",
+            "accepts",
+            "caching past the request's blocks is not checked: nothing is cached beyond them",
+        ),
+        _finding(
+            "manager-evict-unknown-id",
+            "evict_blocks",
+            "UnknownBlock",
+            "accepts AssertionError IndexError",
+            "ids >= N fail an assert; negative ids index Python-style and evict another block "
+            "(the pool's evict-unknown-id, reached through the manager)",
+        ),
+    )
+}
+"""The known level-2 findings of vLLM 0.33's ``KVCacheManager`` (the request layer), by
+key; an operation field may name several operations. docs/vllm-conformance.md tells each."""
+
+
 @dataclass(frozen=True)
 class Level2Divergence:
     """A level-2 divergence taken apart: which call, what the model and vLLM did."""
@@ -308,8 +373,10 @@ _REJECTION = re.compile(
 )
 
 
-def classify_divergence(failure: str | None) -> Level2Divergence | None:
-    """Match a divergence message against ``KNOWN_FINDINGS``.
+def classify_divergence(
+    failure: str | None, catalogue: dict[str, KnownFinding] | None = None
+) -> Level2Divergence | None:
+    """Match a divergence message against ``catalogue`` (default ``KNOWN_FINDINGS``).
 
     Returns None when the message is not a rejection mismatch at all (a
     wrong result, state or event: never a known finding), otherwise the
@@ -322,15 +389,21 @@ def classify_divergence(failure: str | None) -> Level2Divergence | None:
     if found is None:
         return None
     reaction = "accepts" if found["accepts"] else vllm_reaction(found["raised"])
-    known = known_finding(found["op"], found["error"], reaction)
+    known = known_finding(found["op"], found["error"], reaction, catalogue)
     return Level2Divergence(found["op"], found["error"], reaction, known)
 
 
-def known_finding(operation: str, model_error: str, reaction: str) -> KnownFinding | None:
-    """The known finding for this operation, model exception and vLLM reaction, if any."""
-    for known in KNOWN_FINDINGS.values():
+def known_finding(
+    operation: str,
+    model_error: str,
+    reaction: str,
+    catalogue: dict[str, KnownFinding] | None = None,
+) -> KnownFinding | None:
+    """The known finding for this operation, model exception and vLLM reaction, if any
+    (in ``catalogue``, default the pool's ``KNOWN_FINDINGS``)."""
+    for known in (KNOWN_FINDINGS if catalogue is None else catalogue).values():
         if (
-            known.operation == operation
+            operation in known.operation.split()
             and known.model_error == model_error
             and reaction in known.vllm_reactions
         ):

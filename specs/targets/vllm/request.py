@@ -21,8 +21,11 @@ the class it wraps.
 
 What is compared, and what is not (docs/semantics.md, "The request layer"):
 
-* groups of full attention or sliding window with ``block_size ==
-  hash_block_size``, the hashless-first profile;
+* every attention type 0.33 runs on a CPU (full, sliding window, chunked
+  local, Mamba) and hybrids of them, blocks of one or two hash blocks, events
+  on and off, the hashless-first profile (``VLLM_SCOPE``); Mamba with prefix
+  caching off, and a single group's blocks of one hash block when caching is
+  on: vLLM refuses the rest (``vllm_refuses``);
 * ``get_computed_blocks`` returns a 3-tuple in 0.33; ``get_computed_blocks``
   drops the third element (the shared-prefix boundary) and
   ``get_computed_blocks_with_boundary`` compares it. 0.33 records hit
@@ -30,9 +33,12 @@ What is compared, and what is not (docs/semantics.md, "The request layer"):
   right after the lookup, where seed 004 does;
 * ``get_num_common_prefix_blocks`` is deprecated in 0.33 (always 0): the
   adapter answers None and the machine does not compare it;
+* events: the manager's msgspec events become the model's
+  (``manager_event``); their integer hashes are mapped back to the model's
+  through the pairs of hashes the adapter sees on each request (vLLM's
+  hasher's and the model's name the same prefixes, which the machine checks);
 * fine-grained hits with copy-on-write on ``fine_grained_scope()``, with the
   coordinator's switch set by the adapter (``enable_fine_grained_hits``);
-* events carry vLLM's integer hashes and extra fields: runs use events off;
 * no snapshot: vLLM registers requests in its tables at other moments than
   the model (without any observable effect), so whole states are not
   compared; the safety checks use vLLM's block tables and the model's map.
@@ -41,21 +47,26 @@ What is compared, and what is not (docs/semantics.md, "The request layer"):
 import importlib
 import logging
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvpool.model.errors import PoolError
-from kvpool.model.events import KVCacheEvent
+from kvpool.model.errors import NoNewTokens, PoolError
+from kvpool.model.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from kvpool.model.manager import Blocks, PrefixCacheStats
 from kvpool.model.request import Request
-from kvpool.model.single_type import AttentionType
+from kvpool.model.single_type import AttentionType, KVCacheSpec
 from kvpool.specs.errors import TargetError
 from kvpool.specs.request.target import ManagerSetup, ManagerTargetSpec
 from kvpool.specs.targets.importing import import_from_here
 from kvpool.specs.targets.vllm import eras
 from kvpool.specs.targets.vllm.hasher import VllmRequests, find_hasher
-from kvpool.specs.targets.vllm.pool import rejection
+from kvpool.specs.targets.vllm.pool import (
+    MODEL_ONLY_EVENT_FIELDS,
+    UnmappedEvent,
+    VllmRejection,
+    rejection,
+)
 
 HASHER_ENV = "KVPOOL_VLLM_HASHER"
 """``vllm`` (default): vLLM's own request block hasher; ``kvpool``: kvpool's hashes."""
@@ -135,12 +146,10 @@ class VllmManagerTarget:
         # reset_prefix_cache logs a warning each time it refuses; the machine asks often.
         logging.getLogger("vllm").setLevel(logging.ERROR)
         specs = setup.specs
+        refused = vllm_refuses(setup)
+        if refused is not None:
+            raise TargetError(f"vLLM {self.api.version} refuses this configuration: {refused}")
         fine = setup.fine_grained_hits
-        for spec in specs:
-            if spec.attention is AttentionType.MAMBA or (
-                spec.block_size != setup.hash_block_size and not fine
-            ):
-                raise TargetError("the vLLM adapter runs attention groups of hash-block size")
         if fine and (
             len(specs) < 2
             or any(s.attention is not AttentionType.FULL for s in specs)
@@ -154,6 +163,8 @@ class VllmManagerTarget:
         self._blocks_class = manager_module.KVCacheBlocks
         self._has_get_blocks = callable(getattr(self.api.manager_class, "get_blocks", None))
         self._status = request_module.RequestStatus.RUNNING
+        self.setup = setup
+        self._to_model: dict[Any, bytes] = {}
         self.hasher = chosen_hasher(hasher)
         self._requests: VllmRequests | None = None
         if self.hasher == "vllm":
@@ -177,6 +188,14 @@ class VllmManagerTarget:
                     block_size=spec.block_size,
                     attention_chunk_size=spec.attention_chunk_size,
                     **shape,
+                )
+            elif spec.attention is AttentionType.MAMBA:
+                # One state of one float per block; "none" mode: never a hit, never cached.
+                vllm_spec = interface.MambaSpec(
+                    block_size=spec.block_size,
+                    shapes=((1,),),
+                    dtypes=(torch.float32,),
+                    mamba_cache_mode="none",
                 )
             else:
                 vllm_spec = interface.FullAttentionSpec(block_size=spec.block_size, **shape)
@@ -207,9 +226,16 @@ class VllmManagerTarget:
             enable_fine_grained_hits(self.manager.coordinator, setup.hash_block_size)
 
     def _request(self, request: Request) -> Any:
-        if self._requests is not None:
-            return self._requests.get(request)
-        return VllmRequest(request, self._status)
+        duck = (
+            self._requests.get(request)
+            if self._requests is not None
+            else VllmRequest(request, self._status)
+        )
+        # vLLM's hash of each hash block, as its events carry it, names the model's hash
+        # of the same hash block (both hashers name prefixes; the machine checks it).
+        for ours, theirs in zip(request.block_hashes, duck.block_hashes, strict=False):
+            self._to_model[event_hash(theirs)] = ours
+        return duck
 
     def get_computed_blocks(self, request: Request) -> tuple[Blocks, int]:
         duck = self._request(request)
@@ -231,17 +257,28 @@ class VllmManagerTarget:
         hits = None
         if new_computed_blocks is not None and any(new_computed_blocks):
             pool_blocks = self.manager.block_pool.blocks
+            # an unknown id becomes a block of no pool, as at the pool layer
+            stand_in = type(self.manager.block_pool.null_block)
             hits = self._blocks_class(
-                tuple([pool_blocks[b] for b in group] for group in new_computed_blocks)
+                tuple(
+                    [pool_blocks[b] if 0 <= b < len(pool_blocks) else stand_in(b) for b in group]
+                    for group in new_computed_blocks
+                )
             )
-        blocks = self.manager.allocate_slots(
-            self._request(request),
-            num_new_tokens,
-            num_new_computed_tokens,
-            hits,
-            num_lookahead_tokens,
-            delay_cache_blocks=delay_cache_blocks,
-        )
+        try:
+            blocks = self.manager.allocate_slots(
+                self._request(request),
+                num_new_tokens,
+                num_new_computed_tokens,
+                hits,
+                num_lookahead_tokens,
+                delay_cache_blocks=delay_cache_blocks,
+            )
+        except VllmRejection as error:
+            # 0.33 signals "no new tokens" with a ValueError, which NoNewTokens is too
+            if isinstance(error.original, ValueError):
+                raise NoNewTokens(str(error.original)) from error
+            raise
         return None if blocks is None else _ids(blocks)
 
     def free(self, request: Request) -> None:
@@ -268,10 +305,16 @@ class VllmManagerTarget:
         return ids
 
     def take_events(self) -> Sequence[KVCacheEvent]:
-        events = self.manager.take_events()
-        if events:
-            raise TargetError("the vLLM manager adapter does not translate events")
-        return ()
+        return tuple(self.event(e) for e in self.manager.take_events())
+
+    def model_hash(self, value: Any) -> bytes:
+        """The model's hash for a hash in one of vLLM's events (an int, or bytes)."""
+        found = self._to_model.get(event_hash(value))
+        return found if found is not None else f"<unknown hash {value!r}>".encode()
+
+    def event(self, event: Any) -> KVCacheEvent:
+        """One of the manager's events as the model's (see ``manager_event``)."""
+        return manager_event(event, self.setup.specs, self.model_hash)
 
     def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
         stats = self.manager.make_prefix_cache_stats()
@@ -345,6 +388,99 @@ def enable_fine_grained_hits(coordinator: Any, hash_block_size: int) -> None:
         manager.cache_hit_alignment_tokens = hash_block_size
 
 
+def vllm_refuses(setup: ManagerSetup) -> str | None:
+    """Why vLLM 0.33's manager cannot be built for ``setup`` (None: it can).
+
+    * One group with prefix caching on: ``UnitaryKVCacheCoordinator`` asserts
+      ``hash_block_size == block_size`` (``vllm/v1/core/kv_cache_coordinator.py``
+      in 0.33.0); blocks of several hash blocks need two groups or more, whose
+      ``HybridKVCacheCoordinator`` reads them through ``BlockHashListWithBlockSize``.
+    * Mamba with prefix caching on: ``MambaManager`` asserts
+      ``mamba_cache_mode == "align"`` (``vllm/v1/core/single_type_kv_cache_manager.py``
+      in 0.33.0), a mode whose fine-grained hits and copy-on-write the model does
+      not have; the model's Mamba (never a hit, never cached) is vLLM's "none" mode,
+      which vLLM runs with caching off only.
+    """
+    specs = setup.specs
+    if not setup.enable_caching:
+        return None
+    if any(s.attention is AttentionType.MAMBA for s in specs):
+        return "Mamba with prefix caching needs mamba_cache_mode='align'"
+    if len(specs) == 1 and specs[0].block_size != setup.hash_block_size:
+        return "one group with prefix caching needs block_size == hash_block_size"
+    return None
+
+
+def event_hash(value: Any) -> int:
+    """A hash as vLLM's events carry it: the int of its last 8 bytes.
+
+    ``maybe_convert_block_hash`` in ``vllm/v1/core/kv_cache_utils.py`` (0.33.0)
+    does so unless ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``, when events carry the
+    bytes; an int passes through, so either form finds the same entry.
+    """
+    if isinstance(value, int):
+        return value
+    return int.from_bytes(bytes(value), "big") & ((1 << 64) - 1)
+
+
+def manager_event(
+    event: Any, specs: Sequence[KVCacheSpec], model_hash: Callable[[Any], bytes]
+) -> KVCacheEvent:
+    """One of the manager's msgspec events as the model's event.
+
+    * The manager annotates each ``BlockStored`` with its group's kind and window
+      (``KVCacheManager.take_events``, 0.33.0): they must be the group's spec (the
+      model's ``AttentionType`` values are vLLM's kind names), then are dropped.
+    * ``extra_keys`` (LoRA, multimodal, salt and embedding keys of each block) are
+      not modelled at the request layer (docs/semantics.md): one None per block, as
+      the model's.
+    * Any other field the model lacks must be None; an event where one is not, or of
+      another kind, comes back as an ``UnmappedEvent`` and so never compares equal.
+    """
+    kind = type(event).__name__
+    annotated: dict[str, Any] = {}
+    if kind == "BlockStored":
+        group = getattr(event, "group_idx", None)
+        if not isinstance(group, int) or not 0 <= group < len(specs):
+            return UnmappedEvent(f"{event!r}: no such group")  # type: ignore[return-value]
+        spec = specs[group]
+        window = spec.sliding_window if spec.attention is AttentionType.SLIDING_WINDOW else None
+        annotated = {
+            "kv_cache_spec_kind": spec.attention.value,
+            "kv_cache_spec_sliding_window": window,
+        }
+    unexpected = {  # a release before the annotations leaves them None
+        name: getattr(event, name)
+        for name in MODEL_ONLY_EVENT_FIELDS
+        if getattr(event, name, None) not in (None, annotated.get(name))
+    }
+    if unexpected or kind not in ("BlockStored", "BlockRemoved", "AllBlocksCleared"):
+        return UnmappedEvent(f"{event!r}")  # type: ignore[return-value]
+    if kind == "AllBlocksCleared":
+        return AllBlocksCleared()
+    if kind == "BlockRemoved":
+        return BlockRemoved(
+            block_hashes=tuple(model_hash(h) for h in event.block_hashes),
+            medium=event.medium,
+            group_idx=event.group_idx,
+        )
+    parent = event.parent_block_hash
+    lookahead = getattr(event, "lookahead_token_ids", None)
+    return BlockStored(
+        block_hashes=tuple(model_hash(h) for h in event.block_hashes),
+        parent_block_hash=None if parent is None else model_hash(parent),
+        token_ids=tuple(event.token_ids),
+        block_size=event.block_size,
+        lora_id=event.lora_id,
+        medium=event.medium,
+        lora_name=event.lora_name,
+        # one entry per stored block, as the model's; its values are not modelled
+        extra_keys=None if event.extra_keys is None else tuple(None for _ in event.extra_keys),
+        group_idx=event.group_idx,
+        lookahead_token_ids=None if lookahead is None else tuple(tuple(t) for t in lookahead),
+    )
+
+
 def _ids(blocks: Any) -> Blocks:
     return tuple(tuple(b.block_id for b in group) for group in blocks.blocks)
 
@@ -408,11 +544,19 @@ class VllmManagerFactory:
     """
 
     levels = (1,)
-    """Level 2 is not claimed: vLLM asserts, or accepts, where the model rejects (findings)."""
+    """Level 2 is not claimed: vLLM asserts, or accepts, where the model rejects
+    (``REQUEST_FINDINGS``)."""
 
-    def __init__(self, manager_class: Any = None, hasher: str | None = None) -> None:
+    def __init__(
+        self,
+        manager_class: Any = None,
+        hasher: str | None = None,
+        suppress: Sequence[tuple[str, str]] = (),
+    ) -> None:
         self._manager_class = manager_class
         self.hash_mode = hasher
+        self.suppress = tuple(suppress)
+        """(operation, model exception) pairs stepped over (``SteppingOver``)."""
 
     def manager_class(self) -> Any:
         """The class to instantiate (None: vLLM's own), imported on first use."""
@@ -428,10 +572,11 @@ class VllmManagerFactory:
             self._manager_class = found
         return self._manager_class
 
-    def __call__(self, setup: ManagerSetup) -> VllmManagerTarget:
+    def __call__(self, setup: ManagerSetup) -> Any:
         hasher = chosen_hasher(self.hash_mode)
         cls = VllmHashingManagerTarget if hasher == "vllm" else VllmManagerTarget
-        return cls(setup, self.manager_class(), hasher)
+        target = cls(setup, self.manager_class(), hasher)
+        return SteppingOver(target, setup, self.suppress) if self.suppress else target
 
     def preflight(self, level: int, profiles: Sequence[str]) -> None:
         """Fail fast, before any program runs, if this manager cannot be checked here."""
@@ -444,6 +589,55 @@ class VllmManagerFactory:
                 f"{cls!r} is not a KVCacheManager: a subclass of vLLM's "
                 "vllm.v1.core.kv_cache_manager.KVCacheManager, or a fork's class with its methods"
             )
+
+
+STEPPED = (
+    "get_computed_blocks",
+    "allocate_slots",
+    "free",
+    "cache_blocks",
+    "evict_blocks",
+    "reset_prefix_cache",
+    "take_events",
+    "make_prefix_cache_stats",
+)
+"""The calls that change a manager's state: the shadow model runs each of them."""
+
+
+class SteppingOver:
+    """A manager target with the model run beside it, to step over known level-2 findings.
+
+    Every call that changes state runs on a shadow model first
+    (``ModelManagerTarget``); when the model rejects it with an exception
+    paired with the operation in ``suppressed``, the call is rejected so and
+    never reaches vLLM. For listing findings one after another
+    (``kvpool.specs.targets.vllm.survey.survey_request_level2``), never for a
+    verdict.
+    """
+
+    def __init__(
+        self, target: Any, setup: ManagerSetup, suppressed: Sequence[tuple[str, str]]
+    ) -> None:
+        from kvpool.specs.request.model_target import ModelManagerTarget
+
+        self._target = target
+        self._model = ModelManagerTarget(setup)
+        self._suppressed = frozenset(suppressed)
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._target, name)
+        if name not in STEPPED:
+            return value
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                getattr(self._model, name)(*args, **kwargs)
+            except PoolError as error:
+                if (name, type(error).__name__) in self._suppressed:
+                    raise type(error)(f"known vLLM finding, not sent to vLLM: {error}") from error
+            return value(*args, **kwargs)
+
+        return call
 
 
 def _looks_like(cls: type, base: type) -> bool:
@@ -473,29 +667,34 @@ def scope(factory: VllmManagerFactory | None = None) -> ManagerTargetSpec:
         layouts=(
             "full",
             "sliding_window",
+            "chunked_local",
+            "mamba",
             "full+sliding_window",
             "full+full+sliding_window",
             "sliding_window+full",
             "full+sliding_window+sliding_window",
+            "full+chunked_local",
         ),
         profiles=(DEFAULT_PROFILE,),
-        events=(False,),
-        block_factors=(1,),
+        events=(False, True),
+        block_factors=(1, 2),
         min_window=2,
+        uncached_layouts=("mamba",),
+        hash_sized_layouts=("full", "sliding_window", "chunked_local"),
     )
 
 
 def fine_grained_scope(factory: VllmManagerFactory | None = None) -> ManagerTargetSpec:
     """Where vLLM's fine-grained hits and copy-on-write are compared: two full-attention
-    groups (a hybrid coordinator) of blocks two hash blocks long, the switch turned on by
-    ``enable_fine_grained_hits``."""
+    groups (a hybrid coordinator) of blocks two hash blocks long, events on and off, the
+    switch turned on by ``enable_fine_grained_hits``."""
     from kvpool.model import DEFAULT_PROFILE
 
     return ManagerTargetSpec(
         factory or VllmManagerFactory(),
         layouts=("full+full",),
         profiles=(DEFAULT_PROFILE,),
-        events=(False,),
+        events=(False, True),
         block_factors=(2,),
         min_window=2,
         fine_grained=(True,),
@@ -503,11 +702,12 @@ def fine_grained_scope(factory: VllmManagerFactory | None = None) -> ManagerTarg
 
 
 VLLM_SCOPE = scope()
-"""Where vLLM 0.33's manager is compared: one full-attention or sliding-window group
-(window of at least 2), or a hybrid of them (vLLM's HybridKVCacheCoordinator), with
-blocks of hash-block size, events off, the hashless-first profile. Chunked local
-attention is left out: 0.33 frees a chunked request's last cached block, which the
-seeds keep (docs/semantics.md)."""
+"""Where vLLM 0.33's manager is compared: every attention type it runs on a CPU
+(full, sliding window of at least 2 tokens, chunked local, Mamba) and hybrids of
+them (vLLM's HybridKVCacheCoordinator), events on and off, blocks of one or two hash
+blocks, the hashless-first profile. Two limits are vLLM's (``vllm_refuses``): Mamba
+runs with prefix caching off, and a single group has blocks of one hash block when
+caching is on."""
 
 
 SCHEDULER_CALLS_NOT_DRIVEN: dict[str, str] = {

@@ -3,8 +3,14 @@
 from typing import Any
 
 from kvpool.specs.pool.check import run_conformance
-from kvpool.specs.targets.vllm.findings import Level2Divergence, classify_divergence
+from kvpool.specs.request.check import run_request_conformance
+from kvpool.specs.targets.vllm.findings import (
+    REQUEST_FINDINGS,
+    Level2Divergence,
+    classify_divergence,
+)
 from kvpool.specs.targets.vllm.pool import VllmTargetFactory
+from kvpool.specs.targets.vllm.request import VllmManagerFactory, scope
 
 
 def survey_level2(
@@ -37,6 +43,36 @@ def survey_level2(
             key = f"{divergence.operation}:{divergence.model_error}"
         else:
             break
+        if key in suppressed:
+            break
+        suppressed.append(key)
+    return found, report
+
+
+def survey_request_level2(
+    factory: VllmManagerFactory, rounds: int = 30, step_over_new: bool = False, **run_options: Any
+) -> tuple[list[Level2Divergence], Any]:
+    """``survey_level2`` at the request layer: vLLM's ``KVCacheManager`` at level 2 over
+    ``VLLM_SCOPE``, each divergence stepped over (``SteppingOver``) once found.
+
+    Known findings are ``REQUEST_FINDINGS``; returns the divergences in the
+    order found and the last run's ``ConformanceReport``.
+    """
+    found: list[Level2Divergence] = []
+    suppressed: list[tuple[str, str]] = list(factory.suppress)
+    report: Any = None
+    for _ in range(rounds):
+        current = VllmManagerFactory(factory.manager_class(), factory.hash_mode, suppressed)
+        report = run_request_conformance(scope(current), level=2, **run_options)
+        if report.conforms:
+            break
+        divergence = classify_divergence(report.failure, REQUEST_FINDINGS)
+        if divergence is None:
+            break
+        found.append(divergence)
+        if divergence.finding is None and not step_over_new:
+            break
+        key = (divergence.operation, divergence.model_error)
         if key in suppressed:
             break
         suppressed.append(key)
