@@ -67,6 +67,7 @@ from kvpool.model.single_type import (
     sliding_window,
 )
 from kvpool.specs.protocol.codec import Json, encode_event, loads
+from kvpool.specs.request import target
 from kvpool.specs.request.target import ManagerSetup
 from kvpool.specs.teaching.scenarios import ScenarioError, Step
 
@@ -417,27 +418,11 @@ OPERATIONS = (
     "new_request",
     "run_model",
     "preempt",
-    "get_computed_blocks",
-    "allocate_slots",
-    "free",
-    "cache_blocks",
-    "evict_blocks",
-    "reset_prefix_cache",
-    "take_events",
-    "make_prefix_cache_stats",
-    "get_block_ids",
-    "get_num_common_prefix_blocks",
-    "usage",
-    "num_free_blocks",
-    "get_computed_blocks_with_boundary",
-    "take_kv_cache_block_copies",
-    "free_blocks",
-    "truncate_computed_blocks",
-    "take_new_block_ids",
-    "estimate_cached_tokens",
-    "new_step_starts",
+    *(op for op in target.OPERATIONS if op != "snapshot"),
+    *target.OPERATIONS_033,
 )
-"""Every operation a request scenario may use (the last seven: vLLM 0.33's further calls)."""
+"""Every operation a request scenario may use: the scheduler's own three steps, then the
+request layer's operations (``kvpool.specs.request.target``) with vLLM 0.33's further calls."""
 
 SCHEDULER_MOVES = ("new_request", "run_model", "preempt")
 """The operations that are the scheduler's, not the manager's (``preempt`` is both)."""
