@@ -198,16 +198,26 @@ def cached_blocks_hold_their_prefix(
         # a partial key (vLLM 0.33) names a prefix ending inside its block
         start = (num_tokens - 1) // block_size * block_size
         for block in block_ids:
-            for j in range(num_tokens - start):
-                position = start + j
-                expected = (group, content.prefix(position + 1))
-                actual = truth.holds(block, j)
-                if actual != expected:
-                    return (
-                        f"block {block} is cached under {block_hash.hex()[:16]} (group {group}, "
-                        f"tokens {content.tokens}) but slot {j} holds "
-                        f"{_describe(actual)}, not the KV of position {position}"
-                    )
+            wrong = _first_wrong_slot(truth, block, group, content, start, num_tokens)
+            if wrong is not None:
+                j, actual = wrong
+                return (
+                    f"block {block} is cached under {block_hash.hex()[:16]} (group {group}, "
+                    f"tokens {content.tokens}) but slot {j} holds "
+                    f"{_describe(actual)}, not the KV of position {start + j}"
+                )
+    return None
+
+
+def _first_wrong_slot(
+    truth: KVTruth, block: int, group: int, content: Content, start: int, end: int
+) -> tuple[int, Slot | None] | None:
+    """The first slot of ``block`` (which starts at position ``start``) that does not hold
+    ``content``'s KV for its position, up to position ``end``: its index and what it holds."""
+    for j in range(end - start):
+        actual = truth.holds(block, j)
+        if actual != (group, content.prefix(start + j + 1)):
+            return j, actual
     return None
 
 
@@ -297,18 +307,16 @@ def copy_serves_source_prefix(
     request's hit. A source that fails was reused or overwritten while the
     copy waited: the request reads another prefix's KV as its own.
     """
-    content = request_content(request)
-    for j in range(num_tokens - index * block_size):
-        position = index * block_size + j
-        expected = (group, content.prefix(position + 1))
-        actual = truth.holds(source, j)
-        if actual != expected:
-            return (
-                f"the copy of block {source} for request {request.request_id} (group {group}, "
-                f"index {index}) runs when its slot {j} holds {_describe(actual)}, not "
-                f"position {position}"
-            )
-    return None
+    start = index * block_size
+    wrong = _first_wrong_slot(truth, source, group, request_content(request), start, num_tokens)
+    if wrong is None:
+        return None
+    j, actual = wrong
+    return (
+        f"the copy of block {source} for request {request.request_id} (group {group}, "
+        f"index {index}) runs when its slot {j} holds {_describe(actual)}, not "
+        f"position {start + j}"
+    )
 
 
 def ref_counts_match_tables(
