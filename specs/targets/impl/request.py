@@ -8,6 +8,7 @@ from kvpool.model.events import KVCacheEvent
 from kvpool.model.manager import Blocks, KVCacheManagerState, PrefixCacheStats
 from kvpool.model.request import Request
 from kvpool.specs.request.target import ManagerSetup
+from kvpool.specs.targets.manager_api import block_ids, copy_ids
 
 
 class ImplManagerTarget:
@@ -36,7 +37,7 @@ class ImplManagerTarget:
 
     def get_computed_blocks(self, request: Request) -> tuple[Blocks, int]:
         blocks, num_tokens = self.manager.get_computed_blocks(request)
-        return _ids(blocks), num_tokens
+        return block_ids(blocks), num_tokens
 
     def allocate_slots(
         self,
@@ -58,7 +59,7 @@ class ImplManagerTarget:
             num_lookahead_tokens,
             delay_cache_blocks,
         )
-        return None if blocks is None else _ids(blocks)
+        return None if blocks is None else block_ids(blocks)
 
     def _block(self, block_id: int) -> KVCacheBlock:
         """The pool's block, or for an id it does not have, a block of no pool.
@@ -105,21 +106,17 @@ class ImplManagerTarget:
 
     def get_computed_blocks_with_boundary(self, request: Request) -> tuple[Blocks, int, int]:
         blocks, num_tokens, boundary = self.manager.get_computed_blocks_with_boundary(request)
-        return _ids(blocks), num_tokens, boundary
+        return block_ids(blocks), num_tokens, boundary
 
     def take_kv_cache_block_copies(self) -> tuple[Sequence[tuple[int, int]], Sequence[int]]:
-        copies, retained = self.manager.take_kv_cache_block_copies()
-        return (
-            tuple((c.src_block_id, c.dst_block_id) for c in copies),
-            tuple(b.block_id for b in retained),
-        )
+        return copy_ids(*self.manager.take_kv_cache_block_copies())
 
     def free_blocks(self, block_ids: Sequence[int]) -> None:
         self.manager.block_pool.free_blocks([self._block(b) for b in block_ids])
 
     def truncate_computed_blocks(self, blocks: Blocks, num_computed_tokens: int) -> Blocks:
         hit = KVCacheBlocks(tuple([self._block(b) for b in g] for g in blocks))
-        return _ids(self.manager.truncate_computed_blocks(hit, num_computed_tokens))
+        return block_ids(self.manager.truncate_computed_blocks(hit, num_computed_tokens))
 
     def take_new_block_ids(self) -> Sequence[int]:
         return tuple(self.manager.take_new_block_ids())
@@ -129,7 +126,3 @@ class ImplManagerTarget:
 
     def new_step_starts(self) -> None:
         self.manager.new_step_starts()
-
-
-def _ids(blocks: KVCacheBlocks) -> Blocks:
-    return tuple(tuple(b.block_id for b in g) for g in blocks.blocks)

@@ -59,6 +59,7 @@ from kvpool.model.single_type import AttentionType, KVCacheSpec
 from kvpool.specs.errors import TargetError
 from kvpool.specs.request.target import ManagerSetup, ManagerTargetSpec
 from kvpool.specs.targets.importing import import_from_here
+from kvpool.specs.targets.manager_api import block_ids, copy_ids
 from kvpool.specs.targets.vllm import eras
 from kvpool.specs.targets.vllm.hasher import VllmRequests, find_hasher
 from kvpool.specs.targets.vllm.pool import (
@@ -243,7 +244,7 @@ class VllmManagerTarget:
         # 0.33 records hit stats from the scheduler, at admission; seed 004 (and the
         # model) at the lookup itself: record here, where the seed does.
         self.manager.record_prefix_cache_stats(duck, num_tokens)
-        return _ids(blocks), num_tokens
+        return block_ids(blocks), num_tokens
 
     def allocate_slots(
         self,
@@ -279,7 +280,7 @@ class VllmManagerTarget:
             if isinstance(error.original, ValueError):
                 raise NoNewTokens(str(error.original)) from error
             raise
-        return None if blocks is None else _ids(blocks)
+        return None if blocks is None else block_ids(blocks)
 
     def free(self, request: Request) -> None:
         self.manager.free(self._request(request))
@@ -300,7 +301,7 @@ class VllmManagerTarget:
     def get_block_ids(self, request_id: str) -> Blocks:
         ids = tuple(tuple(group) for group in self.manager.get_block_ids(request_id))
         # The scheduler also reads the blocks themselves (get_blocks); both must agree.
-        if self._has_get_blocks and _ids(self.manager.get_blocks(request_id)) != ids:
+        if self._has_get_blocks and block_ids(self.manager.get_blocks(request_id)) != ids:
             raise TargetError(f"vLLM's get_blocks and get_block_ids disagree on {request_id!r}")
         return ids
 
@@ -342,14 +343,10 @@ class VllmManagerTarget:
         duck = self._request(request)
         blocks, num_tokens, boundary = self.manager.get_computed_blocks(duck)
         self.manager.record_prefix_cache_stats(duck, num_tokens)
-        return _ids(blocks), num_tokens, int(boundary)
+        return block_ids(blocks), num_tokens, int(boundary)
 
     def take_kv_cache_block_copies(self) -> tuple[Sequence[tuple[int, int]], Sequence[int]]:
-        copies, retained = self.manager.take_kv_cache_block_copies()
-        return (
-            tuple((c.src_block_id, c.dst_block_id) for c in copies),
-            tuple(b.block_id for b in retained),
-        )
+        return copy_ids(*self.manager.take_kv_cache_block_copies())
 
     def free_blocks(self, block_ids: Sequence[int]) -> None:
         # the scheduler's _free_cow_retained_blocks, when no step is in flight
@@ -359,7 +356,7 @@ class VllmManagerTarget:
     def truncate_computed_blocks(self, blocks: Blocks, num_computed_tokens: int) -> Blocks:
         pool_blocks = self.manager.block_pool.blocks
         hit = self._blocks_class(tuple([pool_blocks[b] for b in group] for group in blocks))
-        return _ids(self.manager.truncate_computed_blocks(hit, num_computed_tokens))
+        return block_ids(self.manager.truncate_computed_blocks(hit, num_computed_tokens))
 
     def take_new_block_ids(self) -> Sequence[int]:
         return tuple(self.manager.take_new_block_ids())
@@ -479,10 +476,6 @@ def manager_event(
         group_idx=event.group_idx,
         lookahead_token_ids=None if lookahead is None else tuple(tuple(t) for t in lookahead),
     )
-
-
-def _ids(blocks: Any) -> Blocks:
-    return tuple(tuple(b.block_id for b in group) for group in blocks.blocks)
 
 
 class Translating:
