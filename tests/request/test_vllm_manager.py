@@ -172,7 +172,7 @@ def test_an_event_of_another_group_kind_is_not_the_models() -> None:
     """The manager's annotations must name the group's spec; else the event never matches."""
     kv_events = importlib.import_module("vllm.distributed.kv_events")
     from kvpool.model.single_type import full_attention
-    from kvpool.specs.targets.vllm.pool import UnmappedEvent
+    from kvpool.specs.targets.vllm.event_shape import UnmappedEvent
     from kvpool.specs.targets.vllm.request import manager_event
 
     def stored(kind: str) -> object:

@@ -41,10 +41,8 @@ from typing import Any, TypeVar
 from kvpool import model
 from kvpool.model import (
     NULL_BLOCK_ID,
-    AllBlocksCleared,
     BlockRemoved,
     BlockState,
-    BlockStored,
     CacheRequest,
     HashKey,
     KVCacheEvent,
@@ -58,18 +56,10 @@ from kvpool.specs.pool.target import OPERATIONS
 from kvpool.specs.targets.block_pool_api import BlockPoolApiTarget
 from kvpool.specs.targets.importing import import_from_here
 from kvpool.specs.targets.vllm import eras
+from kvpool.specs.targets.vllm.event_shape import model_event
 from kvpool.specs.targets.vllm.findings import KNOWN_FINDINGS
 
 T = TypeVar("T")
-
-MODEL_ONLY_EVENT_FIELDS = (
-    "kv_cache_spec_kind",
-    "kv_cache_spec_sliding_window",
-    "locality",
-    "ownership",
-    "session_id",
-)
-"""Fields vLLM's events carry that the model's do not; None at the pool layer."""
 
 
 # --------------------------------------------------------------------------
@@ -298,13 +288,6 @@ def rejection(error: BaseException) -> VllmRejection:
     return wrapped
 
 
-@dataclass(frozen=True)
-class UnmappedEvent:
-    """An event of vLLM's the model has no equivalent for; never equal to a model event."""
-
-    description: str
-
-
 # --------------------------------------------------------------------------
 # Requests
 # --------------------------------------------------------------------------
@@ -503,37 +486,7 @@ class VllmTarget(BlockPoolApiTarget):
 
     def event(self, event: Any) -> KVCacheEvent:
         """One of vLLM's msgspec events as the model's event."""
-        kind = type(event).__name__
-        unexpected = {
-            name: getattr(event, name)
-            for name in MODEL_ONLY_EVENT_FIELDS
-            if getattr(event, name, None) is not None
-        }
-        if unexpected or kind not in ("BlockStored", "BlockRemoved", "AllBlocksCleared"):
-            return UnmappedEvent(f"{event!r}")  # type: ignore[return-value]
-        if kind == "AllBlocksCleared":
-            return AllBlocksCleared()
-        if kind == "BlockRemoved":
-            return BlockRemoved(
-                block_hashes=tuple(self.model_hash(h) for h in event.block_hashes),
-                medium=getattr(event, "medium", None),
-                group_idx=getattr(event, "group_idx", None),  # type: ignore[arg-type]
-            )
-        extra_keys = getattr(event, "extra_keys", None)
-        parent = event.parent_block_hash
-        lookahead = getattr(event, "lookahead_token_ids", None)
-        return BlockStored(
-            block_hashes=tuple(self.model_hash(h) for h in event.block_hashes),
-            parent_block_hash=None if parent is None else self.model_hash(parent),
-            token_ids=tuple(event.token_ids),
-            block_size=event.block_size,
-            lora_id=event.lora_id,
-            medium=getattr(event, "medium", None),
-            lora_name=getattr(event, "lora_name", None),
-            extra_keys=None if extra_keys is None else tuple(extra_keys),
-            group_idx=getattr(event, "group_idx", None),  # type: ignore[arg-type]
-            lookahead_token_ids=(None if lookahead is None else tuple(tuple(t) for t in lookahead)),
-        )
+        return model_event(event, self.model_hash)
 
     # Calling vLLM -------------------------------------------------------------
 

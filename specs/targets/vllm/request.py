@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool.model.errors import NoNewTokens, PoolError
-from kvpool.model.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from kvpool.model.events import KVCacheEvent
 from kvpool.model.manager import Blocks, PrefixCacheStats
 from kvpool.model.request import Request
 from kvpool.model.single_type import AttentionType, KVCacheSpec
@@ -61,13 +61,9 @@ from kvpool.specs.request.target import ManagerSetup, ManagerTargetSpec
 from kvpool.specs.targets.importing import import_from_here
 from kvpool.specs.targets.manager_api import block_ids, copy_ids
 from kvpool.specs.targets.vllm import eras
+from kvpool.specs.targets.vllm.event_shape import UnmappedEvent, model_event
 from kvpool.specs.targets.vllm.hasher import VllmRequests, find_hasher
-from kvpool.specs.targets.vllm.pool import (
-    MODEL_ONLY_EVENT_FIELDS,
-    UnmappedEvent,
-    VllmRejection,
-    rejection,
-)
+from kvpool.specs.targets.vllm.pool import VllmRejection, rejection
 
 HASHER_ENV = "KVPOOL_VLLM_HASHER"
 """``vllm`` (default): vLLM's own request block hasher; ``kvpool``: kvpool's hashes."""
@@ -446,36 +442,7 @@ def manager_event(
             "kv_cache_spec_kind": spec.attention.value,
             "kv_cache_spec_sliding_window": window,
         }
-    unexpected = {  # a release before the annotations leaves them None
-        name: getattr(event, name)
-        for name in MODEL_ONLY_EVENT_FIELDS
-        if getattr(event, name, None) not in (None, annotated.get(name))
-    }
-    if unexpected or kind not in ("BlockStored", "BlockRemoved", "AllBlocksCleared"):
-        return UnmappedEvent(f"{event!r}")  # type: ignore[return-value]
-    if kind == "AllBlocksCleared":
-        return AllBlocksCleared()
-    if kind == "BlockRemoved":
-        return BlockRemoved(
-            block_hashes=tuple(model_hash(h) for h in event.block_hashes),
-            medium=event.medium,
-            group_idx=event.group_idx,
-        )
-    parent = event.parent_block_hash
-    lookahead = getattr(event, "lookahead_token_ids", None)
-    return BlockStored(
-        block_hashes=tuple(model_hash(h) for h in event.block_hashes),
-        parent_block_hash=None if parent is None else model_hash(parent),
-        token_ids=tuple(event.token_ids),
-        block_size=event.block_size,
-        lora_id=event.lora_id,
-        medium=event.medium,
-        lora_name=event.lora_name,
-        # one entry per stored block, as the model's; its values are not modelled
-        extra_keys=None if event.extra_keys is None else tuple(None for _ in event.extra_keys),
-        group_idx=event.group_idx,
-        lookahead_token_ids=None if lookahead is None else tuple(tuple(t) for t in lookahead),
-    )
+    return model_event(event, model_hash, annotated, extra_key_values=False)
 
 
 class Translating:
