@@ -83,7 +83,9 @@ try:
     from kvpool.model import PROFILES
     from kvpool.specs.targets.impl.pool import ImplTarget
     from kvpool.specs.conformance import run_conformance
-    from kvpool.specs.request.machine import resolve_manager_target, run_manager_conformance
+    from kvpool.specs.request.check import run_request_conformance
+    from kvpool.specs.request.target import ManagerTargetSpec
+    from kvpool.specs.targets.registry import resolve
 except Exception as error:
     print("invalid", repr(error)); sys.exit(3)
 if sys.modules[name].__file__ != path:
@@ -91,9 +93,11 @@ if sys.modules[name].__file__ != path:
 try:
     if layer == "manager":
         # Level 1 and level 2 draw different fixed samples: run both, as CI does.
+        impl = resolve("request", "impl")
         for level in (1, 2):
-            report = run_manager_conformance(resolve_manager_target("impl"), level=level,
-                                             hypothesis_profile="mutation", program_timeout=10)
+            report = run_request_conformance(ManagerTargetSpec(impl.factory, **impl.scope),
+                                             level=level, hypothesis_profile="mutation",
+                                             program_timeout=10)
             if not report.conforms:
                 break
     else:
@@ -346,6 +350,19 @@ def load_triage() -> dict[str, dict[str, str]]:
     return {entry["key"]: entry for entry in entries}
 
 
+def imports_fail(path: Path, layer: str) -> str:
+    """What goes wrong when the runner imports its checks around the unmutated ``path``."""
+    imports = RUNNER.split("try:\n    if layer")[0]
+    done = subprocess.run(
+        [sys.executable, "-c", imports, module_of(path), str(path.resolve()), layer],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    return "" if done.returncode == 0 else (done.stdout + done.stderr).strip()[-500:]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("paths", nargs="+", type=Path, help="files or directories, e.g. impl/")
@@ -366,6 +383,12 @@ def main() -> None:
     if args.limit:
         found = found[: args.limit]
     layer_of = {module_of(f): LAYERS.get(f.name, "pool") for f in files}
+    for f in files:
+        # Every mutant of a module whose checks cannot be imported would score "invalid"
+        # and the run would pass having tested nothing: stop instead.
+        broken = imports_fail(f, layer_of[module_of(f)])
+        if broken:
+            sys.exit(f"cannot mutation-test {f}: the unmutated module fails: {broken}")
     print(f"{len(found)} mutants of {len(files)} modules", file=sys.stderr, flush=True)
     triage = load_triage()
     results: list[dict[str, object]] = []

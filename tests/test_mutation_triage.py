@@ -49,3 +49,12 @@ def test_mutant_keys_are_unique_and_carry_no_line_number() -> None:
     keys = [m.key for m in found]
     assert len(keys) == len(set(keys))
     assert all(f":{m.line}:" not in m.key for m in found)
+
+
+def test_the_mutant_runner_imports_the_checks_it_runs() -> None:
+    """The runner's imports are a string run in a child: a renamed check breaks it silently,
+    every mutant then scoring "invalid" (which happened once, after specs/ was restructured)."""
+    driver = _driver()
+    for path in (ROOT / "impl" / "free_queue.py", ROOT / "impl" / "manager.py"):
+        layer = driver.LAYERS.get(path.name, "pool")
+        assert driver.imports_fail(path, layer) == "", path
