@@ -25,6 +25,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 import kvpool.model.copy_on_write as cow
+import kvpool.model.mamba_align as mamba_align
 import kvpool.model.pool as pool_ops
 import kvpool.model.single_type as single
 from kvpool.model.errors import (
@@ -214,12 +215,22 @@ def new_kv_cache_manager(
     if not specs or len({s.block_size for s in specs}) != 1:
         raise InvalidManagerConfig("the groups must be at least one and share one block size")
     hbs = specs[0].block_size if hash_block_size is None else hash_block_size
-    # Verify that a Mamba block holds a whole request
+    # Verify that a Mamba block holds a whole request, or the group is in "align" mode
     for spec in specs:
-        if spec.attention is AttentionType.MAMBA and spec.block_size < max_model_len:
+        if (
+            spec.attention is AttentionType.MAMBA
+            and spec.block_size < max_model_len
+            and not spec.mamba_align
+        ):
             raise InvalidManagerConfig(
                 f"a Mamba block of {spec.block_size} tokens cannot hold {max_model_len} tokens"
             )
+    # Verify that Mamba "align" hits end on whole blocks (hash block = block)
+    if any(s.mamba_align for s in specs) and hbs != specs[0].block_size:
+        raise InvalidManagerConfig(
+            f'Mamba "align" with hash blocks of {hbs} tokens in blocks of '
+            f"{specs[0].block_size} (hits inside a block) is not modelled"
+        )
     # Verify that EAGLE runs with a single full-attention or sliding-window group
     if use_eagle and (
         len(specs) != 1
@@ -457,7 +468,9 @@ def allocate_slots(
     num_slots = min(
         num_computed + num_new_tokens + num_lookahead_tokens, state.config.max_model_len
     )
-    needed = sum(single.get_num_blocks_to_allocate(m, g, rid, num_slots, hits[g]) for g in groups)
+    # A Mamba "align" group sizes its table by the main model's tokens, not the look-ahead
+    slots = [num_computed + num_new_tokens if s.mamba_align else num_slots for s in m.specs]
+    needed = sum(single.get_num_blocks_to_allocate(m, g, rid, slots[g], hits[g]) for g in groups)
     needed += sum(partial)
     if needed > pool_ops.get_num_free_blocks(m.pool):
         return replace(state, managers=m), None
@@ -482,7 +495,7 @@ def allocate_slots(
             copies = (*copies, (hits[g][-1], destination))
             zero = (*zero, (g, destination))
             copied = (destination,)
-        m, new = single.allocate_new_blocks(m, g, rid, num_slots)
+        m, new = single.allocate_new_blocks(m, g, rid, slots[g])
         new_blocks.append(copied + new)
     state = replace(state, pending_copies=copies, new_block_ids=zero)
     if m.pool.config.enable_caching and not delay_cache_blocks:
@@ -735,15 +748,17 @@ def estimate_cached_tokens(state: KVCacheManagerState, request_id: str) -> int:
 
 
 def new_step_starts(state: KVCacheManagerState) -> tuple[KVCacheManagerState, None]:
-    """A scheduler step begins. No group kvpool models keeps per-step state (in vLLM 0.33
-    only the Mamba "align" manager does), so nothing changes.
+    """A scheduler step begins: Mamba "align" groups forget which states were cached in the
+    last one (``kvpool.model.mamba_align.new_step``); no other group keeps per-step state.
 
     >>> from kvpool.model.single_type import full_attention
     >>> m = new_kv_cache_manager(4, [full_attention(2)], 8)
     >>> new_step_starts(m)[0] == m
     True
     """
-    return state, None
+    m = state.managers
+    tables = tuple(replace(t, align=mamba_align.new_step(t.align)) for t in m.tables)
+    return replace(state, managers=replace(m, tables=tables)), None
 
 
 # --------------------------------------------------------------------------

@@ -191,12 +191,13 @@ class VllmManagerTarget:
                     **shape,
                 )
             elif spec.attention is AttentionType.MAMBA:
-                # One state of one float per block; "none" mode: never a hit, never cached.
+                # One state of one float per block; "none" mode: never a hit, never cached;
+                # "align" mode: one state per block of tokens (kvpool.model.mamba_align).
                 vllm_spec = interface.MambaSpec(
                     block_size=spec.block_size,
                     shapes=((1,),),
                     dtypes=(torch.float32,),
-                    mamba_cache_mode="none",
+                    mamba_cache_mode="align" if spec.mamba_align else "none",
                 )
             else:
                 vllm_spec = interface.FullAttentionSpec(block_size=spec.block_size, **shape)
@@ -394,14 +395,14 @@ def vllm_refuses(setup: ManagerSetup) -> str | None:
       ``HybridKVCacheCoordinator`` reads them through ``BlockHashListWithBlockSize``.
     * Mamba with prefix caching on: ``MambaManager`` asserts
       ``mamba_cache_mode == "align"`` (``vllm/v1/core/single_type_kv_cache_manager.py``
-      in 0.33.0), a mode whose fine-grained hits and copy-on-write the model does
-      not have; the model's Mamba (never a hit, never cached) is vLLM's "none" mode,
-      which vLLM runs with caching off only.
+      in 0.33.0); the model's whole-request Mamba (never a hit, never cached) is
+      vLLM's "none" mode, which vLLM runs with caching off only. A ``mamba_align``
+      group is the "align" mode (``kvpool.model.mamba_align``).
     """
     specs = setup.specs
     if not setup.enable_caching:
         return None
-    if any(s.attention is AttentionType.MAMBA for s in specs):
+    if any(s.attention is AttentionType.MAMBA and not s.mamba_align for s in specs):
         return "Mamba with prefix caching needs mamba_cache_mode='align'"
     if len(specs) == 1 and specs[0].block_size != setup.hash_block_size:
         return "one group with prefix caching needs block_size == hash_block_size"
