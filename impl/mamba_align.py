@@ -23,6 +23,7 @@ from kvpool.impl.single_type import (
     SingleTypeKVCacheManager,
     _verify_search,
     block_hashes_at,
+    num_prompt_tokens,
 )
 from kvpool.model.mamba_align import AlignTable, Offload
 from kvpool.model.single_type import GroupTable, KVCacheSpec
@@ -46,6 +47,8 @@ class MambaAlignManager(MambaManager):
         self._allocated_block_reqs: set[str] = set()
         self.cached_blocks_this_step: set[HashKey] = set()
         self._pending_boundary_state_offloads: list[tuple[str, int, KVCacheBlock, int]] = []
+        self.hybrid = False
+        """One of several groups (the manager sets it): caching rounds to whole blocks."""
 
     @classmethod
     def find_longest_cache_hit(
@@ -150,6 +153,22 @@ class MambaAlignManager(MambaManager):
             self._pending_boundary_state_offloads.append(
                 (rid, self.kv_cache_group_id, block, tokens)
             )
+        # The prompt's last reusable boundary, keyed again if its block lost its key; with
+        # several groups (vLLM's hybrid coordinator) what is cached is rounded to whole blocks
+        if self.hybrid:
+            num_tokens = num_tokens // self.block_size * self.block_size
+        boundary = (num_prompt_tokens(request) - 1) // self.block_size * self.block_size
+        index = num_tokens // self.block_size - 1
+        if num_tokens <= 0 or num_tokens != boundary or index >= len(blocks):
+            return
+        block = blocks[index]
+        if block.is_null or block.block_hash_num_tokens == num_tokens:
+            return
+        self.block_pool.cache_full_blocks(
+            request, blocks, index, index + 1, self.block_size, self.kv_cache_group_id
+        )
+        if block._block_hash is not None:
+            self.cached_blocks_this_step.add(block._block_hash)
 
     def free(self, request_id: str) -> None:
         """Forget the request's states and its offers not yet taken, then release its blocks."""

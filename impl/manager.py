@@ -184,8 +184,8 @@ class KVCacheManager:
                 raise InvalidManagerConfig(
                     f"a Mamba block of {spec.block_size} tokens cannot hold {max_model_len} tokens"
                 )
-        # Verify that Mamba "align" hits end on whole blocks (hash block = block)
-        if any(s.mamba_align for s in specs) and hbs != specs[0].block_size:
+        # Verify that Mamba "align" hits, if any, end on whole blocks (hash block = block)
+        if enable_caching and any(s.mamba_align for s in specs) and hbs != specs[0].block_size:
             raise InvalidManagerConfig(
                 f'Mamba "align" with hash blocks of {hbs} tokens in blocks of '
                 f"{specs[0].block_size} (hits inside a block) is not modelled"
@@ -237,6 +237,8 @@ class KVCacheManager:
         ]
         for manager in self.managers:
             manager.use_eagle = use_eagle
+            if isinstance(manager, MambaAlignManager):
+                manager.hybrid = len(specs) > 1
         self.num_kv_cache_groups = len(specs)
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in specs))
         self.fine_grained_hits = (

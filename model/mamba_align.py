@@ -38,8 +38,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from kvpool.model.errors import InvalidTokenCount, UnknownRequest
-from kvpool.model.pool import free_blocks, get_cached_block, get_new_blocks
-from kvpool.model.state import NULL_BLOCK_ID, BlockHash, HashKey, PoolState
+from kvpool.model.pool import cache_full_blocks, free_blocks, get_cached_block, get_new_blocks
+from kvpool.model.state import NULL_BLOCK_ID, BlockHash, CacheRequest, HashKey, PoolState
 
 Offload = tuple[str, int, int, int]
 """A boundary-state hand-off: (request id, group, block id, tokens its state covers)."""
@@ -233,6 +233,47 @@ def record_cached(
         keys.add(state.block_hash)
         offloads.append((request_id, group, blocks[i], state.hash_num_tokens or 0))
     return replace(table, cached_this_step=frozenset(keys), offloads=tuple(offloads))
+
+
+def cache_prompt_boundary(
+    pool: PoolState,
+    table: AlignTable,
+    group: int,
+    block_size: int,
+    request: CacheRequest,
+    num_prompt_tokens: int,
+    blocks: Sequence[int],
+    num_tokens: int,
+) -> tuple[PoolState, AlignTable]:
+    """Key the state at the prompt's last reusable boundary again if its block lost its key.
+
+    The boundary is the last block boundary before the prompt's last token (a
+    resend of the prompt recomputes that token). When caching reaches exactly
+    there and the request's block at that position holds the state but carries
+    no key for it (``evict_blocks`` took it), the block is keyed again, and the
+    key counts as cached this step. Anything else changes nothing: the full
+    block was keyed when its position filled, and a null has no state.
+
+    Complexity: O(1).
+
+    >>> from kvpool.model.pool import new_pool
+    >>> req = CacheRequest((b"a", b"ab"))
+    >>> cache_prompt_boundary(new_pool(4), AlignTable(), 0, 2, req, 5, (0, 0), 3)[1]
+    AlignTable(last_state={}, retired={}, allocated=frozenset(), cached_this_step=frozenset(), \
+offloads=())
+    """
+    boundary = (num_prompt_tokens - 1) // block_size * block_size
+    index = num_tokens // block_size - 1
+    if num_tokens <= 0 or num_tokens != boundary or index >= len(blocks):
+        return pool, table
+    block = blocks[index]
+    if block == NULL_BLOCK_ID or pool.blocks[block].hash_num_tokens == num_tokens:
+        return pool, table
+    pool, _ = cache_full_blocks(pool, request, blocks, index, index + 1, block_size, group)
+    key = pool.blocks[block].block_hash
+    if key is not None:
+        table = replace(table, cached_this_step=table.cached_this_step | {key})
+    return pool, table
 
 
 def forget(table: AlignTable, request_id: str) -> AlignTable:

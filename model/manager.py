@@ -225,8 +225,8 @@ def new_kv_cache_manager(
             raise InvalidManagerConfig(
                 f"a Mamba block of {spec.block_size} tokens cannot hold {max_model_len} tokens"
             )
-    # Verify that Mamba "align" hits end on whole blocks (hash block = block)
-    if any(s.mamba_align for s in specs) and hbs != specs[0].block_size:
+    # Verify that Mamba "align" hits, if any, end on whole blocks (hash block = block)
+    if enable_caching and any(s.mamba_align for s in specs) and hbs != specs[0].block_size:
         raise InvalidManagerConfig(
             f'Mamba "align" with hash blocks of {hbs} tokens in blocks of '
             f"{specs[0].block_size} (hits inside a block) is not modelled"

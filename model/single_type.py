@@ -447,6 +447,20 @@ def cache_blocks(
             )
             table = replace(table, align=tables)
         state = _with_table(replace(state, pool=pool), group, table)
+    if spec.mamba_align:
+        table = state.tables[group]
+        pool, tables = align_mode.cache_prompt_boundary(
+            state.pool,
+            table.align,
+            group,
+            spec.block_size,
+            cache_request(request),
+            request.num_prompt_tokens,
+            table.req_to_blocks[rid],
+            # several groups: vLLM's hybrid coordinator rounds what it caches to whole blocks
+            num_tokens // spec.block_size * spec.block_size if len(state.specs) > 1 else num_tokens,
+        )
+        state = _with_table(replace(state, pool=pool), group, replace(table, align=tables))
     if spec.attention is AttentionType.FULL and spec.block_size > state.pool.config.hash_block_size:
         state = _cache_prompt_tail(state, group, request, num_tokens, use_eagle, fine_grained)
     return state, None

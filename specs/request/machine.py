@@ -45,6 +45,7 @@ from kvpool.model.single_type import (
     chunked_local,
     full_attention,
     mamba,
+    mamba_align,
     sliding_window,
 )
 from kvpool.specs.errors import Divergence, TargetError
@@ -118,6 +119,13 @@ def layout_specs(
         return (mamba(-(-max_model_len // hbs) * hbs),)
     if layout == "full+sliding_window":
         return (full_attention(block_size), sliding_window(block_size, window))
+    if layout.endswith("mamba_align"):
+        first = {
+            "full+": full_attention(block_size),
+            "sliding_window+": sliding_window(block_size, window),
+        }
+        other = layout.removesuffix("mamba_align")
+        return (*((first[other],) if other else ()), mamba_align(block_size))
     if layout == "full+full+sliding_window":
         full = full_attention(block_size)
         return (full, full, sliding_window(block_size, window))
