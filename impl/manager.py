@@ -257,6 +257,9 @@ class KVCacheManager:
         self._uncached = 0
         self.new_block_ids: list[tuple[int, int]] = []
         """(group, block) to zero, in the order recorded."""
+        # Beside a Mamba group every attention group's new blocks are zeroed before use
+        has_mamba = any(s.attention is AttentionType.MAMBA for s in specs)
+        self._zeroes = [has_mamba and s.attention is not AttentionType.MAMBA for s in specs]
         # Same-spec groups are searched together, full attention first.
         kinds: list[tuple[KVCacheSpec, list[int]]] = []
         for g, spec in enumerate(specs):
@@ -509,7 +512,10 @@ class KVCacheManager:
             copied: list[KVCacheBlock] = []
             if partial[g]:
                 copied.append(self._copy_on_write(manager, rid, num_computed, hits[g][-1]))
-            new_blocks.append(copied + manager.allocate_new_blocks(rid, slots[g]))
+            new = manager.allocate_new_blocks(rid, slots[g])
+            new_blocks.append(copied + new)
+            if self._zeroes[g]:
+                self.new_block_ids.extend((g, b.block_id) for b in new)
         if self.enable_caching and not delay_cache_blocks:
             num_to_cache = min(num_computed + num_new_tokens, request.num_tokens)
             self._cache(request, num_to_cache)
@@ -634,7 +640,8 @@ class KVCacheManager:
         return self.create_kv_cache_blocks(tuple(out))
 
     def take_new_block_ids(self) -> list[int]:
-        """The blocks to zero recorded since the last call (copy destinations), group by group."""
+        """The blocks to zero recorded since the last call (copy destinations; beside a Mamba
+        group, every attention group's new blocks), group by group."""
         ids, self.new_block_ids = self.new_block_ids, []
         ids.sort(key=lambda entry: entry[0])
         return [block for _, block in ids]

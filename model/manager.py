@@ -176,8 +176,9 @@ class KVCacheManagerState:
     Each end holds one extra reference until the scheduler frees it after the copy."""
     new_block_ids: tuple[tuple[int, int], ...] = ()
     """Blocks to zero before use, not yet taken (``take_new_block_ids``), as (group,
-    block) in the order recorded: the copy destinations (vLLM records every new block
-    only when its config needs zeroing, which kvpool does not model)."""
+    block) in the order recorded: the copy destinations, and beside a Mamba group every
+    attention group's new blocks (vLLM records them when its config needs zeroing; kvpool
+    models no other reason, such as mixed precision)."""
 
 
 def new_kv_cache_manager(
@@ -497,11 +498,27 @@ def allocate_slots(
             copied = (destination,)
         m, new = single.allocate_new_blocks(m, g, rid, slots[g])
         new_blocks.append(copied + new)
+        if _zeroes_new_blocks(m.specs, g):
+            zero = (*zero, *((g, b) for b in new))
     state = replace(state, pending_copies=copies, new_block_ids=zero)
     if m.pool.config.enable_caching and not delay_cache_blocks:
         num_to_cache = min(num_computed + num_new_tokens, request.num_tokens)
         m = _cache(state, m, request, num_to_cache)
     return replace(state, managers=m), tuple(new_blocks)
+
+
+def _zeroes_new_blocks(specs: Sequence[KVCacheSpec], group: int) -> bool:
+    """Whether the group's new blocks are recorded for zeroing: with a Mamba group present
+    (its state is read before it is fully written), every attention group's are.
+
+    Source: vLLM 0.33.0, ``KVCacheConfig.needs_kv_cache_zeroing`` in
+    ``vllm/v1/kv_cache_interface.py`` and ``SingleTypeKVCacheManager.__init__``
+    (``_record_new_block_ids``: attention specs only, not Mamba's) in
+    ``vllm/v1/core/single_type_kv_cache_manager.py``.
+    """
+    return specs[group].attention is not AttentionType.MAMBA and any(
+        s.attention is AttentionType.MAMBA for s in specs
+    )
 
 
 def _with_num_cached(
@@ -713,7 +730,8 @@ def truncate_computed_blocks(
 
 
 def take_new_block_ids(state: KVCacheManagerState) -> tuple[KVCacheManagerState, tuple[int, ...]]:
-    """The blocks to zero recorded since the last call (copy destinations), and forget them.
+    """The blocks to zero recorded since the last call (copy destinations; beside a Mamba group,
+    every attention group's new blocks), and forget them.
 
     Group by group (each group's own list, as vLLM keeps one per manager), each
     group's in the order recorded.
