@@ -695,6 +695,25 @@ def fine_grained_scope(factory: VllmManagerFactory | None = None) -> ManagerTarg
     )
 
 
+def mamba_align_scope(factory: VllmManagerFactory | None = None) -> ManagerTargetSpec:
+    """Where vLLM's Mamba "align" mode is compared (``kvpool.model.mamba_align``): a Mamba
+    group alone, beside full attention and beside a sliding window, blocks of one hash block
+    when caching is on, events on and off. Not in ``VLLM_SCOPE``: the machine drives these
+    layouts with the scheduler's block-aligned chunks and no drafts."""
+    from kvpool.model import DEFAULT_PROFILE
+    from kvpool.specs.request.target import MAMBA_ALIGN_LAYOUTS
+
+    return ManagerTargetSpec(
+        factory or VllmManagerFactory(),
+        layouts=MAMBA_ALIGN_LAYOUTS,
+        profiles=(DEFAULT_PROFILE,),
+        events=(False, True),
+        block_factors=(1, 2),
+        min_window=2,
+        hash_sized_layouts=MAMBA_ALIGN_LAYOUTS,
+    )
+
+
 VLLM_SCOPE = scope()
 """Where vLLM 0.33's manager is compared: every attention type it runs on a CPU
 (full, sliding window of at least 2 tokens, chunked local, Mamba) and hybrids of
