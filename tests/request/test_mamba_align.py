@@ -15,7 +15,7 @@ from kvpool.impl.manager import KVCacheConfig, KVCacheManager
 from kvpool.model import mamba_align as align
 from kvpool.model.errors import InvalidManagerConfig, InvalidTokenCount
 from kvpool.model.pool import cache_full_blocks, get_new_blocks, new_pool
-from kvpool.model.request import cache_request, new_request, with_computed
+from kvpool.model.request import Request, append_tokens, cache_request, new_request, with_computed
 from kvpool.model.single_type import (
     AttentionType,
     KVCacheSpec,
@@ -37,9 +37,9 @@ def hybrid(num_blocks: int = 16) -> manager.KVCacheManagerState:
 
 
 def step(
-    kv: manager.KVCacheManagerState, request: object, num_new: int, **kwargs: object
+    kv: manager.KVCacheManagerState, request: Request, num_new: int
 ) -> tuple[manager.KVCacheManagerState, manager.Blocks | None]:
-    kv, blocks = manager.allocate_slots(kv, request, num_new, **kwargs)  # type: ignore[arg-type]
+    kv, blocks = manager.allocate_slots(kv, request, num_new)
     kv, _ = manager.new_step_starts(kv)
     return kv, blocks
 
@@ -208,8 +208,6 @@ def test_a_vllm_align_spec_becomes_a_mamba_align_group() -> None:
 def test_chunks_split_as_the_scheduler_does(start: int, num_new: int, expected: int) -> None:
     request = new_request("r", range(9), 4)
     request = with_computed(request, 0)
-    from kvpool.model.request import append_tokens
-
     request = append_tokens(request, [1, 1])  # 11 tokens, prefill ends at 10
     assert mamba_aligned_chunk(request, start, num_new, 4) == expected
 
@@ -229,7 +227,7 @@ def test_impl_matches_model_call_by_call(seed: int) -> None:
     ][seed % 3]
     kv = manager.new_kv_cache_manager(24, specs, 64)
     impl = KVCacheManager(KVCacheConfig(24, specs), 64)
-    requests: dict[str, object] = {}
+    requests: dict[str, Request] = {}
     base = [0, 0, 0, 0, 1, 1, 1, 1, 0, 1, 0, 1, 1, 0, 0, 1]
     for _ in range(40):
         roll = rnd.random()
@@ -249,17 +247,17 @@ def test_impl_matches_model_call_by_call(seed: int) -> None:
             if got is not None:
                 requests[rid] = with_computed(r, num_hit + k)
         elif roll < 0.5:
-            r = requests[rid]  # type: ignore[assignment]
-            left = r.num_tokens - r.num_computed_tokens  # type: ignore[attr-defined]
+            r = requests[rid]
+            left = r.num_tokens - r.num_computed_tokens
             if left > 0:
                 k = rnd.randrange(1, left + 1)
-                kv, got = manager.allocate_slots(kv, r, k)  # type: ignore[arg-type]
+                kv, got = manager.allocate_slots(kv, r, k)
                 impl_got = impl.allocate_slots(r, k)
                 assert got == (
                     None if impl_got is None else tuple(map(tuple, impl_got.get_block_ids()))
                 )
                 if got is not None:
-                    requests[rid] = with_computed(r, r.num_computed_tokens + k)  # type: ignore[arg-type,attr-defined]
+                    requests[rid] = with_computed(r, r.num_computed_tokens + k)
         elif roll < 0.65 and requests:
             rid = rnd.choice(sorted(requests))
             kv, _ = manager.free(kv, rid)
