@@ -189,6 +189,13 @@ class MambaAlignManager(MambaManager):
         pending, self._pending_boundary_state_offloads = self._pending_boundary_state_offloads, []
         return pending
 
+    def finalize_partial_tail_offload(
+        self, request_id: str, num_computed_tokens: int, num_in_flight_tokens: int
+    ) -> tuple[int, KVCacheBlock, int] | None:
+        """A producer's partial tail: never recorded with hash block = block (vLLM 0.33.0's
+        comes from a prompt boundary inside a Mamba block)."""
+        return None
+
     def table(self) -> GroupTable:
         offloads: tuple[Offload, ...] = tuple(
             (rid, group, block.block_id, tokens)
@@ -207,3 +214,17 @@ class MambaAlignManager(MambaManager):
                 offloads=offloads,
             ),
         )
+
+
+def take_boundary_state_offloads(
+    managers: Sequence[SingleTypeKVCacheManager],
+) -> dict[str, list[tuple[int, int, int]]]:
+    """Every "align" group's offers drained, by request: ``{request: [(group, block id,
+    tokens), ...]}``, groups in order (what ``KVCacheManager.take_boundary_state_offloads``
+    answers in vLLM 0.33.0)."""
+    offers: dict[str, list[tuple[int, int, int]]] = {}
+    for manager in managers:
+        if isinstance(manager, MambaAlignManager):
+            for rid, group, block, tokens in manager.take_pending_boundary_state_offloads():
+                offers.setdefault(rid, []).append((group, block.block_id, tokens))
+    return offers

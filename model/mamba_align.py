@@ -309,6 +309,42 @@ def take_offloads(table: AlignTable) -> tuple[AlignTable, tuple[Offload, ...]]:
     return replace(table, offloads=()), table.offloads
 
 
+def take_boundary_state_offloads(
+    tables: Sequence[AlignTable],
+) -> tuple[tuple[AlignTable, ...], dict[str, tuple[tuple[int, int, int], ...]]]:
+    """Every group's offers drained, by request: ``{request: ((group, block, tokens), ...)}``.
+
+    Groups in order, each group's offers oldest first (vLLM 0.33.0,
+    ``KVCacheManager.take_boundary_state_offloads`` in
+    ``vllm/v1/core/kv_cache_manager.py``). The manager's
+    ``take_boundary_state_offloads`` is this over its groups' ``align`` tables.
+
+    >>> take_boundary_state_offloads([AlignTable(offloads=(("r", 1, 3, 4),))])[1]
+    {'r': ((1, 3, 4),)}
+    """
+    drained: list[AlignTable] = []
+    offers: dict[str, tuple[tuple[int, int, int], ...]] = {}
+    for table in tables:
+        table, taken = take_offloads(table)
+        drained.append(table)
+        for request_id, group, block, tokens in taken:
+            offers[request_id] = (*offers.get(request_id, ()), (group, block, tokens))
+    return tuple(drained), offers
+
+
+def finalize_partial_tail_offloads(tables: Sequence[AlignTable], request_id: str) -> tuple[()]:
+    """The producer partial tails a finishing request hands off: none in what is modelled.
+
+    vLLM 0.33.0 records a producer tail only when a prompt boundary falls
+    inside a Mamba block (hash blocks smaller than the block), which kvpool
+    refuses; the manager's ``finalize_partial_tail_offloads`` answers this.
+
+    >>> finalize_partial_tail_offloads([AlignTable()], "r")
+    ()
+    """
+    return ()
+
+
 def verify_held(blocks: Mapping[str, tuple[int, ...]], request_id: str) -> None:
     """Raise UnknownRequest unless the request holds a table in the group."""
     if request_id not in blocks:

@@ -6,6 +6,7 @@ when ``KVPOOL_REQUIRE_VLLM=1``.
 
 import importlib
 import os
+from dataclasses import replace
 
 import pytest
 
@@ -54,3 +55,50 @@ def test_a_sibling_waits_a_step_for_a_state_cached_in_this_one_as_in_vllm() -> N
         answers.append((hit, num_hit, refused, admitted, later, target.get_block_ids("b")))
     assert answers[0] == answers[1]
     assert answers[0][:4] == (((1, 2, 3), (0, 0, 4)), 12, None, ((5,), (6,)))
+
+
+def test_boundary_state_offers_match_vllms() -> None:
+    """What ``take_boundary_state_offloads`` drains: the model's and the impl's seams against
+    vLLM's own method, after three block-aligned chunks, a hit and a free."""
+    import kvpool.model.manager as manager
+    from kvpool.impl.mamba_align import take_boundary_state_offloads as impl_offers
+    from kvpool.impl.manager import KVCacheConfig, KVCacheManager
+    from kvpool.model.mamba_align import take_boundary_state_offloads as model_offers
+    from kvpool.specs.targets.vllm.request import VllmManagerTarget
+
+    specs = (full_attention(4), mamba_align(4))
+    setup = ManagerSetup(16, specs, 64, 4)
+    vllm = VllmManagerTarget(setup)
+    kv = manager.new_kv_cache_manager(16, specs, 64)
+    impl = KVCacheManager(KVCacheConfig(16, specs), 64)
+    a = new_request("a", list(range(14)), 4)
+    b = new_request("b", [*range(8), 9, 9], 4)
+    answers = []
+    for start, num_new in ((0, 4), (4, 4), (8, 4)):
+        request = with_computed(a, start)
+        vllm.allocate_slots(request, num_new)
+        kv, _ = manager.allocate_slots(kv, request, num_new)
+        impl.allocate_slots(request, num_new)
+        vllm.new_step_starts()
+        kv, _ = manager.new_step_starts(kv)
+        impl.new_step_starts()
+        tables, model_answer = model_offers([t.align for t in kv.managers.tables])
+        kv = replace(
+            kv,
+            managers=replace(
+                kv.managers,
+                tables=tuple(
+                    replace(t, align=d) for t, d in zip(kv.managers.tables, tables, strict=True)
+                ),
+            ),
+        )
+        answers.append(
+            (model_answer, impl_offers(impl.managers), vllm.manager.take_boundary_state_offloads())
+        )
+    hit, num_hit = vllm.get_computed_blocks(b)
+    vllm.allocate_slots(b, 2, num_hit, hit)
+    vllm.free(a)
+    assert vllm.manager.take_boundary_state_offloads() == {}
+    for model_answer, impl_answer, vllm_answer in answers:
+        assert {r: list(o) for r, o in model_answer.items()} == impl_answer == vllm_answer
+    assert [len(m["a"]) for m, _, _ in answers] == [1, 1, 1]
