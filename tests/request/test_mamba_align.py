@@ -181,6 +181,17 @@ def test_invalid_mamba_spec_parts_not_modelled(field: dict[str, object]) -> None
         KVCacheManager(config, 64)
 
 
+@pytest.mark.parametrize("interval", [0, 32])
+def test_invalid_sparse_retention(interval: int) -> None:
+    """vLLM 0.33 keeps only some boundary states under a retention interval: refused, not
+    ignored."""
+    config = SimpleNamespace(
+        num_blocks=8, kv_cache_groups=[mamba_align(4)], prefix_cache_retention_interval=interval
+    )
+    with pytest.raises(InvalidManagerConfig):
+        KVCacheManager(config, 64)
+
+
 def test_a_vllm_align_spec_becomes_a_mamba_align_group() -> None:
     MambaSpec = type("MambaSpec", (), {"block_size": 4, "mamba_cache_mode": "align"})
     config = SimpleNamespace(
