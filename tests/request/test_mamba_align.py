@@ -299,3 +299,23 @@ def test_impl_conforms_on_the_mamba_align_layouts() -> None:
     report = run_request_conformance(scope, hypothesis_profile="ci", max_examples=100)
     assert report.conforms, f"{report.failure}\n{report.program}"
     assert report.examples_run >= 100
+
+
+def test_the_json_protocol_carries_the_align_mode() -> None:
+    """A Mamba "align" group says so in the request protocol's group spec; other groups'
+    JSON is unchanged (no key)."""
+    from jsonschema import Draft202012Validator
+
+    from kvpool.specs.protocol.codec import ProtocolError
+    from kvpool.specs.protocol.request_codec import decode_spec, encode_spec
+    from kvpool.specs.vectors.format import load_schema
+
+    schema = load_schema("request-protocol-v1.json")
+    group = Draft202012Validator({**schema["$defs"]["spec"], "$defs": schema["$defs"]})
+    for spec in (mamba_align(4), full_attention(4)):
+        encoded = encode_spec(spec)
+        group.validate(encoded)
+        assert decode_spec(encoded) == spec
+    assert "mamba_align" not in encode_spec(full_attention(4))
+    with pytest.raises(ProtocolError):
+        decode_spec({**encode_spec(mamba_align(4)), "mamba_align": "yes"})
