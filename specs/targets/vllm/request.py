@@ -25,7 +25,9 @@ What is compared, and what is not (docs/semantics.md, "The request layer"):
   local, Mamba) and hybrids of them, blocks of one or two hash blocks, events
   on and off, the hashless-first profile (``VLLM_SCOPE``); Mamba with prefix
   caching off, and a single group's blocks of one hash block when caching is
-  on: vLLM refuses the rest (``vllm_refuses``);
+  on: vLLM refuses the rest (``vllm_refuses``). Mamba's "align" mode, alone
+  and beside full attention or a sliding window, is compared apart
+  (``mamba_align_scope()``);
 * ``get_computed_blocks`` returns a 3-tuple in 0.33; ``get_computed_blocks``
   drops the third element (the shared-prefix boundary) and
   ``get_computed_blocks_with_boundary`` compares it. 0.33 records hit
