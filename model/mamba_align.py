@@ -37,7 +37,7 @@ docs/semantics.md, "Mamba in align mode".
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from kvpool.model.errors import InvalidTokenCount, UnknownRequest
+from kvpool.model.errors import InvalidTokenCount
 from kvpool.model.pool import cache_full_blocks, free_blocks, get_cached_block, get_new_blocks
 from kvpool.model.state import NULL_BLOCK_ID, BlockHash, CacheRequest, HashKey, PoolState
 
@@ -343,9 +343,3 @@ def finalize_partial_tail_offloads(tables: Sequence[AlignTable], request_id: str
     ()
     """
     return ()
-
-
-def verify_held(blocks: Mapping[str, tuple[int, ...]], request_id: str) -> None:
-    """Raise UnknownRequest unless the request holds a table in the group."""
-    if request_id not in blocks:
-        raise UnknownRequest(f"request {request_id!r} holds no blocks in this group")
