@@ -19,6 +19,7 @@ from typing import Any
 from mypy_extensions import mypyc_attr
 
 from kvpool.impl.block import KVCacheBlock
+from kvpool.impl.mamba_align import MambaAlignManager
 from kvpool.impl.pool import BlockPool, Unchecked
 from kvpool.impl.single_type import (
     SingleTypeKVCacheManager,
@@ -173,12 +174,22 @@ class KVCacheManager:
         if not specs or len({s.block_size for s in specs}) != 1:
             raise InvalidManagerConfig("the groups must be at least one and share one block size")
         hbs = specs[0].block_size if hash_block_size is None else hash_block_size
-        # Verify that a Mamba block holds a whole request
+        # Verify that a Mamba block holds a whole request, or the group is in "align" mode
         for spec in specs:
-            if spec.attention is AttentionType.MAMBA and spec.block_size < max_model_len:
+            if (
+                spec.attention is AttentionType.MAMBA
+                and spec.block_size < max_model_len
+                and not spec.mamba_align
+            ):
                 raise InvalidManagerConfig(
                     f"a Mamba block of {spec.block_size} tokens cannot hold {max_model_len} tokens"
                 )
+        # Verify that Mamba "align" hits, if any, end on whole blocks (hash block = block)
+        if enable_caching and any(s.mamba_align for s in specs) and hbs != specs[0].block_size:
+            raise InvalidManagerConfig(
+                f'Mamba "align" with hash blocks of {hbs} tokens in blocks of '
+                f"{specs[0].block_size} (hits inside a block) is not modelled"
+            )
         # Verify that EAGLE runs with a single full-attention or sliding-window group
         if use_eagle and (
             len(specs) != 1
@@ -209,6 +220,8 @@ class KVCacheManager:
                 raise InvalidManagerConfig(
                     f"attention_chunk_size={spec.attention_chunk_size} must be positive"
                 )
+            if spec.mamba_align and spec.attention is not AttentionType.MAMBA:
+                raise InvalidManagerConfig(f"{spec.attention.value} groups have no align mode")
         self.kv_cache_config = kv_cache_config
         self.specs = specs
         self.max_model_len = max_model_len
@@ -217,10 +230,15 @@ class KVCacheManager:
         self.log_stats = log_stats
         self.prefix_cache_stats: PrefixCacheStats | None = PrefixCacheStats() if log_stats else None
         self.managers: list[SingleTypeKVCacheManager] = [
-            get_manager_for_kv_cache_spec(spec, self.block_pool, g) for g, spec in enumerate(specs)
+            MambaAlignManager(spec, self.block_pool, g)
+            if spec.mamba_align
+            else get_manager_for_kv_cache_spec(spec, self.block_pool, g)
+            for g, spec in enumerate(specs)
         ]
         for manager in self.managers:
             manager.use_eagle = use_eagle
+            if isinstance(manager, MambaAlignManager):
+                manager.hybrid = len(specs) > 1
         self.num_kv_cache_groups = len(specs)
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in specs))
         self.fine_grained_hits = (
@@ -239,6 +257,9 @@ class KVCacheManager:
         self._uncached = 0
         self.new_block_ids: list[tuple[int, int]] = []
         """(group, block) to zero, in the order recorded."""
+        # Beside a Mamba group every attention group's new blocks are zeroed before use
+        has_mamba = any(s.attention is AttentionType.MAMBA for s in specs)
+        self._zeroes = [has_mamba and s.attention is not AttentionType.MAMBA for s in specs]
         # Same-spec groups are searched together, full attention first.
         kinds: list[tuple[KVCacheSpec, list[int]]] = []
         for g, spec in enumerate(specs):
@@ -466,9 +487,14 @@ class KVCacheManager:
         for manager in managers:
             manager.remove_skipped_blocks(rid, request.num_computed_tokens)
         num_slots = min(num_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
+        # A Mamba "align" group sizes its table by the main model's tokens, not the look-ahead
+        slots = [
+            num_computed + num_new_tokens if m.kv_cache_spec.mamba_align else num_slots
+            for m in managers
+        ]
         needed = 0
-        for manager, group_hits in zip(managers, hits, strict=True):
-            needed += manager.get_num_blocks_to_allocate(rid, num_slots, group_hits)
+        for g, (manager, group_hits) in enumerate(zip(managers, hits, strict=True)):
+            needed += manager.get_num_blocks_to_allocate(rid, slots[g], group_hits)
         needed += sum(partial)
         if needed > self.block_pool.get_num_free_blocks():
             return None
@@ -486,7 +512,10 @@ class KVCacheManager:
             copied: list[KVCacheBlock] = []
             if partial[g]:
                 copied.append(self._copy_on_write(manager, rid, num_computed, hits[g][-1]))
-            new_blocks.append(copied + manager.allocate_new_blocks(rid, num_slots))
+            new = manager.allocate_new_blocks(rid, slots[g])
+            new_blocks.append(copied + new)
+            if self._zeroes[g]:
+                self.new_block_ids.extend((g, b.block_id) for b in new)
         if self.enable_caching and not delay_cache_blocks:
             num_to_cache = min(num_computed + num_new_tokens, request.num_tokens)
             self._cache(request, num_to_cache)
@@ -611,7 +640,8 @@ class KVCacheManager:
         return self.create_kv_cache_blocks(tuple(out))
 
     def take_new_block_ids(self) -> list[int]:
-        """The blocks to zero recorded since the last call (copy destinations), group by group."""
+        """The blocks to zero recorded since the last call (copy destinations; beside a Mamba
+        group, every attention group's new blocks), group by group."""
         ids, self.new_block_ids = self.new_block_ids, []
         ids.sort(key=lambda entry: entry[0])
         return [block for _, block in ids]
@@ -631,7 +661,10 @@ class KVCacheManager:
         return cached or 0
 
     def new_step_starts(self) -> None:
-        """A scheduler step begins; no group kvpool models keeps per-step state."""
+        """A scheduler step begins: Mamba "align" groups forget the states cached in the last."""
+        for manager in self.managers:
+            if isinstance(manager, MambaAlignManager):
+                manager.new_step_starts()
 
     # ------------------------------------------------------------------
     # Queries
@@ -745,6 +778,13 @@ def _specs_of(kv_cache_config: Any) -> tuple[KVCacheSpec, ...]:
         kv_cache_config.num_blocks  # noqa: B018 (read now: a config without it is no config)
     except (AttributeError, TypeError) as error:
         raise InvalidManagerConfig(f"not a KV cache configuration: {error}") from None
+    # Verify that the configuration keeps every boundary state (sparse retention, vLLM 0.33's
+    # prefix_cache_retention_interval, changes which blocks are cached: not modelled)
+    retention = getattr(kv_cache_config, "prefix_cache_retention_interval", None)
+    if retention is not None:
+        raise InvalidManagerConfig(
+            f"prefix_cache_retention_interval={retention!r}: kvpool models only None (dense)"
+        )
     specs = []
     for group in groups:
         if isinstance(group, KVCacheSpec):
@@ -755,6 +795,7 @@ def _specs_of(kv_cache_config: Any) -> tuple[KVCacheSpec, ...]:
         # Verify that every group is of an attention type kvpool models
         if kind is None:
             raise InvalidManagerConfig(f"kvpool does not model {type(spec).__name__} groups")
+        align = kind is AttentionType.MAMBA and _mamba_align_of(spec)
         specs.append(
             KVCacheSpec(
                 kind,
@@ -765,6 +806,20 @@ def _specs_of(kv_cache_config: Any) -> tuple[KVCacheSpec, ...]:
                 attention_chunk_size=getattr(spec, "attention_chunk_size", 0) or 0
                 if kind is AttentionType.CHUNKED_LOCAL
                 else 0,
+                mamba_align=align,
             )
         )
     return tuple(specs)
+
+
+def _mamba_align_of(spec: Any) -> bool:
+    """Whether vLLM's ``MambaSpec`` is in "align" mode; InvalidManagerConfig for the parts of
+    that mode kvpool does not model (speculative and prefill-checkpoint blocks)."""
+    mode = getattr(spec, "mamba_cache_mode", "none")
+    if mode not in ("none", "align"):
+        raise InvalidManagerConfig(f"mamba_cache_mode={mode!r}: kvpool models 'none' and 'align'")
+    for name in ("num_speculative_blocks", "num_prefill_checkpoint_blocks"):
+        # Verify that the Mamba spec reserves no block kvpool does not model
+        if getattr(spec, name, 0):
+            raise InvalidManagerConfig(f"{name}={getattr(spec, name)!r}: kvpool models only 0")
+    return bool(mode == "align")

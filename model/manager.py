@@ -25,6 +25,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 import kvpool.model.copy_on_write as cow
+import kvpool.model.mamba_align as mamba_align
 import kvpool.model.pool as pool_ops
 import kvpool.model.single_type as single
 from kvpool.model.errors import (
@@ -175,8 +176,9 @@ class KVCacheManagerState:
     Each end holds one extra reference until the scheduler frees it after the copy."""
     new_block_ids: tuple[tuple[int, int], ...] = ()
     """Blocks to zero before use, not yet taken (``take_new_block_ids``), as (group,
-    block) in the order recorded: the copy destinations (vLLM records every new block
-    only when its config needs zeroing, which kvpool does not model)."""
+    block) in the order recorded: the copy destinations, and beside a Mamba group every
+    attention group's new blocks (vLLM records them when its config needs zeroing; kvpool
+    models no other reason, such as mixed precision)."""
 
 
 def new_kv_cache_manager(
@@ -214,12 +216,22 @@ def new_kv_cache_manager(
     if not specs or len({s.block_size for s in specs}) != 1:
         raise InvalidManagerConfig("the groups must be at least one and share one block size")
     hbs = specs[0].block_size if hash_block_size is None else hash_block_size
-    # Verify that a Mamba block holds a whole request
+    # Verify that a Mamba block holds a whole request, or the group is in "align" mode
     for spec in specs:
-        if spec.attention is AttentionType.MAMBA and spec.block_size < max_model_len:
+        if (
+            spec.attention is AttentionType.MAMBA
+            and spec.block_size < max_model_len
+            and not spec.mamba_align
+        ):
             raise InvalidManagerConfig(
                 f"a Mamba block of {spec.block_size} tokens cannot hold {max_model_len} tokens"
             )
+    # Verify that Mamba "align" hits, if any, end on whole blocks (hash block = block)
+    if enable_caching and any(s.mamba_align for s in specs) and hbs != specs[0].block_size:
+        raise InvalidManagerConfig(
+            f'Mamba "align" with hash blocks of {hbs} tokens in blocks of '
+            f"{specs[0].block_size} (hits inside a block) is not modelled"
+        )
     # Verify that EAGLE runs with a single full-attention or sliding-window group
     if use_eagle and (
         len(specs) != 1
@@ -457,7 +469,9 @@ def allocate_slots(
     num_slots = min(
         num_computed + num_new_tokens + num_lookahead_tokens, state.config.max_model_len
     )
-    needed = sum(single.get_num_blocks_to_allocate(m, g, rid, num_slots, hits[g]) for g in groups)
+    # A Mamba "align" group sizes its table by the main model's tokens, not the look-ahead
+    slots = [num_computed + num_new_tokens if s.mamba_align else num_slots for s in m.specs]
+    needed = sum(single.get_num_blocks_to_allocate(m, g, rid, slots[g], hits[g]) for g in groups)
     needed += sum(partial)
     if needed > pool_ops.get_num_free_blocks(m.pool):
         return replace(state, managers=m), None
@@ -482,13 +496,29 @@ def allocate_slots(
             copies = (*copies, (hits[g][-1], destination))
             zero = (*zero, (g, destination))
             copied = (destination,)
-        m, new = single.allocate_new_blocks(m, g, rid, num_slots)
+        m, new = single.allocate_new_blocks(m, g, rid, slots[g])
         new_blocks.append(copied + new)
+        if _zeroes_new_blocks(m.specs, g):
+            zero = (*zero, *((g, b) for b in new))
     state = replace(state, pending_copies=copies, new_block_ids=zero)
     if m.pool.config.enable_caching and not delay_cache_blocks:
         num_to_cache = min(num_computed + num_new_tokens, request.num_tokens)
         m = _cache(state, m, request, num_to_cache)
     return replace(state, managers=m), tuple(new_blocks)
+
+
+def _zeroes_new_blocks(specs: Sequence[KVCacheSpec], group: int) -> bool:
+    """Whether the group's new blocks are recorded for zeroing: with a Mamba group present
+    (its state is read before it is fully written), every attention group's are.
+
+    Source: vLLM 0.33.0, ``KVCacheConfig.needs_kv_cache_zeroing`` in
+    ``vllm/v1/kv_cache_interface.py`` and ``SingleTypeKVCacheManager.__init__``
+    (``_record_new_block_ids``: attention specs only, not Mamba's) in
+    ``vllm/v1/core/single_type_kv_cache_manager.py``.
+    """
+    return specs[group].attention is not AttentionType.MAMBA and any(
+        s.attention is AttentionType.MAMBA for s in specs
+    )
 
 
 def _with_num_cached(
@@ -700,7 +730,8 @@ def truncate_computed_blocks(
 
 
 def take_new_block_ids(state: KVCacheManagerState) -> tuple[KVCacheManagerState, tuple[int, ...]]:
-    """The blocks to zero recorded since the last call (copy destinations), and forget them.
+    """The blocks to zero recorded since the last call (copy destinations; beside a Mamba group,
+    every attention group's new blocks), and forget them.
 
     Group by group (each group's own list, as vLLM keeps one per manager), each
     group's in the order recorded.
@@ -735,15 +766,17 @@ def estimate_cached_tokens(state: KVCacheManagerState, request_id: str) -> int:
 
 
 def new_step_starts(state: KVCacheManagerState) -> tuple[KVCacheManagerState, None]:
-    """A scheduler step begins. No group kvpool models keeps per-step state (in vLLM 0.33
-    only the Mamba "align" manager does), so nothing changes.
+    """A scheduler step begins: Mamba "align" groups forget which states were cached in the
+    last one (``kvpool.model.mamba_align.new_step``); no other group keeps per-step state.
 
     >>> from kvpool.model.single_type import full_attention
     >>> m = new_kv_cache_manager(4, [full_attention(2)], 8)
     >>> new_step_starts(m)[0] == m
     True
     """
-    return state, None
+    m = state.managers
+    tables = tuple(replace(t, align=mamba_align.new_step(t.align)) for t in m.tables)
+    return replace(state, managers=replace(m, tables=tables)), None
 
 
 # --------------------------------------------------------------------------

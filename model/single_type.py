@@ -15,7 +15,8 @@ attention types:
 * chunked local attention: a token attends to the tokens of its own chunk
   of ``attention_chunk_size``; blocks of earlier chunks are null;
 * Mamba: a recurrent state of one block per request, never a prefix hit and
-  never cached.
+  never cached; or, in vLLM's "align" mode (``mamba_align``), one state block
+  per block of tokens, cached at block boundaries (``kvpool.model.mamba_align``).
 
 Every operation is a pure function over ``ManagersState``, which holds the
 block pool (``kvpool.model.pool`` does all the pool's work) and one
@@ -27,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
+import kvpool.model.mamba_align as align_mode
 from kvpool.model.errors import (
     HitOnRunningRequest,
     InvalidManagerConfig,
@@ -69,6 +71,9 @@ class KVCacheSpec:
     """Tokens a query attends to, itself included (sliding window only)."""
     attention_chunk_size: int = 0
     """Tokens per attention chunk (chunked local attention only)."""
+    mamba_align: bool = False
+    """Mamba in vLLM's "align" cache mode: blocks as small as the others', states cached at
+    block boundaries (``kvpool.model.mamba_align``). Mamba only."""
 
 
 def full_attention(block_size: int) -> KVCacheSpec:
@@ -107,6 +112,15 @@ def mamba(block_size: int) -> KVCacheSpec:
     return KVCacheSpec(AttentionType.MAMBA, block_size)
 
 
+def mamba_align(block_size: int) -> KVCacheSpec:
+    """A Mamba group in "align" mode: one state block per ``block_size`` tokens.
+
+    >>> mamba_align(16).mamba_align
+    True
+    """
+    return KVCacheSpec(AttentionType.MAMBA, block_size, mamba_align=True)
+
+
 @dataclass(frozen=True)
 class GroupTable:
     """One group's bookkeeping: each request's blocks, and how many of them are cached.
@@ -119,6 +133,8 @@ class GroupTable:
     """Request id to its block table; the null block stands for skipped blocks."""
     num_cached_block: Mapping[str, int] = field(default_factory=dict)
     """Request id to the number of leading blocks already in the hash map."""
+    align: align_mode.AlignTable = field(default_factory=align_mode.AlignTable)
+    """A Mamba "align" group's further bookkeeping (empty for every other group)."""
 
 
 @dataclass(frozen=True)
@@ -149,6 +165,9 @@ def new_managers(pool: PoolState, specs: Sequence[KVCacheSpec]) -> ManagersState
             raise InvalidManagerConfig(
                 f"block_size={spec.block_size} is not a multiple of hash_block_size={hbs}"
             )
+        # Verify that only Mamba groups are in "align" mode
+        if spec.mamba_align and spec.attention is not AttentionType.MAMBA:
+            raise InvalidManagerConfig(f"{spec.attention.value} groups have no align mode")
         # Verify that windows and chunks are positive
         if spec.attention is AttentionType.SLIDING_WINDOW and spec.sliding_window < 1:
             raise InvalidManagerConfig(f"sliding_window={spec.sliding_window} must be positive")
@@ -195,6 +214,8 @@ def find_longest_cache_hit(
     hashes = hashes_at_block_size(block_hashes, pool.config.hash_block_size, spec.block_size)
     max_blocks = min(max_length // spec.block_size, len(hashes))
     kind = spec.attention
+    if spec.mamba_align:
+        return align_mode.find_hit(pool, spec.block_size, hashes, max_length, group_ids)
     if kind is AttentionType.FULL:
         hit = _prefix_hit(pool, hashes, 0, max_blocks, group_ids)
         if use_eagle and hit:
@@ -288,6 +309,11 @@ def get_num_blocks_to_allocate(
     3
     """
     spec, table = _group(state, group)
+    if spec.mamba_align:
+        held_blocks = table.req_to_blocks.get(request_id, ())
+        return align_mode.num_blocks_to_allocate(
+            state.pool, table.align, spec.block_size, held_blocks, num_tokens, new_computed_blocks
+        )
     held = len(table.req_to_blocks.get(request_id, ()))
     lacking = max(0, _cdiv(num_tokens, spec.block_size) - len(new_computed_blocks) - held)
     evictable = sum(
@@ -318,7 +344,8 @@ def save_new_computed_blocks(
         if new_computed_blocks:
             raise HitOnRunningRequest(f"request {request_id!r} already holds blocks")
         return state, None
-    table = GroupTable(
+    table = replace(
+        table,
         req_to_blocks={**table.req_to_blocks, request_id: tuple(new_computed_blocks)},
         num_cached_block={**table.num_cached_block, request_id: len(new_computed_blocks)},
     )
@@ -345,6 +372,14 @@ def allocate_new_blocks(
     # Verify that the request is in the group's tables
     _verify_request(table, request_id)
     blocks = table.req_to_blocks[request_id]
+    if spec.mamba_align:
+        pool, tables, blocks, new = align_mode.allocate(
+            state.pool, table.align, spec.block_size, request_id, blocks, num_tokens
+        )
+        table = replace(
+            table, align=tables, req_to_blocks={**table.req_to_blocks, request_id: blocks}
+        )
+        return _with_table(replace(state, pool=pool), group, table), new
     lacking = _cdiv(num_tokens, spec.block_size) - len(blocks)
     if lacking <= 0:
         return state, ()
@@ -389,7 +424,7 @@ def cache_blocks(
     _verify_request(table, rid)
     # Verify that the request is hashed in the pool's hash blocks
     verify_hash_block_size(request, state.pool.config.hash_block_size)
-    if spec.attention is AttentionType.MAMBA:
+    if spec.attention is AttentionType.MAMBA and not spec.mamba_align:
         return state, None
     num_cached = table.num_cached_block[rid]
     num_hashed = len(request.block_hashes) * state.pool.config.hash_block_size
@@ -405,7 +440,27 @@ def cache_blocks(
             group,
         )
         table = replace(table, num_cached_block={**table.num_cached_block, rid: num_full})
+        if spec.mamba_align:
+            blocks = table.req_to_blocks[rid]
+            tables = align_mode.record_cached(
+                pool, table.align, group, rid, blocks, num_cached, num_full
+            )
+            table = replace(table, align=tables)
         state = _with_table(replace(state, pool=pool), group, table)
+    if spec.mamba_align:
+        table = state.tables[group]
+        pool, tables = align_mode.cache_prompt_boundary(
+            state.pool,
+            table.align,
+            group,
+            spec.block_size,
+            cache_request(request),
+            request.num_prompt_tokens,
+            table.req_to_blocks[rid],
+            # several groups: vLLM's hybrid coordinator rounds what it caches to whole blocks
+            num_tokens // spec.block_size * spec.block_size if len(state.specs) > 1 else num_tokens,
+        )
+        state = _with_table(replace(state, pool=pool), group, replace(table, align=tables))
     if spec.attention is AttentionType.FULL and spec.block_size > state.pool.config.hash_block_size:
         state = _cache_prompt_tail(state, group, request, num_tokens, use_eagle, fine_grained)
     return state, None
@@ -483,6 +538,7 @@ def free(state: ManagersState, group: int, request_id: str) -> tuple[ManagersSta
     table = GroupTable(
         req_to_blocks={r: b for r, b in table.req_to_blocks.items() if r != request_id},
         num_cached_block={r: n for r, n in table.num_cached_block.items() if r != request_id},
+        align=align_mode.forget(table.align, request_id),
     )
     return _with_table(replace(state, pool=pool), group, table), None
 
@@ -494,7 +550,8 @@ def remove_skipped_blocks(
 
     Sliding window: blocks entirely before the window of the next token
     (token ``num_computed_tokens``). Chunked local: blocks of earlier chunks.
-    Full attention and Mamba skip nothing.
+    Full attention and whole-request Mamba skip nothing; Mamba "align" releases the
+    states before the last computed token's (``kvpool.model.mamba_align.remove_skipped``).
     Blocks are released from the window edge backwards, stopping at the
     first null block (everything before it was released earlier).
 
@@ -511,6 +568,14 @@ def remove_skipped_blocks(
     if request_id not in table.req_to_blocks:
         return state, None
     blocks = table.req_to_blocks[request_id]
+    if spec.mamba_align:
+        pool, tables, blocks = align_mode.remove_skipped(
+            state.pool, table.align, spec.block_size, request_id, blocks, num_computed_tokens
+        )
+        table = replace(
+            table, align=tables, req_to_blocks={**table.req_to_blocks, request_id: blocks}
+        )
+        return _with_table(replace(state, pool=pool), group, table), None
     if spec.attention is AttentionType.SLIDING_WINDOW:
         first_useful_token = num_computed_tokens - spec.sliding_window + 1
         first_useful = max(0, first_useful_token) // spec.block_size

@@ -115,12 +115,15 @@ def encode_spec(spec: KVCacheSpec) -> Json:
     >>> encode_spec(sliding_window(2, 4))
     {'attention': 'sliding_window', 'block_size': 2, 'sliding_window': 4, 'attention_chunk_size': 0}
     """
-    return {
+    encoded: Json = {
         "attention": ATTENTION_NAMES[spec.attention],
         "block_size": spec.block_size,
         "sliding_window": spec.sliding_window,
         "attention_chunk_size": spec.attention_chunk_size,
     }
+    if spec.mamba_align:  # only when set: every other group's JSON is what it always was
+        encoded["mamba_align"] = True
+    return encoded
 
 
 def decode_spec(value: Json) -> KVCacheSpec:
@@ -137,7 +140,14 @@ def decode_spec(value: Json) -> KVCacheSpec:
         attention_chunk_size=_bounded(
             obj.get("attention_chunk_size", 0), "attention_chunk_size", MAX_TOKENS
         ),
+        mamba_align=_mamba_align(obj.get("mamba_align", False)),
     )
+
+
+def _mamba_align(value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ProtocolError(f"mamba_align must be a boolean, got {value!r:.100}")
+    return value
 
 
 MAX_TOKENS = 65536

@@ -79,6 +79,10 @@ Slot = tuple[int, Content]
 """What one slot of a block holds: (group, provenance). The provenance of position
 p is the content of the first p + 1 tokens."""
 
+STATE = -1
+"""The slot a recurrent state is written to (a Mamba "align" group's block holds one state,
+not a token's KV per slot); its provenance is the content of every token the state read."""
+
 
 class RequestInvariantViolation(InvariantViolation):
     """A request-level safety property failed."""
@@ -179,14 +183,15 @@ def _describe_prefix(prefix: tuple[int, Content]) -> str:
 
 
 def cached_blocks_hold_their_prefix(
-    truth: KVTruth, pool: PoolState, block_sizes: Sequence[int]
+    truth: KVTruth, pool: PoolState, block_sizes: Sequence[int], states: Sequence[bool] = ()
 ) -> Reason:
     """Every block the hash map leads to holds, in every slot, the KV of the prefix its key names.
 
     A block that fails is served to the next request with that prefix: the
     model attends to another request's (or another adapter's, or another
     tenant's) keys and values and generates from them, with no error
-    anywhere.
+    anywhere. A group marked in ``states`` holds recurrent states: its block
+    must hold the state after exactly the prefix its key names.
     """
     if truth.collisions:
         return truth.collisions[0]
@@ -195,6 +200,15 @@ def cached_blocks_hold_their_prefix(
             return f"the map holds a hash no request was given: {block_hash.hex()[:16]}"
         num_tokens, content = truth.oracle[block_hash]
         block_size = block_sizes[group]
+        if _is_state(states, group):
+            for block in block_ids:
+                actual = truth.holds(block, STATE)
+                if actual != (group, content):
+                    return (
+                        f"block {block} is cached under {block_hash.hex()[:16]} (group {group}, "
+                        f"tokens {content.tokens}) but holds the state {_describe(actual)}"
+                    )
+            continue
         # a partial key (vLLM 0.33) names a prefix ending inside its block
         start = (num_tokens - 1) // block_size * block_size
         for block in block_ids:
@@ -226,18 +240,34 @@ def requests_read_their_own_kv(
     requests: Mapping[str, Request],
     tables: Mapping[str, Sequence[Sequence[int]]],
     block_sizes: Sequence[int],
+    states: Sequence[bool] = (),
 ) -> Reason:
     """Every computed position of every running request's blocks holds the request's own KV.
 
     ``tables`` maps each running request to its block table per group. A
     position that fails is read by the request's attention as if it were
-    its own past: generation silently goes wrong.
+    its own past: generation silently goes wrong. In a group marked in
+    ``states`` the block of the last computed token holds the state after
+    every computed token (the next step starts from it).
     """
     for rid, groups in tables.items():
         request = requests[rid]
         content = request_content(request)
         for group, blocks in enumerate(groups):
             size = block_sizes[group]
+            if _is_state(states, group):
+                computed = request.num_computed_tokens
+                index = (computed - 1) // size
+                if computed == 0 or index >= len(blocks):
+                    continue
+                actual = truth.holds(blocks[index], STATE)
+                if actual != (group, content.prefix(computed)):
+                    return (
+                        f"request {rid} has computed {computed} tokens but its block "
+                        f"{blocks[index]} (group {group}, index {index}) holds the state "
+                        f"{_describe(actual)}"
+                    )
+                continue
             for i, block in enumerate(blocks):
                 if block == NULL_BLOCK_ID:
                     continue
@@ -262,19 +292,30 @@ def hit_matches_request(
     hit: Sequence[Sequence[int]],
     block_sizes: Sequence[int],
     num_tokens: int | None = None,
+    states: Sequence[bool] = (),
 ) -> Reason:
     """Every block of a cache hit holds the requesting request's own KV at its position.
 
     A hit that fails is computed-on-arrival KV for the wrong prefix: the
     request skips computing those tokens and reads someone else's. With
     ``num_tokens`` only the hit's positions are checked (a fine-grained hit
-    ends inside its last block).
+    ends inside its last block). In a group marked in ``states`` a hit block
+    at index i holds the state after the request's first (i + 1) blocks.
     """
     content = request_content(request)
     for group, blocks in enumerate(hit):
         size = block_sizes[group]
         for i, block in enumerate(blocks):
             if block == NULL_BLOCK_ID:
+                continue
+            if _is_state(states, group):
+                actual = truth.holds(block, STATE)
+                if actual != (group, content.prefix((i + 1) * size)):
+                    return (
+                        f"the hit for request {request.request_id} gives block {block} (group "
+                        f"{group}) at index {i}, which holds the state {_describe(actual)}, not "
+                        f"that of its first {(i + 1) * size} tokens"
+                    )
                 continue
             for j in range(size):
                 position = i * size + j
@@ -365,6 +406,10 @@ def write_is_exclusive(
         if rid != writer and any(block in blocks for blocks in groups):
             return f"request {writer} writes into block {block}, which request {rid} holds"
     return None
+
+
+def _is_state(states: Sequence[bool], group: int) -> bool:
+    return group < len(states) and states[group]
 
 
 def check(name_and_reason: tuple[str, Reason]) -> None:

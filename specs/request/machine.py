@@ -45,11 +45,13 @@ from kvpool.model.single_type import (
     chunked_local,
     full_attention,
     mamba,
+    mamba_align,
     sliding_window,
 )
 from kvpool.specs.errors import Divergence, TargetError
 from kvpool.specs.pool.invariants import check_all
 from kvpool.specs.request.invariants import (
+    STATE,
     KVTruth,
     cached_blocks_hold_their_prefix,
     check,
@@ -118,6 +120,13 @@ def layout_specs(
         return (mamba(-(-max_model_len // hbs) * hbs),)
     if layout == "full+sliding_window":
         return (full_attention(block_size), sliding_window(block_size, window))
+    if layout.endswith("mamba_align"):
+        first = {
+            "full+": full_attention(block_size),
+            "sliding_window+": sliding_window(block_size, window),
+        }
+        other = layout.removesuffix("mamba_align")
+        return (*((first[other],) if other else ()), mamba_align(block_size))
     if layout == "full+full+sliding_window":
         full = full_attention(block_size)
         return (full, full, sliding_window(block_size, window))
@@ -190,6 +199,36 @@ def _start_rule(
     return decorate(start)
 
 
+def mamba_aligned_chunk(request: Request, start: int, num_new: int, block_size: int) -> int:
+    """How many of ``num_new`` tokens from ``start`` vLLM 0.33's scheduler schedules when a
+    Mamba "align" group is present (``Scheduler._mamba_block_aligned_split`` in
+    ``vllm/v1/core/sched/scheduler.py``, without checkpoint blocks, partial hits or
+    shared-prefix stops).
+
+    The manager caches the block of position ``(i + 1) * block_size`` once that many tokens
+    are computed, as the state after them; the state is written where a chunk ends. So a
+    prefill chunk ends on a block boundary unless it ends the prefill, never runs past the
+    next boundary when it starts inside a block, nor past the last boundary before the last
+    token. Decoding is not split. 0: nothing is scheduled this step.
+
+    >>> from kvpool.model.request import new_request
+    >>> mamba_aligned_chunk(new_request("r", range(10), 4), 0, 6, 4)
+    4
+    """
+    prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
+    if start >= prefill_end:
+        return num_new
+    end = start + num_new
+    if end < prefill_end:
+        end = end // block_size * block_size
+    stops = (
+        (start // block_size + 1) * block_size if start % block_size else 0,
+        max((request.num_tokens - 1) // block_size * block_size, 0),
+    )
+    end = min((stop for stop in stops if start < stop < end), default=end)
+    return max(end - start, 0)
+
+
 class ManagerDivergence(Divergence):
     """The manager under test and the model parted: the message says where and how."""
 
@@ -256,6 +295,8 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
             fine_grained_hits=fine,
         )
         self.block_sizes = [s.block_size for s in specs]
+        self.states = [s.mamba_align for s in specs]
+        """Groups holding a recurrent state per block (Mamba "align"), not a token's KV per slot."""
         self.model = model_manager.new_kv_cache_manager(
             num_blocks,
             specs,
@@ -310,10 +351,16 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
             check(
                 (
                     "hit_matches_request",
-                    hit_matches_request(self.truth, request, hit, self.block_sizes, num_hit),
+                    hit_matches_request(
+                        self.truth, request, hit, self.block_sizes, num_hit, self.states
+                    ),
                 )
             )
         num_new = min(chunk, request.num_tokens - num_hit)
+        if any(self.states):
+            num_new = mamba_aligned_chunk(request, num_hit, num_new, self.block_sizes[0])
+            if num_new == 0:
+                return  # the scheduler does not schedule a chunk that would end mid-block
         self._record(
             "allocate_slots",
             request_id=rid,
@@ -403,7 +450,9 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
             check(
                 (
                     "hit_matches_request",
-                    hit_matches_request(self.truth, request, hit, self.block_sizes, num_hit),
+                    hit_matches_request(
+                        self.truth, request, hit, self.block_sizes, num_hit, self.states
+                    ),
                 )
             )
             if self.lockstep and self.model is not None and self.target is not None:
@@ -473,9 +522,18 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
         rid = self.running[which % len(self.running)]
         request = self.requests[rid]
         num_real = min(chunk, request.num_tokens - request.num_computed_tokens)
+        if any(self.states):
+            start = request.num_computed_tokens
+            num_real = mamba_aligned_chunk(request, start, num_real, self.block_sizes[0])
+            if num_real == 0:
+                return  # the scheduler does not schedule a chunk that would end mid-block
         reaches_end = request.num_computed_tokens + num_real == request.num_tokens
         room = MAX_MODEL_LEN - request.num_tokens - 1
         draft = tuple(drafts[: max(0, room)]) if reaches_end else ()
+        if any(self.states):
+            # a recurrent state cannot take back rejected drafts without speculative blocks,
+            # which kvpool's Mamba "align" does not model
+            draft = ()
         num_new = num_real + len(draft)
         self._record(
             "allocate_slots", request_id=rid, num_new_tokens=num_new, num_lookahead_tokens=lookahead
@@ -604,14 +662,16 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
         check(
             (
                 "cached_blocks_hold_their_prefix",
-                cached_blocks_hold_their_prefix(self.truth, pool, self.block_sizes),
+                cached_blocks_hold_their_prefix(self.truth, pool, self.block_sizes, self.states),
             )
         )
         running = {rid: self.requests[rid] for rid in self.running}
         check(
             (
                 "requests_read_their_own_kv",
-                requests_read_their_own_kv(self.truth, running, tables, self.block_sizes),
+                requests_read_their_own_kv(
+                    self.truth, running, tables, self.block_sizes, self.states
+                ),
             )
         )
 
@@ -650,6 +710,8 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
         table = tables[rid]
         for position in range(start, start + num_new):
             for group, blocks in enumerate(table):
+                if self.states[group]:
+                    continue
                 size = self.block_sizes[group]
                 index = position // size
                 if index >= len(blocks):
@@ -661,6 +723,19 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
                 check(("write_is_exclusive", write_is_exclusive(block, rid, tables)))
                 self.truth.write(group, block, position % size, content.prefix(position + 1))
         computed = start + num_new
+        for group, blocks in enumerate(table):
+            if not self.states[group]:
+                continue
+            # the state after the chunk goes into the block its last token falls in
+            index = (computed - 1) // self.block_sizes[group]
+            if index >= len(blocks):
+                self._diverge(
+                    f"allocate_slots({rid})",
+                    f"no block for the state after {computed} tokens in group {group}: "
+                    f"table {blocks}",
+                )
+            check(("write_is_exclusive", write_is_exclusive(blocks[index], rid, tables)))
+            self.truth.write(group, blocks[index], STATE, content.prefix(computed))
         if computed < request.num_tokens:
             self._record("run_model", request_id=rid, num_computed_tokens=computed, sampled=[])
             self.requests[rid] = with_computed(request, computed)

@@ -60,6 +60,11 @@ HYBRID_LAYOUTS = (
 sliding-window group listed first, two windows that shorten each other's hit
 in turns, and chunked local attention beside full attention."""
 
+MAMBA_ALIGN_LAYOUTS = ("mamba_align", "full+mamba_align", "sliding_window+mamba_align")
+"""Mamba in vLLM's "align" mode (``kvpool.model.mamba_align``), alone and beside full
+attention or a sliding window. Drawn only for targets whose scope lists them (blocks of
+one hash block when caching is on): not every target has the mode."""
+
 
 @dataclass(frozen=True)
 class ManagerSetup:

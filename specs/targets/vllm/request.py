@@ -25,7 +25,9 @@ What is compared, and what is not (docs/semantics.md, "The request layer"):
   local, Mamba) and hybrids of them, blocks of one or two hash blocks, events
   on and off, the hashless-first profile (``VLLM_SCOPE``); Mamba with prefix
   caching off, and a single group's blocks of one hash block when caching is
-  on: vLLM refuses the rest (``vllm_refuses``);
+  on: vLLM refuses the rest (``vllm_refuses``). Mamba's "align" mode, alone
+  and beside full attention or a sliding window, is compared apart
+  (``mamba_align_scope()``);
 * ``get_computed_blocks`` returns a 3-tuple in 0.33; ``get_computed_blocks``
   drops the third element (the shared-prefix boundary) and
   ``get_computed_blocks_with_boundary`` compares it. 0.33 records hit
@@ -187,12 +189,13 @@ class VllmManagerTarget:
                     **shape,
                 )
             elif spec.attention is AttentionType.MAMBA:
-                # One state of one float per block; "none" mode: never a hit, never cached.
+                # One state of one float per block; "none" mode: never a hit, never cached;
+                # "align" mode: one state per block of tokens (kvpool.model.mamba_align).
                 vllm_spec = interface.MambaSpec(
                     block_size=spec.block_size,
                     shapes=((1,),),
                     dtypes=(torch.float32,),
-                    mamba_cache_mode="none",
+                    mamba_cache_mode="align" if spec.mamba_align else "none",
                 )
             else:
                 vllm_spec = interface.FullAttentionSpec(block_size=spec.block_size, **shape)
@@ -390,14 +393,14 @@ def vllm_refuses(setup: ManagerSetup) -> str | None:
       ``HybridKVCacheCoordinator`` reads them through ``BlockHashListWithBlockSize``.
     * Mamba with prefix caching on: ``MambaManager`` asserts
       ``mamba_cache_mode == "align"`` (``vllm/v1/core/single_type_kv_cache_manager.py``
-      in 0.33.0), a mode whose fine-grained hits and copy-on-write the model does
-      not have; the model's Mamba (never a hit, never cached) is vLLM's "none" mode,
-      which vLLM runs with caching off only.
+      in 0.33.0); the model's whole-request Mamba (never a hit, never cached) is
+      vLLM's "none" mode, which vLLM runs with caching off only. A ``mamba_align``
+      group is the "align" mode (``kvpool.model.mamba_align``).
     """
     specs = setup.specs
     if not setup.enable_caching:
         return None
-    if any(s.attention is AttentionType.MAMBA for s in specs):
+    if any(s.attention is AttentionType.MAMBA and not s.mamba_align for s in specs):
         return "Mamba with prefix caching needs mamba_cache_mode='align'"
     if len(specs) == 1 and specs[0].block_size != setup.hash_block_size:
         return "one group with prefix caching needs block_size == hash_block_size"
@@ -658,6 +661,25 @@ def fine_grained_scope(factory: VllmManagerFactory | None = None) -> ManagerTarg
         block_factors=(2,),
         min_window=2,
         fine_grained=(True,),
+    )
+
+
+def mamba_align_scope(factory: VllmManagerFactory | None = None) -> ManagerTargetSpec:
+    """Where vLLM's Mamba "align" mode is compared (``kvpool.model.mamba_align``): a Mamba
+    group alone, beside full attention and beside a sliding window, blocks of one hash block
+    when caching is on, events on and off. Not in ``VLLM_SCOPE``: the machine drives these
+    layouts with the scheduler's block-aligned chunks and no drafts."""
+    from kvpool.model import DEFAULT_PROFILE
+    from kvpool.specs.request.target import MAMBA_ALIGN_LAYOUTS
+
+    return ManagerTargetSpec(
+        factory or VllmManagerFactory(),
+        layouts=MAMBA_ALIGN_LAYOUTS,
+        profiles=(DEFAULT_PROFILE,),
+        events=(False, True),
+        block_factors=(1, 2),
+        min_window=2,
+        hash_sized_layouts=MAMBA_ALIGN_LAYOUTS,
     )
 
 

@@ -1,0 +1,230 @@
+"""The fast Mamba "align" manager: kvpool.model.mamba_align's semantics on mutable tables.
+
+A Mamba group in vLLM's "align" cache mode keeps one state block per block of
+tokens, positionally: a chunk gets at most one new block (where it ends),
+nulls over the positions it skipped; the previous step's block is released
+once passed; blocks whose position is full are cached as boundary states,
+and a hit is the last cached boundary (searched from the right). A hit on a
+state cached this step waits for the next step. Only the subset the model
+describes: no speculative or checkpoint blocks, hash block = block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from mypy_extensions import mypyc_attr
+
+from kvpool.impl.block import KVCacheBlock
+from kvpool.impl.pool import BlockPool
+from kvpool.impl.single_type import (
+    MambaManager,
+    SingleTypeKVCacheManager,
+    _verify_search,
+    block_hashes_at,
+    num_prompt_tokens,
+)
+from kvpool.model.mamba_align import AlignTable, Offload
+from kvpool.model.single_type import GroupTable, KVCacheSpec
+from kvpool.model.state import HashKey
+
+
+@mypyc_attr(allow_interpreted_subclasses=True)
+class MambaAlignManager(MambaManager):
+    """Mamba in "align" mode, with vLLM 0.33.0's method names.
+
+    >>> from kvpool.model.single_type import mamba_align
+    >>> m = MambaAlignManager(mamba_align(2), BlockPool(8, True, 2), 0)
+    >>> m.save_new_computed_blocks("r", []); [b.block_id for b in m.allocate_new_blocks("r", 7)]
+    [0, 0, 0, 1]
+    """
+
+    def __init__(self, kv_cache_spec: KVCacheSpec, block_pool: BlockPool, kv_cache_group_id: int):
+        super().__init__(kv_cache_spec, block_pool, kv_cache_group_id)
+        self.last_state_block_idx: dict[str, int] = {}
+        self._num_retired_blocks: dict[str, int] = {}
+        self._allocated_block_reqs: set[str] = set()
+        self.cached_blocks_this_step: set[HashKey] = set()
+        self._pending_boundary_state_offloads: list[tuple[str, int, KVCacheBlock, int]] = []
+        self.hybrid = False
+        """One of several groups (the manager sets it): caching rounds to whole blocks."""
+
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: Sequence[bytes],
+        max_length: int,
+        kv_cache_group_ids: Sequence[int],
+        block_pool: BlockPool,
+        kv_cache_spec: KVCacheSpec,
+        use_eagle: bool,
+    ) -> tuple[list[KVCacheBlock], ...]:
+        _verify_search(kv_cache_group_ids, max_length)
+        block_size = kv_cache_spec.block_size
+        hashes = block_hashes_at(block_hashes, block_pool.hash_block_size, block_size)
+        stop = min(max_length // block_size, len(hashes))
+        ids = list(kv_cache_group_ids)
+        for i in range(stop - 1, -1, -1):
+            found = block_pool.get_cached_block(hashes[i], ids)
+            if found is not None:
+                null = block_pool.null_block
+                return tuple([null] * i + [block] for block in found)
+        return tuple([] for _ in kv_cache_group_ids)
+
+    def get_num_blocks_to_allocate(
+        self, request_id: str, num_tokens: int, new_computed_blocks: Sequence[KVCacheBlock]
+    ) -> int:
+        """At most one new block plus the free hits; the pool's size plus one (so the request
+        waits) when the hit ends on a state cached this step. Not clamped at zero."""
+        if new_computed_blocks:
+            key = new_computed_blocks[-1]._block_hash
+            if key is not None and key in self.cached_blocks_this_step:
+                return self.block_pool.num_gpu_blocks + 1
+        held = self.req_to_blocks.get(request_id)
+        lacking = -(-num_tokens // self.block_size) - len(new_computed_blocks)
+        if held is not None:
+            lacking -= len(held)
+        if lacking > 0:
+            lacking = 1
+        evictable = 0
+        for block in new_computed_blocks:
+            if block.ref_cnt == 0 and not block.is_null:
+                evictable += 1
+        return lacking + evictable
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
+        """Nulls up to the block ``num_tokens`` ends in, then one new block; return both."""
+        blocks = self.req_to_blocks.get(request_id)
+        if blocks is None:
+            return super().allocate_new_blocks(request_id, num_tokens)  # raises UnknownRequest
+        required = -(-num_tokens // self.block_size)
+        if required <= len(blocks):
+            self._allocated_block_reqs.add(request_id)
+            return []
+        if request_id in self._allocated_block_reqs or blocks:
+            self.last_state_block_idx[request_id] = len(blocks) - 1
+        appended: list[KVCacheBlock] = [self._null_block] * (required - 1 - len(blocks))
+        appended.extend(self.block_pool.get_new_blocks(1))
+        blocks.extend(appended)
+        self._allocated_block_reqs.add(request_id)
+        return appended
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        """Release every state before the last computed token's, and the previous step's."""
+        blocks = self.req_to_blocks.get(request_id)
+        if blocks is None:
+            return
+        null = self._null_block
+        skipped = min((num_computed_tokens - 1) // self.block_size, len(blocks))
+        first = self._num_retired_blocks.get(request_id, 0)
+        if num_computed_tokens > 1 and first < skipped:
+            freed: list[KVCacheBlock] = []
+            for i in range(skipped - 1, first - 1, -1):
+                if blocks[i] is not null:
+                    freed.append(blocks[i])
+                    blocks[i] = null
+            if freed:
+                self.block_pool.free_blocks(freed)
+            self._num_retired_blocks[request_id] = skipped
+        last = self.last_state_block_idx.get(request_id)
+        if (
+            last is not None
+            and last < -(-num_computed_tokens // self.block_size) - 1
+            and blocks[last] is not null
+        ):
+            self.block_pool.free_blocks([blocks[last]])
+            blocks[last] = null
+
+    def cache_blocks(self, request: Any, num_tokens: int) -> None:
+        """Cache the full positions' states, noting each as cached this step and offered."""
+        rid = request.request_id
+        before = self.num_cached_block.get(rid, 0)
+        SingleTypeKVCacheManager.cache_blocks(self, request, num_tokens)
+        after = self.num_cached_block[rid]
+        blocks = self.req_to_blocks[rid]
+        for i in range(before, after):
+            block = blocks[i]
+            key = block._block_hash
+            if block.is_null or key is None:
+                continue
+            self.cached_blocks_this_step.add(key)
+            tokens = block.block_hash_num_tokens or 0
+            self._pending_boundary_state_offloads.append(
+                (rid, self.kv_cache_group_id, block, tokens)
+            )
+        # The prompt's last reusable boundary, keyed again if its block lost its key; with
+        # several groups (vLLM's hybrid coordinator) what is cached is rounded to whole blocks
+        if self.hybrid:
+            num_tokens = num_tokens // self.block_size * self.block_size
+        boundary = (num_prompt_tokens(request) - 1) // self.block_size * self.block_size
+        index = num_tokens // self.block_size - 1
+        if num_tokens <= 0 or num_tokens != boundary or index >= len(blocks):
+            return
+        block = blocks[index]
+        if block.is_null or block.block_hash_num_tokens == num_tokens:
+            return
+        self.block_pool.cache_full_blocks(
+            request, blocks, index, index + 1, self.block_size, self.kv_cache_group_id
+        )
+        if block._block_hash is not None:
+            self.cached_blocks_this_step.add(block._block_hash)
+
+    def free(self, request_id: str) -> None:
+        """Forget the request's states and its offers not yet taken, then release its blocks."""
+        self._allocated_block_reqs.discard(request_id)
+        self.last_state_block_idx.pop(request_id, None)
+        self._num_retired_blocks.pop(request_id, None)
+        self._pending_boundary_state_offloads = [
+            entry for entry in self._pending_boundary_state_offloads if entry[0] != request_id
+        ]
+        super().free(request_id)
+
+    def new_step_starts(self) -> None:
+        """States cached in the last step are written now: hits on them may go ahead."""
+        self.cached_blocks_this_step.clear()
+
+    def take_pending_boundary_state_offloads(self) -> list[tuple[str, int, KVCacheBlock, int]]:
+        """The boundary states offered since the last call, oldest first, and forget them."""
+        pending, self._pending_boundary_state_offloads = self._pending_boundary_state_offloads, []
+        return pending
+
+    def finalize_partial_tail_offload(
+        self, request_id: str, num_computed_tokens: int, num_in_flight_tokens: int
+    ) -> tuple[int, KVCacheBlock, int] | None:
+        """A producer's partial tail: never recorded with hash block = block (vLLM 0.33.0's
+        comes from a prompt boundary inside a Mamba block)."""
+        return None
+
+    def table(self) -> GroupTable:
+        offloads: tuple[Offload, ...] = tuple(
+            (rid, group, block.block_id, tokens)
+            for rid, group, block, tokens in self._pending_boundary_state_offloads
+        )
+        return GroupTable(
+            req_to_blocks={
+                r: tuple(b.block_id for b in blocks) for r, blocks in self.req_to_blocks.items()
+            },
+            num_cached_block=dict(self.num_cached_block),
+            align=AlignTable(
+                last_state=dict(self.last_state_block_idx),
+                retired=dict(self._num_retired_blocks),
+                allocated=frozenset(self._allocated_block_reqs),
+                cached_this_step=frozenset(self.cached_blocks_this_step),
+                offloads=offloads,
+            ),
+        )
+
+
+def take_boundary_state_offloads(
+    managers: Sequence[SingleTypeKVCacheManager],
+) -> dict[str, list[tuple[int, int, int]]]:
+    """Every "align" group's offers drained, by request: ``{request: [(group, block id,
+    tokens), ...]}``, groups in order (what ``KVCacheManager.take_boundary_state_offloads``
+    answers in vLLM 0.33.0)."""
+    offers: dict[str, list[tuple[int, int, int]]] = {}
+    for manager in managers:
+        if isinstance(manager, MambaAlignManager):
+            for rid, group, block, tokens in manager.take_pending_boundary_state_offloads():
+                offers.setdefault(rid, []).append((group, block.block_id, tokens))
+    return offers
