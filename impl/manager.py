@@ -12,9 +12,10 @@ model's exception for the model's first failing precondition.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, ClassVar
 
 from mypy_extensions import mypyc_attr
 
@@ -36,7 +37,7 @@ from kvpool.model.errors import (
     NoNewTokens,
     UnknownBlock,
 )
-from kvpool.model.events import KVCacheEvent
+from kvpool.model.events import BlockStored, KVCacheEvent
 from kvpool.model.manager import (
     KVCacheManagerState,
     ManagerConfig,
@@ -113,6 +114,10 @@ class KVCacheManager:
     >>> m.allocate_slots(new_request("r", [1, 2, 3, 4, 5], 4), 5).get_block_ids()
     ([1, 2],)
     """
+
+    logger: ClassVar[logging.Logger] = logging.getLogger(__name__)
+    """Where ``take_events`` warns of an event naming no group (a vLLM caller may set
+    vLLM's own manager logger here)."""
 
     def __init__(
         self,
@@ -211,6 +216,9 @@ class KVCacheManager:
                 )
         self.kv_cache_config = kv_cache_config
         self.specs = specs
+        self.kv_cache_event_metadata = _event_metadata(kv_cache_config, specs)
+        """Per group, the spec kind and sliding window ``take_events`` stamps on a
+        ``BlockStored`` (vLLM 0.33's ``kv_cache_event_metadata``)."""
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
         self.use_eagle = use_eagle
@@ -332,23 +340,13 @@ class KVCacheManager:
             return (fine_idx + 1) * hbs
         return len(found[0]) * block_size
 
-    def get_computed_blocks(self, request: Any) -> tuple[KVCacheBlocks, int]:
-        """The cached blocks the request may reuse (at most num_tokens - 1 tokens) and their tokens.
+    def get_computed_blocks(self, request: Any) -> tuple[KVCacheBlocks, int, int]:
+        """vLLM 0.33's lookup: the cached blocks the request may reuse (at most num_tokens - 1
+        tokens), their tokens, and the shared-prefix boundary (the hit plus the tokens some
+        group's own search reached beyond it, or 0; always 0 with one group).
 
         Complexity: O(blocks looked up).
         """
-        # Verify that the request has the fields the manager reads, of their types
-        _verify_request(request, lookup_only=True)
-        # Verify that the request is hashed in the pool's hash blocks
-        verify_hash_block_size(request, self.block_pool.hash_block_size)
-        if not self.enable_caching or getattr(request, "skip_reading_prefix_cache", False):
-            return self.empty_kv_cache_blocks, 0
-        blocks, num_tokens, _ = self._lookup(request)
-        return blocks, num_tokens
-
-    def get_computed_blocks_with_boundary(self, request: Any) -> tuple[KVCacheBlocks, int, int]:
-        """vLLM 0.33's ``get_computed_blocks``: the hit, its tokens, and the shared-prefix
-        boundary (the hit plus the tokens some group reached beyond it, or 0)."""
         # Verify that the request has the fields the manager reads, of their types
         _verify_request(request, lookup_only=True)
         # Verify that the request is hashed in the pool's hash blocks
@@ -568,8 +566,37 @@ class KVCacheManager:
         return stats
 
     def take_events(self) -> list[KVCacheEvent]:
-        """Every pool event since the last call, oldest first."""
-        return self.block_pool.take_events()
+        """Every pool event since the last call, oldest first, each ``BlockStored`` annotated
+        with its group's spec kind and sliding window (vLLM 0.33's manager does so; the pool
+        does not). An event of no group (``group_idx`` None) passes as it is; one naming a
+        group the manager does not have passes as it is too, with a warning.
+
+        A ``BlockStored`` of the model's (frozen) is replaced by an annotated copy; one of a
+        caller's event classes (``BlockPool.event_hook``) is annotated in place, as vLLM's are.
+        """
+        events = self.block_pool.take_events()
+        metadata = self.kv_cache_event_metadata
+        for i, event in enumerate(events):
+            foreign = not isinstance(event, BlockStored)
+            if foreign and type(event).__name__ != "BlockStored":
+                continue
+            group = getattr(event, "group_idx", None)
+            if group is None:
+                continue
+            if not isinstance(group, int) or not 0 <= group < len(metadata):
+                self.logger.warning("Group index `%s` not in KV cache metadata", group)
+                continue
+            kind, window = metadata[group]
+            if foreign:
+                target: Any = event
+                target.kv_cache_spec_kind = kind
+                target.kv_cache_spec_sliding_window = window
+            else:
+                stored: Any = event
+                events[i] = replace(
+                    stored, kv_cache_spec_kind=kind, kv_cache_spec_sliding_window=window
+                )
+        return events
 
     # ------------------------------------------------------------------
     # vLLM 0.33's further scheduler calls
@@ -736,6 +763,38 @@ _VLLM_SPECS: dict[str, AttentionType] = {
 }
 """vLLM 0.33's spec classes (``vllm/v1/kv_cache_interface.py``) kvpool models, by class name:
 each maps to the single-type manager vLLM's ``KVCacheSpecRegistry`` gives it."""
+
+
+_VLLM_SPEC_KINDS: dict[str, str] = {
+    "FullAttentionSpec": "full_attention",
+    "MLAAttentionSpec": "mla_attention",
+    "HiddenStateCacheSpec": "mla_attention",
+    "SlidingWindowSpec": "sliding_window",
+    "SlidingWindowMLASpec": "sliding_window_mla",
+    "ChunkedLocalAttentionSpec": "chunked_local_attention",
+    "MambaSpec": "mamba",
+}
+"""The kind vLLM 0.33 names each of those spec classes by in its events
+(``get_kv_cache_spec_kind`` in ``vllm/v1/kv_cache_interface.py``: a subclass takes its
+own kind before its base's, so MLA and hidden states are ``mla_attention``)."""
+
+
+def _event_metadata(
+    kv_cache_config: Any, specs: tuple[KVCacheSpec, ...]
+) -> tuple[tuple[str, int | None], ...]:
+    """Per group, the spec kind and sliding window (None unless a window) events carry.
+
+    kvpool's own specs are named by their attention type, whose values are vLLM's kind
+    names; vLLM's by their class (``_VLLM_SPEC_KINDS``), MLA included."""
+    out: list[tuple[str, int | None]] = []
+    for group, spec in zip(kv_cache_config.kv_cache_groups, specs, strict=True):
+        window = spec.sliding_window if spec.attention is AttentionType.SLIDING_WINDOW else None
+        kind = spec.attention.value
+        if not isinstance(group, KVCacheSpec):
+            vllm_spec = getattr(group, "kv_cache_spec", group)
+            kind = _VLLM_SPEC_KINDS.get(type(vllm_spec).__name__, kind)
+        out.append((kind, window))
+    return tuple(out)
 
 
 def _specs_of(kv_cache_config: Any) -> tuple[KVCacheSpec, ...]:

@@ -87,7 +87,6 @@ def argument(data: st.DataObject, manager: KVCacheManager, kind: str) -> Any:
 
 OPERATIONS: dict[str, tuple[str, ...]] = {
     "get_computed_blocks": ("request",),
-    "get_computed_blocks_with_boundary": ("request",),
     "truncate_computed_blocks": ("hits", "int"),
     "estimate_cached_tokens": ("request",),
     "allocate_slots": ("request", "int", "int", "hits", "int", "bool"),

@@ -8,7 +8,7 @@ from kvpool.model.events import KVCacheEvent
 from kvpool.model.manager import Blocks, KVCacheManagerState, PrefixCacheStats
 from kvpool.model.request import Request
 from kvpool.specs.request.target import ManagerSetup
-from kvpool.specs.targets.manager_api import block_ids, copy_ids
+from kvpool.specs.targets.manager_api import block_ids, copy_ids, without_annotation
 
 
 class ImplManagerTarget:
@@ -20,6 +20,7 @@ class ImplManagerTarget:
     manager_class: type[KVCacheManager] = KVCacheManager
 
     def __init__(self, setup: ManagerSetup) -> None:
+        self.specs = setup.specs
         self.manager = self.manager_class(
             KVCacheConfig(setup.num_blocks, setup.specs),
             setup.max_model_len,
@@ -36,7 +37,7 @@ class ImplManagerTarget:
         return self.manager.snapshot()
 
     def get_computed_blocks(self, request: Request) -> tuple[Blocks, int]:
-        blocks, num_tokens = self.manager.get_computed_blocks(request)
+        blocks, num_tokens, _ = self.manager.get_computed_blocks(request)
         return block_ids(blocks), num_tokens
 
     def allocate_slots(
@@ -91,7 +92,8 @@ class ImplManagerTarget:
         return tuple(tuple(g) for g in self.manager.get_block_ids(request_id))
 
     def take_events(self) -> Sequence[KVCacheEvent]:
-        return self.manager.take_events()
+        # the manager stamps each BlockStored with its group's spec; checked, then dropped
+        return tuple(without_annotation(e, self.specs) for e in self.manager.take_events())
 
     def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
         return self.manager.make_prefix_cache_stats()
@@ -105,7 +107,7 @@ class ImplManagerTarget:
     # vLLM 0.33's further scheduler calls
 
     def get_computed_blocks_with_boundary(self, request: Request) -> tuple[Blocks, int, int]:
-        blocks, num_tokens, boundary = self.manager.get_computed_blocks_with_boundary(request)
+        blocks, num_tokens, boundary = self.manager.get_computed_blocks(request)
         return block_ids(blocks), num_tokens, boundary
 
     def take_kv_cache_block_copies(self) -> tuple[Sequence[tuple[int, int]], Sequence[int]]:
