@@ -48,3 +48,12 @@ def without_annotation(event: KVCacheEvent, specs: Sequence[KVCacheSpec]) -> KVC
     if stamped != group_annotation(specs, event.group_idx):
         return event
     return replace(event, kv_cache_spec_kind=None, kv_cache_spec_sliding_window=None)
+
+
+def offload_ids(offloads: Any) -> dict[str, tuple[tuple[int, int, int], ...]]:
+    """``take_boundary_state_offloads``' answer as plain ints: per request id, each
+    (group, block id, boundary tokens), in the manager's order."""
+    return {
+        str(rid): tuple((int(g), int(b), int(n)) for g, b, n in entries)
+        for rid, entries in offloads.items()
+    }

@@ -59,7 +59,7 @@ from kvpool.model.single_type import AttentionType, KVCacheSpec
 from kvpool.specs.errors import TargetError
 from kvpool.specs.request.target import ManagerSetup, ManagerTargetSpec
 from kvpool.specs.targets.importing import import_from_here
-from kvpool.specs.targets.manager_api import block_ids, copy_ids
+from kvpool.specs.targets.manager_api import block_ids, copy_ids, offload_ids
 from kvpool.specs.targets.vllm import eras
 from kvpool.specs.targets.vllm.hasher import VllmRequests, find_hasher
 from kvpool.specs.targets.vllm.pool import (
@@ -215,6 +215,8 @@ class VllmManagerTarget:
             kwargs["scheduler_block_size"] = specs[0].block_size
         if self.api.hash_block_size_arg:
             kwargs["hash_block_size"] = setup.hash_block_size
+        if setup.max_in_flight_tokens is not None:
+            kwargs["max_in_flight_tokens"] = setup.max_in_flight_tokens
         cls = self.api.manager_class
         try:
             self.manager = Translating(cls(config, **kwargs), self.api.version)
@@ -254,7 +256,10 @@ class VllmManagerTarget:
         new_computed_blocks: Blocks | None = None,
         num_lookahead_tokens: int = 0,
         delay_cache_blocks: bool = False,
+        full_sequence_must_fit: bool = False,
     ) -> Blocks | None:
+        # passed only when asked for: a release before 0.33 has no such argument
+        whole = {"full_sequence_must_fit": True} if full_sequence_must_fit else {}
         hits = None
         if new_computed_blocks is not None and any(new_computed_blocks):
             pool_blocks = self.manager.block_pool.blocks
@@ -274,6 +279,7 @@ class VllmManagerTarget:
                 hits,
                 num_lookahead_tokens,
                 delay_cache_blocks=delay_cache_blocks,
+                **whole,
             )
         except VllmRejection as error:
             # 0.33 signals "no new tokens" with a ValueError, which NoNewTokens is too
@@ -366,6 +372,39 @@ class VllmManagerTarget:
 
     def new_step_starts(self) -> None:
         self.manager.new_step_starts()
+
+    # the rest of vLLM 0.33's scheduler calls
+
+    def pop_blocks_for_free(self, request: Request) -> Sequence[int]:
+        return tuple(b.block_id for b in self.manager.pop_blocks_for_free(self._request(request)))
+
+    def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int) -> None:
+        self.manager.remove_skipped_blocks(request_id, processed_computed_tokens)
+
+    def get_block_ids_for_computed_tokens(
+        self, request_id: str, num_computed_tokens: int
+    ) -> Blocks:
+        ids = self.manager.get_block_ids_for_computed_tokens(request_id, num_computed_tokens)
+        return tuple(tuple(g) for g in ids)
+
+    def get_computed_blocks_for_connector(self, request: Request) -> tuple[Blocks, int, int, bool]:
+        duck = self._request(request)
+        blocks, num_tokens, boundary, diverged = self.manager.get_computed_blocks_for_connector(
+            duck
+        )
+        # stats at the lookup, as for get_computed_blocks
+        self.manager.record_prefix_cache_stats(duck, num_tokens)
+        return block_ids(blocks), num_tokens, int(boundary), bool(diverged)
+
+    def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
+        self.manager.record_blocks_for_zeroing(request_id, start_token)
+
+    def take_boundary_state_offloads(self) -> dict[str, tuple[tuple[int, int, int], ...]]:
+        return offload_ids(self.manager.take_boundary_state_offloads())
+
+    def finalize_partial_tail_offloads(self, request: Request) -> Sequence[tuple[int, int, int]]:
+        tails = self.manager.finalize_partial_tail_offloads(self._request(request))
+        return tuple((int(g), int(b), int(n)) for g, b, n in tails)
 
 
 def enable_fine_grained_hits(coordinator: Any, hash_block_size: int) -> None:
@@ -593,6 +632,12 @@ STEPPED = (
     "reset_prefix_cache",
     "take_events",
     "make_prefix_cache_stats",
+    "pop_blocks_for_free",
+    "remove_skipped_blocks",
+    "get_computed_blocks_for_connector",
+    "record_blocks_for_zeroing",
+    "take_boundary_state_offloads",
+    "finalize_partial_tail_offloads",
 )
 """The calls that change a manager's state: the shadow model runs each of them."""
 
@@ -674,6 +719,8 @@ def scope(factory: VllmManagerFactory | None = None) -> ManagerTargetSpec:
         min_window=2,
         uncached_layouts=("mamba",),
         hash_sized_layouts=("full", "sliding_window", "chunked_local"),
+        in_flight=(None, 1, 3),
+        scheduler_calls=True,
     )
 
 
@@ -691,6 +738,8 @@ def fine_grained_scope(factory: VllmManagerFactory | None = None) -> ManagerTarg
         block_factors=(2,),
         min_window=2,
         fine_grained=(True,),
+        in_flight=(None, 2),
+        scheduler_calls=True,
     )
 
 
@@ -703,23 +752,7 @@ runs with prefix caching off, and a single group has blocks of one hash block wh
 caching is on."""
 
 
-SCHEDULER_CALLS_NOT_DRIVEN: dict[str, str] = {
-    "finalize_partial_tail_offloads": "a KV connector producer's partial-tail hand-off "
-    "of Mamba 'align' states: connectors and Mamba 'align' are not modelled",
-    "get_block_ids_for_computed_tokens": "the block table cut at the computed tokens, "
-    "for a KV connector: connectors are not modelled",
-    "get_computed_blocks_for_connector": "the lookup for a request with a KV connector: "
-    "connectors are not modelled",
-    "pop_blocks_for_free": "the scheduler's deferred free, the request's blocks handed "
-    "back for a later BlockPool.free_blocks: not modelled yet (issue #16, part 2)",
-    "record_blocks_for_zeroing": "re-records blocks for zeroing after a failed KV "
-    "connector load; it acts only where the KV cache config needs zeroing (Mamba layers "
-    "or mixed precision), which kvpool's groups never do",
-    "remove_skipped_blocks": "called by the scheduler's connector path only; allocate_slots "
-    "makes the same removal itself, which the machine drives",
-    "take_boundary_state_offloads": "a KV connector's Mamba boundary states: connectors "
-    "and Mamba state caching are not modelled",
-}
+SCHEDULER_CALLS_NOT_DRIVEN: dict[str, str] = {}
 """Methods of 0.33's ``KVCacheManager`` its scheduler calls that the request machine
 does not drive, each with the reason (``tests/vllm/test_vllm_033_operations.py``
 fails on a scheduler call that is neither driven nor listed here, and on an entry
