@@ -132,6 +132,10 @@ def layout_specs(
         )
     if layout == "full+full":
         return (full_attention(block_size), full_attention(block_size))
+    if layout == "full+mamba":
+        # groups share one block size: full attention's blocks are Mamba's, a whole request
+        size = -(-max_model_len // hbs) * hbs
+        return (full_attention(size), mamba(size))
     if layout == "full+chunked_local":
         return (full_attention(block_size), chunked_local(block_size, block_size * chunk_blocks))
     raise ValueError(f"unknown layout {layout!r}")
@@ -864,7 +868,15 @@ class SchedulerCallsMachine(ManagerMachine):
     the machines of other targets keep drawing exactly what they did.
     """
 
-    @precondition(lambda self: self.target is not None)
+    def _has_scheduler_calls(self) -> bool:
+        """Whether the target answers the rest of vLLM 0.33's scheduler calls: it has them,
+        and does not say it cannot (``answers_scheduler_calls``: a vLLM release before them)."""
+        target = self.target
+        return callable(getattr(target, "pop_blocks_for_free", None)) and bool(
+            getattr(target, "answers_scheduler_calls", True)
+        )
+
+    @precondition(lambda self: self._has_scheduler_calls())
     @rule(
         action=st.sampled_from(
             ["admit_whole", "finish_deferred", "drain", "connector", "zero", "offloads"]

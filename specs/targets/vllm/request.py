@@ -26,9 +26,14 @@ What is compared, and what is not (docs/semantics.md, "The request layer"):
   on and off, the hashless-first profile (``VLLM_SCOPE``); Mamba with prefix
   caching off, and a single group's blocks of one hash block when caching is
   on: vLLM refuses the rest (``vllm_refuses``);
-* ``get_computed_blocks`` returns a 3-tuple in 0.33; ``get_computed_blocks``
-  drops the third element (the shared-prefix boundary) and
-  ``get_computed_blocks_with_boundary`` compares it. 0.33 records hit
+* ``get_computed_blocks`` returns a 3-tuple in 0.33; the protocol's
+  ``get_computed_blocks`` drops the third element (the shared-prefix boundary)
+  and ``get_computed_blocks_with_boundary`` compares it;
+* the rest of 0.33's scheduler calls (``OPERATIONS_SCHEDULER``: the deferred
+  free, the connector-facing calls, zeroing records, the whole-sequence
+  admission gate with ``max_in_flight_tokens``), on ``scope()`` and
+  ``fine_grained_scope()``; a full-attention group beside a Mamba one (caching
+  off) makes vLLM record new blocks for zeroing, which the machine compares. 0.33 records hit
   statistics from the scheduler, at admission; the adapter records them
   right after the lookup, where seed 004 does;
 * ``get_num_common_prefix_blocks`` is deprecated in 0.33 (always 0): the
@@ -107,6 +112,9 @@ class ManagerApi:
     hash_block_size_arg: bool
     """0.12.0+: the constructor takes ``hash_block_size``; before, blocks are hashed
     at the block size (the adapter's scope has ``block_size == hash_block_size``)."""
+    scheduler_calls: bool = False
+    """0.33: the class has ``pop_blocks_for_free`` and its constructor takes
+    ``max_in_flight_tokens`` (the rest of the scheduler calls, ``OPERATIONS_SCHEDULER``)."""
 
 
 def load_manager_api(manager_class: Any = None) -> ManagerApi:
@@ -124,6 +132,8 @@ def load_manager_api(manager_class: Any = None) -> ManagerApi:
         manager_class=cls,
         scheduler_block_size_arg=eras.takes(cls, "__init__", "scheduler_block_size", base),
         hash_block_size_arg=eras.takes(cls, "__init__", "hash_block_size", base),
+        scheduler_calls=callable(getattr(cls, "pop_blocks_for_free", None))
+        and eras.takes(cls, "__init__", "max_in_flight_tokens", base),
     )
 
 
@@ -165,6 +175,9 @@ class VllmManagerTarget:
         self._has_get_blocks = callable(getattr(self.api.manager_class, "get_blocks", None))
         self._status = request_module.RequestStatus.RUNNING
         self.setup = setup
+        self.answers_scheduler_calls = self.api.scheduler_calls
+        """Whether the machine may send the rest of 0.33's scheduler calls (a release
+        before them has none)."""
         self._to_model: dict[Any, bytes] = {}
         self.hasher = chosen_hasher(hasher)
         self._requests: VllmRequests | None = None
@@ -215,7 +228,7 @@ class VllmManagerTarget:
             kwargs["scheduler_block_size"] = specs[0].block_size
         if self.api.hash_block_size_arg:
             kwargs["hash_block_size"] = setup.hash_block_size
-        if setup.max_in_flight_tokens is not None:
+        if setup.max_in_flight_tokens is not None and self.api.scheduler_calls:
             kwargs["max_in_flight_tokens"] = setup.max_in_flight_tokens
         cls = self.api.manager_class
         try:
@@ -712,12 +725,13 @@ def scope(factory: VllmManagerFactory | None = None) -> ManagerTargetSpec:
             "sliding_window+full",
             "full+sliding_window+sliding_window",
             "full+chunked_local",
+            "full+mamba",
         ),
         profiles=(DEFAULT_PROFILE,),
         events=(False, True),
         block_factors=(1, 2),
         min_window=2,
-        uncached_layouts=("mamba",),
+        uncached_layouts=("mamba", "full+mamba"),
         hash_sized_layouts=("full", "sliding_window", "chunked_local"),
         in_flight=(None, 1, 3),
         scheduler_calls=True,
