@@ -31,8 +31,8 @@ What is compared, and what is not (docs/semantics.md, "The request layer"):
   and ``get_computed_blocks_with_boundary`` compares it;
 * the rest of 0.33's scheduler calls (``OPERATIONS_SCHEDULER``: the deferred
   free, the connector-facing calls, zeroing records, the whole-sequence
-  admission gate with ``max_in_flight_tokens``), on ``scope()`` and
-  ``fine_grained_scope()``; a full-attention group beside a Mamba one (caching
+  admission gate with ``max_in_flight_tokens``), on ``scope()`` (the impl runs
+  them with fine-grained hits against the model); a full-attention group beside a Mamba one (caching
   off) makes vLLM record new blocks for zeroing, which the machine compares. 0.33 records hit
   statistics from the scheduler, at admission; the adapter records them
   right after the lookup, where seed 004 does;
@@ -752,8 +752,6 @@ def fine_grained_scope(factory: VllmManagerFactory | None = None) -> ManagerTarg
         block_factors=(2,),
         min_window=2,
         fine_grained=(True,),
-        in_flight=(None, 2),
-        scheduler_calls=True,
     )
 
 
