@@ -12,14 +12,15 @@ model's exception for the model's first failing precondition.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, ClassVar
 
 from mypy_extensions import mypyc_attr
 
 from kvpool.impl.block import KVCacheBlock
-from kvpool.impl.mamba_align import MambaAlignManager
+from kvpool.impl.mamba_align import MambaAlignManager, take_boundary_state_offloads
 from kvpool.impl.pool import BlockPool, Unchecked
 from kvpool.impl.single_type import (
     SingleTypeKVCacheManager,
@@ -37,7 +38,7 @@ from kvpool.model.errors import (
     NoNewTokens,
     UnknownBlock,
 )
-from kvpool.model.events import KVCacheEvent
+from kvpool.model.events import BlockStored, KVCacheEvent
 from kvpool.model.manager import (
     KVCacheManagerState,
     ManagerConfig,
@@ -115,6 +116,10 @@ class KVCacheManager:
     ([1, 2],)
     """
 
+    logger: ClassVar[logging.Logger] = logging.getLogger(__name__)
+    """Where ``take_events`` warns of an event naming no group (a vLLM caller may set
+    vLLM's own manager logger here)."""
+
     def __init__(
         self,
         kv_cache_config: Any,
@@ -148,7 +153,6 @@ class KVCacheManager:
         """
         # Verify that the arguments kvpool does not model keep vLLM's defaults
         unmodelled = {
-            "max_in_flight_tokens": (max_in_flight_tokens, None),
             "num_prefill_lookahead": (num_prefill_lookahead, 0),
             "dcp_world_size": (dcp_world_size, 1),
             "pcp_world_size": (pcp_world_size, 1),
@@ -170,6 +174,15 @@ class KVCacheManager:
         # Verify that requests can hold at least one token
         if max_model_len < 1:
             raise InvalidManagerConfig(f"max_model_len={max_model_len} must be positive")
+        # Verify that at least one token may be in flight
+        if max_in_flight_tokens is not None and (
+            not isinstance(max_in_flight_tokens, int)
+            or isinstance(max_in_flight_tokens, bool)
+            or max_in_flight_tokens < 1
+        ):
+            raise InvalidManagerConfig(
+                f"max_in_flight_tokens={max_in_flight_tokens!r} must be a positive int"
+            )
         # Verify that there is at least one group, all with one block size
         if not specs or len({s.block_size for s in specs}) != 1:
             raise InvalidManagerConfig("the groups must be at least one and share one block size")
@@ -224,7 +237,19 @@ class KVCacheManager:
                 raise InvalidManagerConfig(f"{spec.attention.value} groups have no align mode")
         self.kv_cache_config = kv_cache_config
         self.specs = specs
+        self.kv_cache_event_metadata = _event_metadata(kv_cache_config, specs)
+        """Per group, the spec kind and sliding window ``take_events`` stamps on a
+        ``BlockStored`` (vLLM 0.33's ``kv_cache_event_metadata``)."""
         self.max_model_len = max_model_len
+        self.max_in_flight_tokens = max_in_flight_tokens
+        # Per group, the most blocks a whole-sequence admission counts (None: no cap)
+        in_flight = max_model_len if max_in_flight_tokens is None else max_in_flight_tokens
+        self._admission_caps = [_admission_cap(s, in_flight, max_model_len) for s in specs]
+        # Mamba layers make every attention group's new blocks be zeroed before use
+        has_mamba = any(s.attention is AttentionType.MAMBA for s in specs)
+        self._records_new_blocks = [
+            has_mamba and s.attention is not AttentionType.MAMBA for s in specs
+        ]
         self.enable_caching = enable_caching
         self.use_eagle = use_eagle
         self.log_stats = log_stats
@@ -257,9 +282,6 @@ class KVCacheManager:
         self._uncached = 0
         self.new_block_ids: list[tuple[int, int]] = []
         """(group, block) to zero, in the order recorded."""
-        # Beside a Mamba group every attention group's new blocks are zeroed before use
-        has_mamba = any(s.attention is AttentionType.MAMBA for s in specs)
-        self._zeroes = [has_mamba and s.attention is not AttentionType.MAMBA for s in specs]
         # Same-spec groups are searched together, full attention first.
         kinds: list[tuple[KVCacheSpec, list[int]]] = []
         for g, spec in enumerate(specs):
@@ -353,23 +375,13 @@ class KVCacheManager:
             return (fine_idx + 1) * hbs
         return len(found[0]) * block_size
 
-    def get_computed_blocks(self, request: Any) -> tuple[KVCacheBlocks, int]:
-        """The cached blocks the request may reuse (at most num_tokens - 1 tokens) and their tokens.
+    def get_computed_blocks(self, request: Any) -> tuple[KVCacheBlocks, int, int]:
+        """vLLM 0.33's lookup: the cached blocks the request may reuse (at most num_tokens - 1
+        tokens), their tokens, and the shared-prefix boundary (the hit plus the tokens some
+        group's own search reached beyond it, or 0; always 0 with one group).
 
         Complexity: O(blocks looked up).
         """
-        # Verify that the request has the fields the manager reads, of their types
-        _verify_request(request, lookup_only=True)
-        # Verify that the request is hashed in the pool's hash blocks
-        verify_hash_block_size(request, self.block_pool.hash_block_size)
-        if not self.enable_caching or getattr(request, "skip_reading_prefix_cache", False):
-            return self.empty_kv_cache_blocks, 0
-        blocks, num_tokens, _ = self._lookup(request)
-        return blocks, num_tokens
-
-    def get_computed_blocks_with_boundary(self, request: Any) -> tuple[KVCacheBlocks, int, int]:
-        """vLLM 0.33's ``get_computed_blocks``: the hit, its tokens, and the shared-prefix
-        boundary (the hit plus the tokens some group reached beyond it, or 0)."""
         # Verify that the request has the fields the manager reads, of their types
         _verify_request(request, lookup_only=True)
         # Verify that the request is hashed in the pool's hash blocks
@@ -408,12 +420,15 @@ class KVCacheManager:
         new_computed_blocks: Unchecked = None,
         num_lookahead_tokens: Unchecked = 0,
         delay_cache_blocks: Unchecked = False,
+        full_sequence_must_fit: Unchecked = False,
     ) -> KVCacheBlocks | None:
         """New slots for ``num_new_tokens`` (and look-ahead), or None with nothing else changed.
 
-        Order: free blocks outside the window; count (free hits included);
-        refuse if short; touch hits; record them; allocate; cache the blocks
-        full within min(computed + hits + new, the request's tokens).
+        Order: with ``full_sequence_must_fit``, None unless the whole sequence
+        (at most max_model_len tokens) fits; free blocks outside the window;
+        count (free hits included); refuse if short; touch hits; record them;
+        allocate; cache the blocks full within min(computed + hits + new, the
+        request's tokens).
 
         Complexity: O(blocks touched, allocated, released or cached).
         """
@@ -427,6 +442,8 @@ class KVCacheManager:
         )
         if not isinstance(delay_cache_blocks, bool):
             raise InvalidArgument("delay_cache_blocks must be a bool")
+        if not isinstance(full_sequence_must_fit, bool):
+            raise InvalidArgument("full_sequence_must_fit must be a bool")
         if new_computed_blocks is not None and not isinstance(new_computed_blocks, KVCacheBlocks):
             raise InvalidArgument("new_computed_blocks must be KVCacheBlocks or None")
         rid = request.request_id
@@ -484,6 +501,8 @@ class KVCacheManager:
             if self._caches_prompt_tail:
                 num_prompt_tokens(request)
 
+        if full_sequence_must_fit and not self._full_sequence_fits(request, hits, partial):
+            return None
         for manager in managers:
             manager.remove_skipped_blocks(rid, request.num_computed_tokens)
         num_slots = min(num_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
@@ -513,13 +532,34 @@ class KVCacheManager:
             if partial[g]:
                 copied.append(self._copy_on_write(manager, rid, num_computed, hits[g][-1]))
             new = manager.allocate_new_blocks(rid, slots[g])
-            new_blocks.append(copied + new)
-            if self._zeroes[g]:
+            if self._records_new_blocks[g]:
                 self.new_block_ids.extend((g, b.block_id) for b in new)
+            new_blocks.append(copied + new)
         if self.enable_caching and not delay_cache_blocks:
             num_to_cache = min(num_computed + num_new_tokens, request.num_tokens)
             self._cache(request, num_to_cache)
         return self.create_kv_cache_blocks(tuple(new_blocks))
+
+    def _full_sequence_fits(
+        self, request: Any, hits: tuple[Sequence[KVCacheBlock], ...], partial: list[bool]
+    ) -> bool:
+        """Whether the free queue holds the blocks the request's whole sequence needs: per
+        group those it lacks beyond its blocks and hits, at most the group's admission cap,
+        plus its free hits and a hit's copy."""
+        num_tokens = min(request.num_tokens, self.max_model_len)
+        rid = request.request_id
+        needed = 0
+        for g, manager in enumerate(self.managers):
+            required = _cdiv(num_tokens, manager.block_size)
+            cap = self._admission_caps[g]
+            if cap is not None and cap < required:
+                required = cap
+            lacking = required - len(manager.req_to_blocks.get(rid, ())) - len(hits[g])
+            needed += max(lacking, 0) + int(partial[g])
+            for block in hits[g]:
+                if block.ref_cnt == 0 and not block.is_null:
+                    needed += 1
+        return needed <= self.block_pool.get_num_free_blocks()
 
     def _copy_on_write(
         self, manager: SingleTypeKVCacheManager, rid: str, num_computed: int, source: KVCacheBlock
@@ -597,8 +637,37 @@ class KVCacheManager:
         return stats
 
     def take_events(self) -> list[KVCacheEvent]:
-        """Every pool event since the last call, oldest first."""
-        return self.block_pool.take_events()
+        """Every pool event since the last call, oldest first, each ``BlockStored`` annotated
+        with its group's spec kind and sliding window (vLLM 0.33's manager does so; the pool
+        does not). An event of no group (``group_idx`` None) passes as it is; one naming a
+        group the manager does not have passes as it is too, with a warning.
+
+        A ``BlockStored`` of the model's (frozen) is replaced by an annotated copy; one of a
+        caller's event classes (``BlockPool.event_hook``) is annotated in place, as vLLM's are.
+        """
+        events = self.block_pool.take_events()
+        metadata = self.kv_cache_event_metadata
+        for i, event in enumerate(events):
+            foreign = not isinstance(event, BlockStored)
+            if foreign and type(event).__name__ != "BlockStored":
+                continue
+            group = getattr(event, "group_idx", None)
+            if group is None:
+                continue
+            if not isinstance(group, int) or not 0 <= group < len(metadata):
+                self.logger.warning("Group index `%s` not in KV cache metadata", group)
+                continue
+            kind, window = metadata[group]
+            if foreign:
+                target: Any = event
+                target.kv_cache_spec_kind = kind
+                target.kv_cache_spec_sliding_window = window
+            else:
+                stored: Any = event
+                events[i] = replace(
+                    stored, kv_cache_spec_kind=kind, kv_cache_spec_sliding_window=window
+                )
+        return events
 
     # ------------------------------------------------------------------
     # vLLM 0.33's further scheduler calls
@@ -666,6 +735,108 @@ class KVCacheManager:
             if isinstance(manager, MambaAlignManager):
                 manager.new_step_starts()
 
+    def pop_blocks_for_free(self, request: Any) -> list[KVCacheBlock]:
+        """Take the request out of every group's tables; return its blocks, still held, group
+        by group in allocation order without leading nulls. The caller frees them later
+        through ``block_pool.free_blocks``, last first."""
+        # Verify that the request has an id
+        _verify_request_id(getattr(request, "request_id", None))
+        rid = request.request_id
+        popped: list[KVCacheBlock] = []
+        for manager in self.managers:
+            blocks = manager.req_to_blocks.pop(rid, None)
+            if blocks is None:
+                continue
+            del manager.num_cached_block[rid]
+            head = 0
+            while head < len(blocks) and blocks[head].is_null:
+                head += 1
+            popped.extend(blocks[head:])
+        return popped
+
+    def remove_skipped_blocks(
+        self,
+        request_id: Unchecked,
+        processed_computed_tokens: Unchecked,
+        num_prompt_tokens: Unchecked = None,
+    ) -> None:
+        """Free, in every group, the blocks no token after the first
+        ``processed_computed_tokens`` attends to. ``num_prompt_tokens`` is read by vLLM's
+        R-SWA groups only, which kvpool does not have."""
+        # Verify that the arguments have the operation's types
+        _verify_request_id(request_id)
+        _verify_ints(processed_computed_tokens=processed_computed_tokens)
+        if num_prompt_tokens is not None:
+            _verify_ints(num_prompt_tokens=num_prompt_tokens)
+        # Verify that the count is not negative
+        if processed_computed_tokens < 0:
+            raise InvalidTokenCount(
+                f"processed_computed_tokens={processed_computed_tokens} is negative"
+            )
+        for manager in self.managers:
+            manager.remove_skipped_blocks(request_id, processed_computed_tokens)
+
+    def get_block_ids_for_computed_tokens(
+        self, request_id: Unchecked, num_computed_tokens: Unchecked
+    ) -> tuple[list[int], ...]:
+        """The request's block ids cut, in each attention group, to the blocks of its first
+        ``num_computed_tokens`` tokens; a Mamba group's whole."""
+        # Verify that the arguments have the operation's types
+        _verify_request_id(request_id)
+        _verify_ints(num_computed_tokens=num_computed_tokens)
+        # Verify that the count is not negative
+        if num_computed_tokens < 0:
+            raise InvalidTokenCount(f"num_computed_tokens={num_computed_tokens} is negative")
+        out: list[list[int]] = []
+        for manager in self.managers:
+            blocks = manager.req_to_blocks.get(request_id, [])
+            if manager.kv_cache_spec.attention is not AttentionType.MAMBA:
+                blocks = blocks[: _cdiv(num_computed_tokens, manager.block_size)]
+            out.append([b.block_id for b in blocks])
+        return tuple(out)
+
+    def get_computed_blocks_for_connector(
+        self, request: Any
+    ) -> tuple[KVCacheBlocks, int, int, bool]:
+        """The lookup for a request with a KV connector: ``get_computed_blocks`` and whether
+        per-group hits diverged. Only Mamba "align" groups make the per-group lookup differ
+        from the plain one; kvpool has none, so it is the plain lookup and False."""
+        blocks, num_tokens, boundary = self.get_computed_blocks(request)
+        return blocks, num_tokens, boundary, False
+
+    def record_blocks_for_zeroing(self, request_id: Unchecked, start_token: Unchecked) -> None:
+        """Record again for zeroing the request's blocks from ``start_token`` on, in every
+        group whose new blocks are zeroed (attention groups beside Mamba ones)."""
+        # Verify that the arguments have the operation's types
+        _verify_request_id(request_id)
+        _verify_ints(start_token=start_token)
+        recording = [m for m, r in zip(self.managers, self._records_new_blocks, strict=True) if r]
+        for manager in recording:
+            # Verify that zeroing starts at a block boundary
+            if start_token < 0 or start_token % manager.block_size != 0:
+                raise InvalidTokenCount(
+                    f"start_token={start_token} is not a block boundary of group "
+                    f"{manager.kv_cache_group_id} ({manager.block_size} tokens)"
+                )
+        for manager in recording:
+            blocks = manager.req_to_blocks.get(request_id, [])
+            g = manager.kv_cache_group_id
+            self.new_block_ids.extend(
+                (g, b.block_id) for b in blocks[start_token // manager.block_size :]
+            )
+
+    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
+        """This step's Mamba "align" boundary states for a connector, per request, drained
+        (only "align" groups record any)."""
+        return take_boundary_state_offloads(self.managers)
+
+    def finalize_partial_tail_offloads(self, request: Any) -> list[tuple[int, int, int]]:
+        """A finished request's partial-tail Mamba "align" states safe to offload: only a
+        prompt boundary inside a Mamba block makes one, which kvpool refuses."""
+        # Verify that the request has an id
+        _verify_request_id(getattr(request, "request_id", None))
+        return []
+
     # ------------------------------------------------------------------
     # Queries
     # ------------------------------------------------------------------
@@ -709,7 +880,11 @@ class KVCacheManager:
         """
         return KVCacheManagerState(
             config=ManagerConfig(
-                self.max_model_len, self.use_eagle, self.log_stats, self.fine_grained_hits
+                self.max_model_len,
+                self.use_eagle,
+                self.log_stats,
+                self.fine_grained_hits,
+                self.max_in_flight_tokens,
             ),
             managers=ManagersState(
                 pool=self.block_pool.snapshot(),
@@ -769,6 +944,54 @@ _VLLM_SPECS: dict[str, AttentionType] = {
 }
 """vLLM 0.33's spec classes (``vllm/v1/kv_cache_interface.py``) kvpool models, by class name:
 each maps to the single-type manager vLLM's ``KVCacheSpecRegistry`` gives it."""
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _admission_cap(spec: KVCacheSpec, max_in_flight_tokens: int, max_model_len: int) -> int | None:
+    """The most blocks a recycling group (sliding window, chunked local) counts for one
+    request when its whole sequence must fit; None for the others."""
+    if spec.attention is AttentionType.SLIDING_WINDOW:
+        tokens = min(spec.sliding_window - 1 + max_in_flight_tokens, max_model_len)
+        return _cdiv(tokens, spec.block_size) + 1
+    if spec.attention is AttentionType.CHUNKED_LOCAL:
+        tokens = min(spec.attention_chunk_size + max_in_flight_tokens, max_model_len)
+        return _cdiv(tokens, spec.block_size)
+    return None
+
+
+_VLLM_SPEC_KINDS: dict[str, str] = {
+    "FullAttentionSpec": "full_attention",
+    "MLAAttentionSpec": "mla_attention",
+    "HiddenStateCacheSpec": "mla_attention",
+    "SlidingWindowSpec": "sliding_window",
+    "SlidingWindowMLASpec": "sliding_window_mla",
+    "ChunkedLocalAttentionSpec": "chunked_local_attention",
+    "MambaSpec": "mamba",
+}
+"""The kind vLLM 0.33 names each of those spec classes by in its events
+(``get_kv_cache_spec_kind`` in ``vllm/v1/kv_cache_interface.py``: a subclass takes its
+own kind before its base's, so MLA and hidden states are ``mla_attention``)."""
+
+
+def _event_metadata(
+    kv_cache_config: Any, specs: tuple[KVCacheSpec, ...]
+) -> tuple[tuple[str, int | None], ...]:
+    """Per group, the spec kind and sliding window (None unless a window) events carry.
+
+    kvpool's own specs are named by their attention type, whose values are vLLM's kind
+    names; vLLM's by their class (``_VLLM_SPEC_KINDS``), MLA included."""
+    out: list[tuple[str, int | None]] = []
+    for group, spec in zip(kv_cache_config.kv_cache_groups, specs, strict=True):
+        window = spec.sliding_window if spec.attention is AttentionType.SLIDING_WINDOW else None
+        kind = spec.attention.value
+        if not isinstance(group, KVCacheSpec):
+            vllm_spec = getattr(group, "kv_cache_spec", group)
+            kind = _VLLM_SPEC_KINDS.get(type(vllm_spec).__name__, kind)
+        out.append((kind, window))
+    return tuple(out)
 
 
 def _specs_of(kv_cache_config: Any) -> tuple[KVCacheSpec, ...]:

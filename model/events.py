@@ -33,6 +33,12 @@ class BlockStored:
     lookahead_token_ids: tuple[tuple[int, ...], ...] | None = None
     """With a pool built with ``num_hash_lookahead_tokens`` L > 0: per stored block,
     the (up to) L tokens after it, which its hash also covers; None otherwise."""
+    kv_cache_spec_kind: str | None = None
+    """The stored blocks' group's attention type, as vLLM 0.33's ``KVCacheManager.take_events``
+    stamps it (``AttentionType`` values are vLLM's kind names); None from a pool, which
+    knows no groups' specs, and at the request layer's protocol, which compares pool events."""
+    kv_cache_spec_sliding_window: int | None = None
+    """The group's sliding window, stamped beside the kind (None unless a sliding window)."""
 
 
 @dataclass(frozen=True)

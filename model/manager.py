@@ -24,6 +24,7 @@ what decided the rest.
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
+import kvpool.model.admission as admission
 import kvpool.model.copy_on_write as cow
 import kvpool.model.mamba_align as mamba_align
 import kvpool.model.pool as pool_ops
@@ -161,6 +162,10 @@ class ManagerConfig:
     log_stats: bool = False
     fine_grained_hits: bool = False
     """Hits may end inside a block (vLLM 0.33; ``kvpool.model.copy_on_write``)."""
+    max_in_flight_tokens: int | None = None
+    """Tokens scheduled and not yet processed, at most (vLLM 0.33); None: ``max_model_len``.
+    It caps what a recycling group counts when a whole sequence must fit
+    (``kvpool.model.admission``)."""
 
 
 @dataclass(frozen=True)
@@ -176,9 +181,9 @@ class KVCacheManagerState:
     Each end holds one extra reference until the scheduler frees it after the copy."""
     new_block_ids: tuple[tuple[int, int], ...] = ()
     """Blocks to zero before use, not yet taken (``take_new_block_ids``), as (group,
-    block) in the order recorded: the copy destinations, and beside a Mamba group every
-    attention group's new blocks (vLLM records them when its config needs zeroing; kvpool
-    models no other reason, such as mixed precision)."""
+    block) in the order recorded: the copy destinations, and where the config needs
+    zeroing (``records_new_block_ids``: beside a Mamba group) every new block of an
+    attention group."""
 
 
 def new_kv_cache_manager(
@@ -192,6 +197,7 @@ def new_kv_cache_manager(
     enable_events: bool = False,
     profile: Profile = DEFAULT_PROFILE,
     fine_grained_hits: bool = False,
+    max_in_flight_tokens: int | None = None,
 ) -> KVCacheManagerState:
     """A manager over a fresh pool of ``num_blocks``, one group per spec.
 
@@ -212,6 +218,9 @@ def new_kv_cache_manager(
     # Verify that requests can hold at least one token
     if max_model_len < 1:
         raise InvalidManagerConfig(f"max_model_len={max_model_len} must be positive")
+    # Verify that at least one token may be in flight
+    if max_in_flight_tokens is not None and max_in_flight_tokens < 1:
+        raise InvalidManagerConfig(f"max_in_flight_tokens={max_in_flight_tokens} must be positive")
     # Verify that there is at least one group, all with one block size
     if not specs or len({s.block_size for s in specs}) != 1:
         raise InvalidManagerConfig("the groups must be at least one and share one block size")
@@ -244,7 +253,7 @@ def new_kv_cache_manager(
         raise InvalidManagerConfig(str(error)) from error
     fine = cow.fine_grained_hits_enabled(specs, hbs, fine_grained_hits, use_eagle)
     return KVCacheManagerState(
-        config=ManagerConfig(max_model_len, use_eagle, log_stats, fine),
+        config=ManagerConfig(max_model_len, use_eagle, log_stats, fine, max_in_flight_tokens),
         managers=single.new_managers(pool, specs),
         stats=PrefixCacheStats() if log_stats else None,
     )
@@ -407,10 +416,13 @@ def allocate_slots(
     new_computed_blocks: Blocks | None = None,
     num_lookahead_tokens: int = 0,
     delay_cache_blocks: bool = False,
+    full_sequence_must_fit: bool = False,
 ) -> tuple[KVCacheManagerState, Blocks | None]:
     """Give the request slots for ``num_new_tokens`` more tokens (and look-ahead), or refuse.
 
-    In this order: free the blocks that left every group's attention window
+    In this order: with ``full_sequence_must_fit``, refuse with None, changing
+    nothing, unless the request's whole sequence fits (``kvpool.model.admission``);
+    free the blocks that left every group's attention window
     (even if the call is then refused); count the blocks needed, cache hits
     that are free now included; refuse with None if the pool has fewer
     free blocks, changing nothing else; take the hits (touch), record them,
@@ -464,6 +476,14 @@ def allocate_slots(
                 f"{len(hits[g])} hit blocks of group {g}"
             )
 
+    if full_sequence_must_fit:
+        config = state.config
+        in_flight = config.max_in_flight_tokens or config.max_model_len
+        full = min(request.num_tokens, config.max_model_len)
+        if not admission.full_sequence_fits(
+            m, rid, full, hits, partial, in_flight, config.max_model_len
+        ):
+            return state, None
     for g in groups:
         m, _ = single.remove_skipped_blocks(m, g, rid, request.num_computed_tokens)
     num_slots = min(
@@ -497,28 +517,14 @@ def allocate_slots(
             zero = (*zero, (g, destination))
             copied = (destination,)
         m, new = single.allocate_new_blocks(m, g, rid, slots[g])
-        new_blocks.append(copied + new)
-        if _zeroes_new_blocks(m.specs, g):
+        if records_new_block_ids(m.specs, g):
             zero = (*zero, *((g, b) for b in new))
+        new_blocks.append(copied + new)
     state = replace(state, pending_copies=copies, new_block_ids=zero)
     if m.pool.config.enable_caching and not delay_cache_blocks:
         num_to_cache = min(num_computed + num_new_tokens, request.num_tokens)
         m = _cache(state, m, request, num_to_cache)
     return replace(state, managers=m), tuple(new_blocks)
-
-
-def _zeroes_new_blocks(specs: Sequence[KVCacheSpec], group: int) -> bool:
-    """Whether the group's new blocks are recorded for zeroing: with a Mamba group present
-    (its state is read before it is fully written), every attention group's are.
-
-    Source: vLLM 0.33.0, ``KVCacheConfig.needs_kv_cache_zeroing`` in
-    ``vllm/v1/kv_cache_interface.py`` and ``SingleTypeKVCacheManager.__init__``
-    (``_record_new_block_ids``: attention specs only, not Mamba's) in
-    ``vllm/v1/core/single_type_kv_cache_manager.py``.
-    """
-    return specs[group].attention is not AttentionType.MAMBA and any(
-        s.attention is AttentionType.MAMBA for s in specs
-    )
 
 
 def _with_num_cached(
@@ -742,6 +748,23 @@ def take_new_block_ids(state: KVCacheManagerState) -> tuple[KVCacheManagerState,
     """
     ordered = sorted(state.new_block_ids, key=lambda entry: entry[0])
     return replace(state, new_block_ids=()), tuple(block for _, block in ordered)
+
+
+def records_new_block_ids(specs: Sequence[KVCacheSpec], group: int) -> bool:
+    """Whether the group's new blocks are recorded for zeroing: an attention group (not Mamba)
+    of a configuration with a Mamba group, whose state is read before it is fully written.
+
+    vLLM 0.33.0: ``KVCacheConfig.needs_kv_cache_zeroing`` (Mamba layers, or mixed precision,
+    which kvpool's groups never have) in ``vllm/v1/kv_cache_interface.py``, read by each
+    ``SingleTypeKVCacheManager`` for ``AttentionSpec`` groups only
+    (``vllm/v1/core/single_type_kv_cache_manager.py``).
+
+    >>> from kvpool.model.single_type import full_attention, mamba
+    >>> records_new_block_ids([full_attention(16), mamba(16)], 0)
+    True
+    """
+    has_mamba = any(s.attention is AttentionType.MAMBA for s in specs)
+    return has_mamba and specs[group].attention is not AttentionType.MAMBA
 
 
 def estimate_cached_tokens(state: KVCacheManagerState, request_id: str) -> int:

@@ -169,7 +169,7 @@ class ImplOracle:
         self.blocks = self.manager.block_pool.blocks
 
     def get_computed_blocks(self, request: Request) -> tuple[Blocks, int]:
-        blocks, tokens = self.manager.get_computed_blocks(request)
+        blocks, tokens, _ = self.manager.get_computed_blocks(request)
         found = _ids(blocks)
         assert found is not None
         return found, tokens

@@ -52,6 +52,7 @@ from kvpool.specs.request.target import (
 )
 from kvpool.specs.request.target import (
     OPERATIONS_033,
+    OPERATIONS_SCHEDULER,
     ManagerSetup,
     ManagerSnapshottable,
     ManagerTarget,
@@ -177,6 +178,11 @@ def encode_setup(setup: ManagerSetup) -> Json:
         "profile": setup.profile.name,
         # written only when on, so that earlier setups encode as they did
         **({"fine_grained_hits": True} if setup.fine_grained_hits else {}),
+        **(
+            {}
+            if setup.max_in_flight_tokens is None
+            else {"max_in_flight_tokens": setup.max_in_flight_tokens}
+        ),
     }
 
 
@@ -202,6 +208,11 @@ def decode_setup(value: Json) -> ManagerSetup:
         enable_events=_bool(obj.get("enable_events"), "enable_events"),
         profile=PROFILES[profile],
         fine_grained_hits=_bool(obj.get("fine_grained_hits", False), "fine_grained_hits"),
+        max_in_flight_tokens=(
+            None
+            if obj.get("max_in_flight_tokens") is None
+            else _int(obj.get("max_in_flight_tokens"), "max_in_flight_tokens")
+        ),
     )
 
 
@@ -422,16 +433,25 @@ def encode_args(op: str, *args: Any) -> dict[str, Json]:
         "block_hashes",
         "get_computed_blocks_with_boundary",
         "estimate_cached_tokens",
+        "pop_blocks_for_free",
+        "get_computed_blocks_for_connector",
+        "finalize_partial_tail_offloads",
     ):
         return {"request": encode_request(args[0])}
+    if op == "remove_skipped_blocks":
+        return {"request_id": args[0], "processed_computed_tokens": args[1]}
+    if op == "get_block_ids_for_computed_tokens":
+        return {"request_id": args[0], "num_computed_tokens": args[1]}
+    if op == "record_blocks_for_zeroing":
+        return {"request_id": args[0], "start_token": args[1]}
     if op == "free_blocks":
         return {"block_ids": [int(b) for b in args[0]]}
     if op == "truncate_computed_blocks":
         return {"blocks": encode_blocks(args[0]), "num_computed_tokens": args[1]}
     if op == "allocate_slots":
         request, num_new, *rest = args
-        defaults: list[Any] = [0, None, 0, False]
-        computed, hits, lookahead, delay = [*rest, *defaults[len(rest) :]]
+        defaults: list[Any] = [0, None, 0, False, False]
+        computed, hits, lookahead, delay, whole = [*rest, *defaults[len(rest) :]]
         return {
             "request": encode_request(request),
             "num_new_tokens": num_new,
@@ -439,6 +459,8 @@ def encode_args(op: str, *args: Any) -> dict[str, Json]:
             "new_computed_blocks": encode_blocks(hits),
             "num_lookahead_tokens": lookahead,
             "delay_cache_blocks": bool(delay),
+            # only when set (vLLM 0.33's admission gate): other programs keep their bytes
+            **({"full_sequence_must_fit": True} if whole else {}),
         }
     if op == "cache_blocks":
         return {"request": encode_request(args[0]), "num_computed_tokens": args[1]}
@@ -456,6 +478,7 @@ def _call(target: ManagerTarget, op: str, args: Mapping[str, Json]) -> Any:
     if op == "get_computed_blocks":
         return target.get_computed_blocks(decode_request(args.get("request")))
     if op == "allocate_slots":
+        whole = _bool(args.get("full_sequence_must_fit", False), "full_sequence_must_fit")
         return target.allocate_slots(
             decode_request(args.get("request")),
             _int(args.get("num_new_tokens"), "num_new_tokens"),
@@ -463,6 +486,8 @@ def _call(target: ManagerTarget, op: str, args: Mapping[str, Json]) -> Any:
             decode_blocks(args.get("new_computed_blocks"), "new_computed_blocks"),
             _int(args.get("num_lookahead_tokens", 0), "num_lookahead_tokens"),
             _bool(args.get("delay_cache_blocks", False), "delay_cache_blocks"),
+            # passed only when set: a target without vLLM 0.33's scheduler calls lacks it
+            **({"full_sequence_must_fit": True} if whole else {}),
         )
     if op == "free":
         return target.free(decode_request(args.get("request")))
@@ -500,7 +525,34 @@ def _call(target: ManagerTarget, op: str, args: Mapping[str, Json]) -> Any:
         return none_hash(_str(args.get("seed"), "seed"))
     if op in OPERATIONS_033:
         return _call_033(target, op, args)
+    if op in OPERATIONS_SCHEDULER:
+        return _call_scheduler(target, op, args)
     raise ProtocolError(f"unknown operation {op!r}")
+
+
+def _call_scheduler(target: ManagerTarget, op: str, args: Mapping[str, Json]) -> Any:
+    """One of the rest of vLLM 0.33's scheduler calls (``ManagerTargetScheduler``), for the
+    kit's own replays (counterexamples); the JSON protocol does not carry them."""
+    method = getattr(target, op, None)
+    if method is None:
+        raise ProtocolError(f"this target has no {op}")
+    if op in (
+        "pop_blocks_for_free",
+        "get_computed_blocks_for_connector",
+        "finalize_partial_tail_offloads",
+    ):
+        return method(decode_request(args.get("request")))
+    if op in ("remove_skipped_blocks", "get_block_ids_for_computed_tokens"):
+        name = (
+            "processed_computed_tokens" if op == "remove_skipped_blocks" else "num_computed_tokens"
+        )
+        return method(_str(args.get("request_id"), "request_id"), _int(args.get(name), name))
+    if op == "record_blocks_for_zeroing":
+        return method(
+            _str(args.get("request_id"), "request_id"),
+            _int(args.get("start_token"), "start_token"),
+        )
+    return method()
 
 
 def _call_033(target: ManagerTarget, op: str, args: Mapping[str, Json]) -> Any:
@@ -522,8 +574,35 @@ def _call_033(target: ManagerTarget, op: str, args: Mapping[str, Json]) -> Any:
 
 def encode_result(op: str, result: Any) -> Json:
     """A Python manager target's result of ``op`` as its JSON value."""
-    if op in ("free", "cache_blocks", "evict_blocks", "free_blocks", "new_step_starts"):
+    if op in (
+        "free",
+        "cache_blocks",
+        "evict_blocks",
+        "free_blocks",
+        "new_step_starts",
+        "remove_skipped_blocks",
+        "record_blocks_for_zeroing",
+    ):
         return None
+    if op == "pop_blocks_for_free":
+        return [int(b) for b in result]
+    if op == "get_block_ids_for_computed_tokens":
+        return encode_blocks(result)
+    if op == "get_computed_blocks_for_connector":
+        blocks, num_tokens, boundary, diverged = result
+        return {
+            "blocks": encode_blocks(blocks),
+            "num_tokens": int(num_tokens),
+            "boundary": int(boundary),
+            "hit_diverged": bool(diverged),
+        }
+    if op == "take_boundary_state_offloads":
+        return {
+            str(rid): [[int(x) for x in entry] for entry in entries]
+            for rid, entries in result.items()
+        }
+    if op == "finalize_partial_tail_offloads":
+        return [[int(x) for x in entry] for entry in result]
     if op == "get_computed_blocks_with_boundary":
         blocks, num_tokens, boundary = result
         return {

@@ -72,6 +72,8 @@ def run_request_conformance(
         uncached_layouts=target.uncached_layouts,
         hash_sized_layouts=target.hash_sized_layouts,
         fine_grained=target.fine_grained,
+        in_flight=target.in_flight,
+        scheduler_calls=target.scheduler_calls,
     )
 
     def stop() -> None:

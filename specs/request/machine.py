@@ -27,13 +27,13 @@ step (``kvpool explain``) or turned into a vector.
 """
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, TypeVar, cast
 
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvpool.model import PROFILES, KVCacheEvent, PoolState, Profile
+from kvpool.model import PROFILES, KVCacheEvent, PoolState, Profile, scheduler_calls
 from kvpool.model import manager as model_manager
 from kvpool.model.errors import PoolError
 from kvpool.model.hashing import LoraAdapter, MultiModalInput
@@ -71,6 +71,7 @@ from kvpool.specs.request.target import (
     ManagerSnapshottable,
     ManagerTarget,
     ManagerTarget033,
+    ManagerTargetScheduler,
 )
 from kvpool.specs.runner.lockstep import LockStep
 from kvpool.specs.runner.swarm import gentle_swarm
@@ -140,6 +141,10 @@ def layout_specs(
         )
     if layout == "full+full":
         return (full_attention(block_size), full_attention(block_size))
+    if layout == "full+mamba":
+        # groups share one block size: full attention's blocks are Mamba's, a whole request
+        size = -(-max_model_len // hbs) * hbs
+        return (full_attention(size), mamba(size))
     if layout == "full+chunked_local":
         return (full_attention(block_size), chunked_local(block_size, block_size * chunk_blocks))
     raise ValueError(f"unknown layout {layout!r}")
@@ -159,6 +164,7 @@ def _start_rule(
     uncached_layouts: Sequence[str] = (),
     hash_sized_layouts: Sequence[str] = (),
     fine_grained: Sequence[bool] = (False,),
+    in_flight: Sequence[int | None] = (None,),
 ) -> Callable[..., None]:
     """The machine's first step, drawing only from the configurations given.
 
@@ -169,6 +175,8 @@ def _start_rule(
     extra: dict[str, st.SearchStrategy[Any]] = (
         {"fine": st.sampled_from(list(fine_grained))} if any(fine_grained) else {}
     )
+    if any(n is not None for n in in_flight):
+        extra["in_flight"] = st.sampled_from(list(in_flight))
 
     decorate = cast(
         Callable[[Callable[..., None]], Callable[..., None]],
@@ -255,6 +263,9 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
         self.next_id = 0
         self.truth = KVTruth()
         self.taken: list[KVCacheEvent] = []
+        self.deferred: list[list[int]] = []
+        """Blocks of finished requests popped (``pop_blocks_for_free``) and not yet freed,
+        oldest first: each still holds the request's reference."""
         self.script: list[tuple[str, dict[str, object]]] = []
         """The program so far as (operation, JSON arguments) of a request scenario file."""
 
@@ -277,6 +288,7 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
         profile: str,
         prompts: list[tuple[int, ...]],
         fine: bool = False,
+        in_flight: int | None = None,
     ) -> None:
         """Build the model and the target; the first requests arrive."""
         chosen = profile_named(profile)
@@ -293,6 +305,7 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
             enable_events=events,
             profile=chosen,
             fine_grained_hits=fine,
+            max_in_flight_tokens=in_flight,
         )
         self.block_sizes = [s.block_size for s in specs]
         self.states = [s.mamba_align for s in specs]
@@ -308,6 +321,7 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
             enable_events=events,
             profile=chosen,
             fine_grained_hits=fine,
+            max_in_flight_tokens=in_flight,
         )
         self.target = type(self).make_target(self.setup)
         for prompt in prompts:
@@ -337,17 +351,32 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
     @rule(which=st.integers(0, 4), chunk=st.integers(1, MAX_PROMPT), delay=st.booleans())
     def admit(self, which: int, chunk: int, delay: bool) -> None:
         """Admit a waiting request: look up its hits, then allocate its first chunk."""
+        self._admit(which, chunk, delay)
+
+    def _admit(
+        self, which: int, chunk: int, delay: bool, whole: bool = False, connector: bool = False
+    ) -> None:
+        """``admit``; ``whole`` admits only if the whole sequence fits, and ``connector``
+        looks the hit up as for a request scheduled with a KV connector (vLLM 0.33)."""
         rid = self.waiting[which % len(self.waiting)]
         request = self.requests[rid]
         hit: Blocks | None = None
         num_hit = 0
-        if self.setup.enable_caching:
+        if self.setup.enable_caching and connector:
+            self._record("get_computed_blocks_for_connector", request_id=rid)
+            hit, num_hit, _, _ = self._do(
+                f"get_computed_blocks_for_connector({rid})",
+                lambda s: scheduler_calls.get_computed_blocks_for_connector(s, request),
+                lambda t: _connector_hit(_sched(t).get_computed_blocks_for_connector(request)),
+            )
+        elif self.setup.enable_caching:
             self._record("get_computed_blocks", request_id=rid)
             hit, num_hit = self._do(
                 f"get_computed_blocks({rid})",
                 lambda s: model_manager.get_computed_blocks(s, request),
                 lambda t: _blocks_and_count(t.get_computed_blocks(request)),
             )
+        if hit is not None:
             check(
                 (
                     "hit_matches_request",
@@ -368,13 +397,32 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
             num_new_computed_tokens=num_hit,
             new_computed_blocks=None if hit is None else [list(g) for g in hit],
             delay_cache_blocks=delay,
+            **({"full_sequence_must_fit": True} if whole else {}),
         )
-        allocated = self._do(
-            f"allocate_slots({rid}, num_new_tokens={num_new}, num_new_computed_tokens={num_hit}, "
-            f"new_computed_blocks={hit}, delay_cache_blocks={delay})",
-            lambda s: model_manager.allocate_slots(s, request, num_new, num_hit, hit, 0, delay),
-            lambda t: _blocks_or_none(t.allocate_slots(request, num_new, num_hit, hit, 0, delay)),
-        )
+        if whole:
+            allocated = self._do(
+                f"allocate_slots({rid}, num_new_tokens={num_new}, "
+                f"num_new_computed_tokens={num_hit}, new_computed_blocks={hit}, "
+                f"delay_cache_blocks={delay}, full_sequence_must_fit=True)",
+                lambda s: model_manager.allocate_slots(
+                    s, request, num_new, num_hit, hit, 0, delay, full_sequence_must_fit=True
+                ),
+                lambda t: _blocks_or_none(
+                    _sched(t).allocate_slots(
+                        request, num_new, num_hit, hit, 0, delay, full_sequence_must_fit=True
+                    )
+                ),
+            )
+        else:
+            allocated = self._do(
+                f"allocate_slots({rid}, num_new_tokens={num_new}, "
+                f"num_new_computed_tokens={num_hit}, new_computed_blocks={hit}, "
+                f"delay_cache_blocks={delay})",
+                lambda s: model_manager.allocate_slots(s, request, num_new, num_hit, hit, 0, delay),
+                lambda t: _blocks_or_none(
+                    t.allocate_slots(request, num_new, num_hit, hit, 0, delay)
+                ),
+            )
         if allocated is None:
             return
         self.waiting.remove(rid)
@@ -658,6 +706,7 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
         # target kept one back (a snapshot shows it; the model never does)
         state = snapshot if isinstance(target, ManagerSnapshottable) else model
         retained = [b for pair in state.pending_copies for b in pair]
+        retained += [b for blocks in self.deferred for b in blocks]
         check(("ref_counts_match_tables", ref_counts_match_tables(pool, tables, retained)))
         check(
             (
@@ -852,6 +901,26 @@ def _copies(
     return tuple((int(s), int(d)) for s, d in copies), tuple(retained)
 
 
+def _sched(target: ManagerTarget) -> ManagerTargetScheduler:
+    """The target, with the rest of vLLM 0.33's scheduler calls (asked only of targets
+    that have them)."""
+    return target  # type: ignore[return-value]
+
+
+def _connector_hit(result: tuple[Blocks, int, int, bool]) -> tuple[Blocks, int, int, bool]:
+    blocks, count, boundary, diverged = result
+    return tuple(tuple(g) for g in blocks), count, boundary, diverged
+
+
+def _offloads(
+    offloads: Mapping[str, Sequence[tuple[int, int, int]]],
+) -> dict[str, tuple[tuple[int, int, int], ...]]:
+    return {
+        rid: tuple((int(g), int(b), int(n)) for g, b, n in entries)
+        for rid, entries in offloads.items()
+    }
+
+
 def _with_boundary(result: tuple[Blocks, int, int]) -> tuple[Blocks, int, int]:
     blocks, count, boundary = result
     return tuple(tuple(g) for g in blocks), count, boundary
@@ -859,6 +928,125 @@ def _with_boundary(result: tuple[Blocks, int, int]) -> tuple[Blocks, int, int]:
 
 def _blocks_or_none(blocks: Blocks | None) -> Blocks | None:
     return None if blocks is None else tuple(tuple(g) for g in blocks)
+
+
+# --------------------------------------------------------------------------
+# The rest of vLLM 0.33's scheduler calls
+# --------------------------------------------------------------------------
+
+
+class SchedulerCallsMachine(ManagerMachine):
+    """Also drives the rest of vLLM 0.33's scheduler calls (``OPERATIONS_SCHEDULER``).
+
+    A class of its own, mixed in by ``manager_machine(..., scheduler_calls=True)`` for
+    targets that answer them: a new rule changes which programs Hypothesis draws, so
+    the machines of other targets keep drawing exactly what they did.
+    """
+
+    def _has_scheduler_calls(self) -> bool:
+        """Whether the target answers the rest of vLLM 0.33's scheduler calls: it has them,
+        and does not say it cannot (``answers_scheduler_calls``: a vLLM release before them)."""
+        target = self.target
+        return callable(getattr(target, "pop_blocks_for_free", None)) and bool(
+            getattr(target, "answers_scheduler_calls", True)
+        )
+
+    @precondition(lambda self: self._has_scheduler_calls())
+    @rule(
+        action=st.sampled_from(
+            ["admit_whole", "finish_deferred", "drain", "connector", "zero", "offloads"]
+        ),
+        which=st.integers(0, 9),
+        chunk=st.integers(1, MAX_PROMPT),
+        cut=st.integers(0, 3),
+    )
+    def scheduler_calls_033(self, action: str, which: int, chunk: int, cut: int) -> None:
+        """The rest of vLLM 0.33's scheduler calls: admitting a request only if its whole
+        sequence fits (its hit looked up as with a KV connector, half the time); finishing a
+        request while a step may still write its blocks (popped, freed later, last first);
+        what a KV connector asks of a request (its partial Mamba tails, its block table cut
+        at the computed tokens, blocks recorded again for zeroing); the boundary states."""
+        everyone = self.running + self.waiting
+        if action == "admit_whole" and self.waiting:
+            self._admit(which, chunk, delay=False, whole=True, connector=which % 2 == 1)
+        elif action == "finish_deferred" and everyone:
+            request = self.requests[everyone[which % len(everyone)]]
+            rid = request.request_id
+            self._record("pop_blocks_for_free", request_id=rid)
+            popped = self._do(
+                f"pop_blocks_for_free({rid})",
+                lambda s: scheduler_calls.pop_blocks_for_free(s, rid),
+                lambda t: tuple(_sched(t).pop_blocks_for_free(request)),
+            )
+            self._forget(rid)
+            if popped:
+                self.deferred.append(list(popped))
+        elif action == "drain" and self.deferred:
+            # the step that could still write them is done: free them, last first
+            ids = self.deferred.pop(0)[::-1]
+            self._record("free_blocks", block_ids=ids)
+            self._do(
+                f"free_blocks({ids})",
+                lambda s: model_manager.free_blocks(s, ids),
+                lambda t: _sched(t).free_blocks(ids),
+                returns_none=True,
+            )
+        elif action == "connector" and self.running:
+            self._connector_finished(self.requests[self.running[which % len(self.running)]], cut)
+        elif action == "zero" and self.running:
+            request = self.requests[self.running[which % len(self.running)]]
+            rid = request.request_id
+            size = self.block_sizes[0]
+            start = max(0, request.num_computed_tokens // size - cut) * size
+            self._record("record_blocks_for_zeroing", request_id=rid, start_token=start)
+            self._do(
+                f"record_blocks_for_zeroing({rid}, {start})",
+                lambda s: scheduler_calls.record_blocks_for_zeroing(s, rid, start),
+                lambda t: _sched(t).record_blocks_for_zeroing(rid, start),
+                returns_none=True,
+            )
+        elif action == "offloads":
+            self._record("take_boundary_state_offloads")
+            self._do(
+                "take_boundary_state_offloads()",
+                scheduler_calls.take_boundary_state_offloads,
+                lambda t: _offloads(_sched(t).take_boundary_state_offloads()),
+            )
+
+    def _connector_finished(self, request: Request, cut: int) -> None:
+        """What vLLM 0.33's scheduler asks for a request a KV connector hands on: its partial
+        Mamba tails, then its skipped blocks freed and its table cut at the computed tokens
+        (``cut`` blocks fewer tokens counted as processed)."""
+        rid = request.request_id
+        computed = request.num_computed_tokens
+        processed = max(0, computed - cut * self.block_sizes[0])
+        self._record("finalize_partial_tail_offloads", request_id=rid)
+        self._do(
+            f"finalize_partial_tail_offloads({rid})",
+            lambda s: scheduler_calls.finalize_partial_tail_offloads(s, request),
+            lambda t: tuple(tuple(x) for x in _sched(t).finalize_partial_tail_offloads(request)),
+        )
+        self._record("remove_skipped_blocks", request_id=rid, processed_computed_tokens=processed)
+        self._do(
+            f"remove_skipped_blocks({rid}, {processed})",
+            lambda s: scheduler_calls.remove_skipped_blocks(s, rid, processed),
+            lambda t: _sched(t).remove_skipped_blocks(rid, processed),
+            returns_none=True,
+        )
+        if self.lockstep and self.model is not None:
+            self._record(
+                "get_block_ids_for_computed_tokens", request_id=rid, num_computed_tokens=computed
+            )
+            expected = scheduler_calls.get_block_ids_for_computed_tokens(self.model, rid, computed)
+            answer = self._call(
+                f"get_block_ids_for_computed_tokens({rid}, {computed})",
+                lambda t: _sched(t).get_block_ids_for_computed_tokens(rid, computed),
+            )
+            self._compare(
+                f"get_block_ids_for_computed_tokens({rid}, {computed})",
+                expected,
+                tuple(tuple(g) for g in answer),
+            )
 
 
 # --------------------------------------------------------------------------
@@ -1006,6 +1194,8 @@ def manager_machine(
     uncached_layouts: Sequence[str] = (),
     hash_sized_layouts: Sequence[str] = (),
     fine_grained: Sequence[bool] = (False,),
+    in_flight: Sequence[int | None] = (None,),
+    scheduler_calls: bool = False,
 ) -> type[ManagerMachine]:
     """A state machine class that checks ``make_target`` on the given layouts and profiles.
 
@@ -1013,7 +1203,10 @@ def manager_machine(
     the run alone and only the safety properties (and, with a snapshot, the
     pool's invariants) are checked. Level 2 adds ``RawManagerMachine``'s
     rules and (unless ``hybrids`` is False: the layouts given are all the
-    target supports) the hybrid layouts of ``HYBRID_LAYOUTS``.
+    target supports) the hybrid layouts of ``HYBRID_LAYOUTS``. ``scheduler_calls``
+    adds ``SchedulerCallsMachine``'s rule (the target must answer
+    ``ManagerTargetScheduler``); ``in_flight`` are the ``max_in_flight_tokens``
+    managers are built with.
     """
     if level not in (1, 2):
         raise ValueError(f"level must be 1 or 2, got {level}")
@@ -1032,9 +1225,11 @@ def manager_machine(
             uncached_layouts,
             hash_sized_layouts,
             fine_grained,
+            in_flight,
         ),
         "make_target": staticmethod(make_target),
         "lockstep": lockstep,
     }
-    base = RawManagerMachine if level == 2 else ManagerMachine
-    return type(name, (base,), attrs)
+    base: type[ManagerMachine] = RawManagerMachine if level == 2 else ManagerMachine
+    bases = (SchedulerCallsMachine, base) if scheduler_calls else (base,)
+    return type(name, bases, attrs)

@@ -1,8 +1,9 @@
 """The model's KV cache manager as a manager target: the reference the others are compared with."""
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from kvpool.model import manager as model_manager
+from kvpool.model import scheduler_calls
 from kvpool.model.events import KVCacheEvent
 from kvpool.model.manager import Blocks, KVCacheManagerState, PrefixCacheStats
 from kvpool.model.request import Request
@@ -24,6 +25,7 @@ class ModelManagerTarget:
             enable_events=setup.enable_events,
             profile=setup.profile,
             fine_grained_hits=setup.fine_grained_hits,
+            max_in_flight_tokens=setup.max_in_flight_tokens,
         )
 
     def snapshot(self) -> KVCacheManagerState:
@@ -41,6 +43,7 @@ class ModelManagerTarget:
         new_computed_blocks: Blocks | None = None,
         num_lookahead_tokens: int = 0,
         delay_cache_blocks: bool = False,
+        full_sequence_must_fit: bool = False,
     ) -> Blocks | None:
         self.state, blocks = model_manager.allocate_slots(
             self.state,
@@ -50,6 +53,7 @@ class ModelManagerTarget:
             new_computed_blocks,
             num_lookahead_tokens,
             delay_cache_blocks,
+            full_sequence_must_fit,
         )
         return blocks
 
@@ -113,3 +117,38 @@ class ModelManagerTarget:
 
     def new_step_starts(self) -> None:
         self.state, _ = model_manager.new_step_starts(self.state)
+
+    # the rest of vLLM 0.33's scheduler calls
+
+    def pop_blocks_for_free(self, request: Request) -> Sequence[int]:
+        self.state, blocks = scheduler_calls.pop_blocks_for_free(self.state, request.request_id)
+        return blocks
+
+    def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int) -> None:
+        self.state, _ = scheduler_calls.remove_skipped_blocks(
+            self.state, request_id, processed_computed_tokens
+        )
+
+    def get_block_ids_for_computed_tokens(
+        self, request_id: str, num_computed_tokens: int
+    ) -> Blocks:
+        return scheduler_calls.get_block_ids_for_computed_tokens(
+            self.state, request_id, num_computed_tokens
+        )
+
+    def get_computed_blocks_for_connector(self, request: Request) -> tuple[Blocks, int, int, bool]:
+        self.state, result = scheduler_calls.get_computed_blocks_for_connector(self.state, request)
+        return result
+
+    def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
+        self.state, _ = scheduler_calls.record_blocks_for_zeroing(
+            self.state, request_id, start_token
+        )
+
+    def take_boundary_state_offloads(self) -> Mapping[str, Sequence[tuple[int, int, int]]]:
+        self.state, offloads = scheduler_calls.take_boundary_state_offloads(self.state)
+        return offloads
+
+    def finalize_partial_tail_offloads(self, request: Request) -> Sequence[tuple[int, int, int]]:
+        self.state, tails = scheduler_calls.finalize_partial_tail_offloads(self.state, request)
+        return tails

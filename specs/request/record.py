@@ -25,6 +25,7 @@ from kvpool.specs.protocol import request_codec as codec
 from kvpool.specs.protocol.codec import Json
 from kvpool.specs.request.target import (
     OPERATIONS_033,
+    OPERATIONS_SCHEDULER,
     ManagerFactory,
     ManagerSetup,
     ManagerSnapshottable,
@@ -127,6 +128,7 @@ def _model_manager(setup: ManagerSetup) -> KVCacheManagerState:
         enable_events=setup.enable_events,
         profile=setup.profile,
         fine_grained_hits=setup.fine_grained_hits,
+        max_in_flight_tokens=setup.max_in_flight_tokens,
     )
 
 
@@ -144,7 +146,7 @@ class RecordingManager:
 
     def __getattr__(self, name: str) -> Any:
         value = getattr(self._inner, name)
-        if name in OPERATIONS_033 and callable(value):
+        if (name in OPERATIONS_033 or name in OPERATIONS_SCHEDULER) and callable(value):
             # vLLM 0.33's further calls, recorded only on a target that has them
             return lambda *args: self._recorder.record(name, args, lambda: value(*args))
         return value
@@ -165,7 +167,11 @@ class RecordingManager:
         new_computed_blocks: Blocks | None = None,
         num_lookahead_tokens: int = 0,
         delay_cache_blocks: bool = False,
+        full_sequence_must_fit: bool = False,
     ) -> Blocks | None:
+        # the flag is passed (and recorded) only when set: a target without the scheduler
+        # calls is never asked for it
+        whole = (True,) if full_sequence_must_fit else ()
         result: Blocks | None = self._record(
             "allocate_slots",
             request,
@@ -174,6 +180,7 @@ class RecordingManager:
             new_computed_blocks,
             num_lookahead_tokens,
             delay_cache_blocks,
+            *whole,
         )
         return result
 

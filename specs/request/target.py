@@ -7,7 +7,7 @@ model's exception classes; conformance compares their types only.
 model after every call.
 """
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -47,6 +47,21 @@ to a target that has them, and programs ask for fine-grained hits only where
 ``ManagerTargetSpec.fine_grained`` allows. Optional in the JSON request protocol
 (hello's ``fine_grained``); ``OPERATIONS`` keeps the calls every target answers."""
 
+OPERATIONS_SCHEDULER = (
+    "pop_blocks_for_free",
+    "remove_skipped_blocks",
+    "get_block_ids_for_computed_tokens",
+    "get_computed_blocks_for_connector",
+    "record_blocks_for_zeroing",
+    "take_boundary_state_offloads",
+    "finalize_partial_tail_offloads",
+)
+"""The rest of vLLM 0.33's scheduler calls (``ManagerTargetScheduler``): the deferred free
+and a KV connector's calls, and ``allocate_slots(..., full_sequence_must_fit=True)``. The
+machine sends them to a target (kvpool's model and impl, vLLM's manager) where
+``ManagerTargetSpec.scheduler_calls`` says so; the JSON request protocol does not carry
+them (yet)."""
+
 LAYOUTS = ("full", "sliding_window", "chunked_local", "mamba", "full+sliding_window")
 """The KV cache layouts: one group of each attention type, and a hybrid of two."""
 
@@ -82,6 +97,9 @@ class ManagerSetup:
     fine_grained_hits: bool = False
     """Ask for vLLM 0.33's fine-grained hits (``kvpool.model.copy_on_write``); the
     target also answers ``ManagerTarget033``'s calls."""
+    max_in_flight_tokens: int | None = None
+    """vLLM 0.33's cap on tokens scheduled and not yet processed (None: max_model_len); it
+    matters to ``allocate_slots(..., full_sequence_must_fit=True)``."""
 
 
 class ManagerTarget(Protocol):
@@ -143,6 +161,44 @@ class ManagerTarget033(ManagerTarget, Protocol):
     def new_step_starts(self) -> None: ...
 
 
+class ManagerTargetScheduler(ManagerTarget033, Protocol):
+    """A manager target with the rest of vLLM 0.33's scheduler calls (``OPERATIONS_SCHEDULER``)."""
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: Blocks | None = None,
+        num_lookahead_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        full_sequence_must_fit: bool = False,
+    ) -> Blocks | None: ...
+
+    def pop_blocks_for_free(self, request: Request) -> Sequence[int]:
+        """The request's blocks, taken out of its tables and still held (freed later)."""
+
+    def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int) -> None: ...
+
+    def get_block_ids_for_computed_tokens(
+        self, request_id: str, num_computed_tokens: int
+    ) -> Blocks: ...
+
+    def get_computed_blocks_for_connector(
+        self, request: Request
+    ) -> tuple[Blocks, int, int, bool]: ...
+
+    def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None: ...
+
+    def take_boundary_state_offloads(
+        self,
+    ) -> Mapping[str, Sequence[tuple[int, int, int]]]: ...
+
+    def finalize_partial_tail_offloads(
+        self, request: Request
+    ) -> Sequence[tuple[int, int, int]]: ...
+
+
 @runtime_checkable
 class ManagerSnapshottable(Protocol):
     """A manager target that can show its whole state as the model's."""
@@ -171,3 +227,8 @@ class ManagerTargetSpec:
     so; with caching off they take every block factor)."""
     fine_grained: tuple[bool, ...] = (False,)
     """Whether programs ask for fine-grained hits (True needs ``ManagerTarget033``)."""
+    in_flight: tuple[int | None, ...] = (None,)
+    """The ``max_in_flight_tokens`` programs build managers with (drawn only if one is set)."""
+    scheduler_calls: bool = False
+    """Whether programs send the rest of vLLM 0.33's scheduler calls
+    (``OPERATIONS_SCHEDULER``; True needs ``ManagerTargetScheduler``)."""

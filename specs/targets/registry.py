@@ -297,6 +297,8 @@ def _from_scope(
             "uncached_layouts": scope.uncached_layouts,
             "hash_sized_layouts": scope.hash_sized_layouts,
             "fine_grained": scope.fine_grained,
+            "in_flight": scope.in_flight,
+            "scheduler_calls": scope.scheduler_calls,
         },
     )
 

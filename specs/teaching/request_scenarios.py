@@ -55,6 +55,7 @@ from typing import Any
 from kvpool.model import PROFILES, BlockHash, KVCacheEvent, PoolError, PoolState
 from kvpool.model import manager as mm
 from kvpool.model import request as rq
+from kvpool.model import scheduler_calls as sc
 from kvpool.model.hashing import LoraAdapter, MultiModalInput
 from kvpool.model.manager import Blocks, KVCacheManagerState
 from kvpool.model.request import Request
@@ -172,6 +173,7 @@ def new_world(setup: ManagerSetup) -> World:
         enable_events=setup.enable_events,
         profile=setup.profile,
         fine_grained_hits=setup.fine_grained_hits,
+        max_in_flight_tokens=setup.max_in_flight_tokens,
     )
     return World(manager)
 
@@ -243,6 +245,8 @@ def apply(world: World, op: str, args: Mapping[str, Json]) -> tuple[World, Json]
         "allocate_slots",
         "run_model",
         "estimate_cached_tokens",
+        "get_computed_blocks_for_connector",
+        "finalize_partial_tail_offloads",
     ):
         request = _request(world, a["request_id"])
     if op == "run_model":
@@ -304,8 +308,41 @@ def apply(world: World, op: str, args: Mapping[str, Json]) -> tuple[World, Json]
             hits,
             a["num_lookahead_tokens"],
             a["delay_cache_blocks"],
+            a["full_sequence_must_fit"],
         )
         return replace(world, manager=kv), None if new is None else _blocks_json(new)
+    if op == "pop_blocks_for_free":
+        rid = a["request_id"]
+        kv, popped = sc.pop_blocks_for_free(kv, rid)
+        requests = {r: v for r, v in world.requests.items() if r != rid}
+        lookups = {r: v for r, v in world.lookups.items() if r != rid}
+        return replace(world, manager=kv, requests=requests, lookups=lookups), list(popped)
+    if op == "remove_skipped_blocks":
+        kv, _ = sc.remove_skipped_blocks(kv, a["request_id"], a["processed_computed_tokens"])
+        return replace(world, manager=kv), None
+    if op == "get_block_ids_for_computed_tokens":
+        cut = sc.get_block_ids_for_computed_tokens(kv, a["request_id"], a["num_computed_tokens"])
+        return world, _blocks_json(cut)
+    if op == "get_computed_blocks_for_connector":
+        kv, (blocks, num, boundary, diverged) = sc.get_computed_blocks_for_connector(kv, request)
+        lookups = {**world.lookups, request.request_id: (blocks, num)}
+        return replace(world, manager=kv, lookups=lookups), {
+            "blocks": _blocks_json(blocks),
+            "num_tokens": num,
+            "boundary": boundary,
+            "hit_diverged": diverged,
+        }
+    if op == "record_blocks_for_zeroing":
+        kv, _ = sc.record_blocks_for_zeroing(kv, a["request_id"], a["start_token"])
+        return replace(world, manager=kv), None
+    if op == "take_boundary_state_offloads":
+        kv, offloads = sc.take_boundary_state_offloads(kv)
+        return replace(world, manager=kv), {
+            rid: [list(entry) for entry in entries] for rid, entries in offloads.items()
+        }
+    if op == "finalize_partial_tail_offloads":
+        kv, tails = sc.finalize_partial_tail_offloads(kv, request)
+        return replace(world, manager=kv), [list(t) for t in tails]
     if op == "free":
         kv, _ = mm.free(kv, request.request_id)
         requests = {r: v for r, v in world.requests.items() if r != request.request_id}
@@ -420,6 +457,7 @@ OPERATIONS = (
     "preempt",
     *(op for op in target.OPERATIONS if op != "snapshot"),
     *target.OPERATIONS_033,
+    *target.OPERATIONS_SCHEDULER,
 )
 """Every operation a request scenario may use: the scheduler's own three steps, then the
 request layer's operations (``kvpool.specs.request.target``) with vLLM 0.33's further calls."""
@@ -447,6 +485,7 @@ _ARGS: dict[str, tuple[str, ...]] = {
         "new_computed_blocks",
         "num_lookahead_tokens",
         "delay_cache_blocks",
+        "full_sequence_must_fit",
     ),
     "free": ("request_id",),
     "cache_blocks": ("request_id", "num_computed_tokens"),
@@ -465,6 +504,13 @@ _ARGS: dict[str, tuple[str, ...]] = {
     "take_new_block_ids": (),
     "estimate_cached_tokens": ("request_id",),
     "new_step_starts": (),
+    "pop_blocks_for_free": ("request_id",),
+    "remove_skipped_blocks": ("request_id", "processed_computed_tokens"),
+    "get_block_ids_for_computed_tokens": ("request_id", "num_computed_tokens"),
+    "get_computed_blocks_for_connector": ("request_id",),
+    "record_blocks_for_zeroing": ("request_id", "start_token"),
+    "take_boundary_state_offloads": (),
+    "finalize_partial_tail_offloads": ("request_id",),
 }
 _REQUIRED = {
     "new_request": ("request_id", "prompt"),
@@ -474,6 +520,9 @@ _REQUIRED = {
     "evict_blocks": ("block_ids",),
     "free_blocks": ("block_ids",),
     "truncate_computed_blocks": ("blocks", "num_computed_tokens"),
+    "remove_skipped_blocks": ("request_id", "processed_computed_tokens"),
+    "get_block_ids_for_computed_tokens": ("request_id", "num_computed_tokens"),
+    "record_blocks_for_zeroing": ("request_id", "start_token"),
 }
 
 
@@ -517,6 +566,7 @@ def decode_args(op: str, args: Mapping[str, Json]) -> dict[str, Any]:
             args.get("num_lookahead_tokens", 0), "num_lookahead_tokens"
         )
         out["delay_cache_blocks"] = _flag(args, "delay_cache_blocks")
+        out["full_sequence_must_fit"] = _flag(args, "full_sequence_must_fit")
         hits = args.get("new_computed_blocks")
         out["from_lookup"] = hits == "lookup"
         if hits == "lookup" and "num_new_computed_tokens" in args:
@@ -532,6 +582,11 @@ def decode_args(op: str, args: Mapping[str, Json]) -> dict[str, Any]:
     elif op == "truncate_computed_blocks":
         out["blocks"] = _groups(args["blocks"])
         out["num_computed_tokens"] = _count(args["num_computed_tokens"], "num_computed_tokens")
+    elif op in ("remove_skipped_blocks", "get_block_ids_for_computed_tokens"):
+        name = _ARGS[op][1]
+        out[name] = _count(args[name], name)
+    elif op == "record_blocks_for_zeroing":
+        out["start_token"] = _count(args["start_token"], "start_token")
     return out
 
 
@@ -661,6 +716,11 @@ def encode_setup(setup: ManagerSetup) -> dict[str, Json]:
         "profile": setup.profile.name,
         # written only when on, so that files of earlier programs stay as they were
         **({"fine_grained_hits": True} if setup.fine_grained_hits else {}),
+        **(
+            {}
+            if setup.max_in_flight_tokens is None
+            else {"max_in_flight_tokens": setup.max_in_flight_tokens}
+        ),
     }
 
 
@@ -668,7 +728,7 @@ def decode_setup(value: Json) -> ManagerSetup:
     """The manager configuration from JSON, bounded; the model then checks the rest."""
     if not isinstance(value, dict):
         raise ScenarioError("config must be an object")
-    known = {*encode_setup(_EXAMPLE_SETUP), "fine_grained_hits"}
+    known = {*encode_setup(_EXAMPLE_SETUP), "fine_grained_hits", "max_in_flight_tokens"}
     unknown = sorted(set(value) - known)
     if unknown:
         raise ScenarioError(f"config: unknown field(s) {', '.join(unknown)}")
@@ -698,6 +758,11 @@ def decode_setup(value: Json) -> ManagerSetup:
         enable_events=_flag(value, "enable_events"),
         profile=PROFILES[str(profile)],
         fine_grained_hits=_flag(value, "fine_grained_hits"),
+        max_in_flight_tokens=(
+            None
+            if value.get("max_in_flight_tokens") is None
+            else _count(value["max_in_flight_tokens"], "max_in_flight_tokens")
+        ),
     )
     try:
         new_world(chosen)

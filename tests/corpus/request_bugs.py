@@ -64,7 +64,7 @@ class _Rehashing(KVCacheManager):
     def _rehashed(self, request: Request) -> Request:
         return replace(request, block_hashes=self.rehash(request))
 
-    def get_computed_blocks(self, request: Any) -> tuple[KVCacheBlocks, int]:
+    def get_computed_blocks(self, request: Any) -> tuple[KVCacheBlocks, int, int]:
         return super().get_computed_blocks(self._rehashed(request))
 
     def allocate_slots(self, request: Any, *args: Any, **kwargs: Any) -> KVCacheBlocks | None:

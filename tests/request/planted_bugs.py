@@ -37,6 +37,7 @@ class _OrderingBugs(KVCacheManager):
         new_computed_blocks: KVCacheBlocks | None = None,
         num_lookahead_tokens: int = 0,
         delay_cache_blocks: bool = False,
+        full_sequence_must_fit: bool = False,
     ) -> KVCacheBlocks | None:
         managers = self.managers
         rid = request.request_id
@@ -45,6 +46,10 @@ class _OrderingBugs(KVCacheManager):
             if new_computed_blocks is None
             else new_computed_blocks.blocks
         )
+        if full_sequence_must_fit and not self._full_sequence_fits(
+            request, hits, [False] * len(managers)
+        ):
+            return None
         for manager in managers:
             manager.remove_skipped_blocks(rid, request.num_computed_tokens)
         num_computed = request.num_computed_tokens + num_new_computed_tokens

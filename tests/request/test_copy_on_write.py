@@ -128,7 +128,7 @@ def impl_with_a_cached() -> tuple[KVCacheManager, Request]:
 def test_impl_copies_as_the_model_does() -> None:
     m, b = impl_with_a_cached()
     s, _ = shared_prompt_state()
-    hit, num_hit, boundary = m.get_computed_blocks_with_boundary(b)
+    hit, num_hit, boundary = m.get_computed_blocks(b)
     s, (model_hit, model_num, model_boundary) = M.get_computed_blocks_with_boundary(s, b)
     assert (tuple(tuple(g) for g in hit.get_block_ids()), num_hit, boundary) == (
         model_hit,
@@ -160,7 +160,7 @@ def test_impl_copies_as_the_model_does() -> None:
 )
 def test_invalid_impl_call_changes_nothing(call: Any, error: type[Exception]) -> None:
     m, b = impl_with_a_cached()
-    hit, _ = m.get_computed_blocks(b)
+    hit, _, _ = m.get_computed_blocks(b)
     before = m.snapshot()
     with pytest.raises(error):
         call(m, b, hit)

@@ -148,7 +148,7 @@ def test_a_hybrid_hit_after_any_evictions_is_the_models(
     impl.evict_blocks(evicted)
     model, _ = model_manager.evict_blocks(model, evicted)
     probe = new_request("b", prompt + extra, hbs)
-    blocks, num_tokens = impl.get_computed_blocks(probe)
+    blocks, num_tokens, _ = impl.get_computed_blocks(probe)
     _, expected = model_manager.get_computed_blocks(model, probe)
     assert (tuple(tuple(g) for g in blocks.get_block_ids()), num_tokens) == expected
 
@@ -207,7 +207,7 @@ def test_a_request_without_the_skip_flag_reads_the_cache() -> None:
     probe = new_request("b", (1, 2, 3, 4, 5), 2)
     read = ("request_id", "hash_block_size", "num_tokens", "block_hashes", "num_preemptions")
     duck = SimpleNamespace(**{name: getattr(probe, name) for name in read})
-    blocks, num_tokens = impl.get_computed_blocks(duck)
+    blocks, num_tokens, _ = impl.get_computed_blocks(duck)
     assert blocks.get_block_ids() == ([1, 2],) and num_tokens == 4
 
 

@@ -247,7 +247,7 @@ def test_impl_matches_model_call_by_call(seed: int) -> None:
             length = rnd.randrange(2, 17)
             r = new_request(rid, base[:length] if rnd.random() < 0.7 else [1] * length, 4)
             kv, (hit, num_hit) = manager.get_computed_blocks(kv, r)
-            impl_hit, impl_num = impl.get_computed_blocks(r)
+            impl_hit, impl_num, _ = impl.get_computed_blocks(r)
             assert (num_hit, hit) == (impl_num, tuple(map(tuple, impl_hit.get_block_ids())))
             k = rnd.randrange(1, r.num_tokens - num_hit + 1)
             kv, got = manager.allocate_slots(kv, r, k, num_hit, hit if num_hit else None)

@@ -95,10 +95,10 @@ def test_impl_conforms_at_level_2() -> None:
 class AcceptsZeroNewTokens(KVCacheManager):
     """Lets ``allocate_slots(request, 0)`` through; no scheduler sends it, so level 1 never does."""
 
-    def allocate_slots(self, request: Any, num_new_tokens: int, *args: Any) -> Any:
+    def allocate_slots(self, request: Any, num_new_tokens: int, *args: Any, **kwargs: Any) -> Any:
         if num_new_tokens == 0:
             return self.empty_kv_cache_blocks
-        return super().allocate_slots(request, num_new_tokens, *args)
+        return super().allocate_slots(request, num_new_tokens, *args, **kwargs)
 
 
 class SameSpecGroupsDisagree(KVCacheManager):

@@ -38,13 +38,13 @@ def test_vllm_manager_conforms_at_level_1() -> None:
 def test_vllm_hybrid_managers_conform_at_level_1() -> None:
     """Two or three groups through vLLM's hybrid coordinator: two groups of one spec, the
     window listed first, two windows that shorten each other's hit, chunked local beside
-    full attention."""
+    full attention; and full attention beside Mamba (caching off: its blocks are zeroed)."""
     from dataclasses import replace
 
     from kvpool.specs.targets.vllm.request import VLLM_SCOPE
 
     hybrids = tuple(layout for layout in VLLM_SCOPE.layouts if "+" in layout)
-    assert len(hybrids) == 5
+    assert len(hybrids) == 6
     scope = replace(VLLM_SCOPE, layouts=hybrids)
     report = run_manager_conformance(scope, hypothesis_profile="ci", max_examples=100)
     assert report.conforms, f"{report.failure}\n{report.program}"

@@ -205,3 +205,40 @@ def test_a_vllm_copy_served_before_it_is_written_is_found() -> None:
     )
     assert not report.conforms
     assert "take_kv_cache_block_copies" in str(report.failure)
+
+
+def _vllm_subclass_is_found(cls: type, evidence: str) -> None:
+    from kvpool.specs.request.check import run_request_conformance
+    from kvpool.specs.targets.vllm.request import VllmManagerFactory, scope
+
+    report = run_request_conformance(
+        scope(VllmManagerFactory(cls)), hypothesis_profile="ci", max_examples=300
+    )
+    assert not report.conforms
+    assert evidence in str(report.failure) + str(report.program), report.failure
+
+
+def test_a_vllm_manager_admitting_past_the_full_sequence_gate_is_found() -> None:
+    """A subclass that drops ``full_sequence_must_fit``: it admits what cannot fit whole."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    class NoGate(KVCacheManager):  # type: ignore[misc]
+        def allocate_slots(self, *args: Any, **kwargs: Any) -> Any:
+            kwargs.pop("full_sequence_must_fit", None)  # BUG
+            return super().allocate_slots(*args, **kwargs)
+
+    _vllm_subclass_is_found(NoGate, "full_sequence_must_fit")
+
+
+def test_a_vllm_manager_freeing_the_blocks_it_pops_is_found() -> None:
+    """A subclass whose ``pop_blocks_for_free`` already frees what it hands back: a block
+    a step may still write goes back to the free queue."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    class EagerPop(KVCacheManager):  # type: ignore[misc]
+        def pop_blocks_for_free(self, request: Any) -> Any:
+            blocks = super().pop_blocks_for_free(request)
+            self.block_pool.free_blocks(reversed(blocks))  # BUG
+            return blocks
+
+    _vllm_subclass_is_found(EagerPop, "pop_blocks_for_free")

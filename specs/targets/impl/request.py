@@ -1,6 +1,6 @@
 """kvpool's own fast KV cache manager as a manager target."""
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from kvpool.impl.block import KVCacheBlock
 from kvpool.impl.manager import KVCacheBlocks, KVCacheConfig, KVCacheManager
@@ -8,7 +8,7 @@ from kvpool.model.events import KVCacheEvent
 from kvpool.model.manager import Blocks, KVCacheManagerState, PrefixCacheStats
 from kvpool.model.request import Request
 from kvpool.specs.request.target import ManagerSetup
-from kvpool.specs.targets.manager_api import block_ids, copy_ids
+from kvpool.specs.targets.manager_api import block_ids, copy_ids, offload_ids, without_annotation
 
 
 class ImplManagerTarget:
@@ -20,6 +20,7 @@ class ImplManagerTarget:
     manager_class: type[KVCacheManager] = KVCacheManager
 
     def __init__(self, setup: ManagerSetup) -> None:
+        self.specs = setup.specs
         self.manager = self.manager_class(
             KVCacheConfig(setup.num_blocks, setup.specs),
             setup.max_model_len,
@@ -30,13 +31,14 @@ class ImplManagerTarget:
             enable_kv_cache_events=setup.enable_events,
             profile=setup.profile,
             fine_grained_hits=setup.fine_grained_hits,
+            max_in_flight_tokens=setup.max_in_flight_tokens,
         )
 
     def snapshot(self) -> KVCacheManagerState:
         return self.manager.snapshot()
 
     def get_computed_blocks(self, request: Request) -> tuple[Blocks, int]:
-        blocks, num_tokens = self.manager.get_computed_blocks(request)
+        blocks, num_tokens, _ = self.manager.get_computed_blocks(request)
         return block_ids(blocks), num_tokens
 
     def allocate_slots(
@@ -47,6 +49,7 @@ class ImplManagerTarget:
         new_computed_blocks: Blocks | None = None,
         num_lookahead_tokens: int = 0,
         delay_cache_blocks: bool = False,
+        full_sequence_must_fit: bool = False,
     ) -> Blocks | None:
         hits = None
         if new_computed_blocks is not None:
@@ -58,6 +61,8 @@ class ImplManagerTarget:
             hits,
             num_lookahead_tokens,
             delay_cache_blocks,
+            # only when asked for, so that a subclass predating the argument still runs
+            **({"full_sequence_must_fit": True} if full_sequence_must_fit else {}),
         )
         return None if blocks is None else block_ids(blocks)
 
@@ -91,7 +96,8 @@ class ImplManagerTarget:
         return tuple(tuple(g) for g in self.manager.get_block_ids(request_id))
 
     def take_events(self) -> Sequence[KVCacheEvent]:
-        return self.manager.take_events()
+        # the manager stamps each BlockStored with its group's spec; checked, then dropped
+        return tuple(without_annotation(e, self.specs) for e in self.manager.take_events())
 
     def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
         return self.manager.make_prefix_cache_stats()
@@ -105,7 +111,7 @@ class ImplManagerTarget:
     # vLLM 0.33's further scheduler calls
 
     def get_computed_blocks_with_boundary(self, request: Request) -> tuple[Blocks, int, int]:
-        blocks, num_tokens, boundary = self.manager.get_computed_blocks_with_boundary(request)
+        blocks, num_tokens, boundary = self.manager.get_computed_blocks(request)
         return block_ids(blocks), num_tokens, boundary
 
     def take_kv_cache_block_copies(self) -> tuple[Sequence[tuple[int, int]], Sequence[int]]:
@@ -126,3 +132,33 @@ class ImplManagerTarget:
 
     def new_step_starts(self) -> None:
         self.manager.new_step_starts()
+
+    # the rest of vLLM 0.33's scheduler calls
+
+    def pop_blocks_for_free(self, request: Request) -> Sequence[int]:
+        return tuple(b.block_id for b in self.manager.pop_blocks_for_free(request))
+
+    def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int) -> None:
+        self.manager.remove_skipped_blocks(request_id, processed_computed_tokens)
+
+    def get_block_ids_for_computed_tokens(
+        self, request_id: str, num_computed_tokens: int
+    ) -> Blocks:
+        ids = self.manager.get_block_ids_for_computed_tokens(request_id, num_computed_tokens)
+        return tuple(tuple(g) for g in ids)
+
+    def get_computed_blocks_for_connector(self, request: Request) -> tuple[Blocks, int, int, bool]:
+        blocks, num_tokens, boundary, diverged = self.manager.get_computed_blocks_for_connector(
+            request
+        )
+        return block_ids(blocks), num_tokens, boundary, diverged
+
+    def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
+        self.manager.record_blocks_for_zeroing(request_id, start_token)
+
+    def take_boundary_state_offloads(self) -> Mapping[str, Sequence[tuple[int, int, int]]]:
+        return offload_ids(self.manager.take_boundary_state_offloads())
+
+    def finalize_partial_tail_offloads(self, request: Request) -> Sequence[tuple[int, int, int]]:
+        tails = self.manager.finalize_partial_tail_offloads(request)
+        return tuple((int(g), int(b), int(n)) for g, b, n in tails)

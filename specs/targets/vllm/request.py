@@ -28,9 +28,15 @@ What is compared, and what is not (docs/semantics.md, "The request layer"):
   on: vLLM refuses the rest (``vllm_refuses``). Mamba's "align" mode, alone
   and beside full attention or a sliding window, is compared apart
   (``mamba_align_scope()``);
-* ``get_computed_blocks`` returns a 3-tuple in 0.33; ``get_computed_blocks``
-  drops the third element (the shared-prefix boundary) and
-  ``get_computed_blocks_with_boundary`` compares it. 0.33 records hit
+* ``get_computed_blocks`` returns a 3-tuple in 0.33; the protocol's
+  ``get_computed_blocks`` drops the third element (the shared-prefix boundary)
+  and ``get_computed_blocks_with_boundary`` compares it;
+* the rest of 0.33's scheduler calls (``OPERATIONS_SCHEDULER``: the deferred
+  free, the connector-facing calls, zeroing records, the whole-sequence
+  admission gate with ``max_in_flight_tokens``), on ``scope()`` (the impl runs
+  them with fine-grained hits against the model); a full-attention group beside
+  a Mamba one (caching off) makes vLLM record new blocks for zeroing, which the
+  machine compares. 0.33 records hit
   statistics from the scheduler, at admission; the adapter records them
   right after the lookup, where seed 004 does;
 * ``get_num_common_prefix_blocks`` is deprecated in 0.33 (always 0): the
@@ -61,7 +67,7 @@ from kvpool.model.single_type import AttentionType, KVCacheSpec
 from kvpool.specs.errors import TargetError
 from kvpool.specs.request.target import ManagerSetup, ManagerTargetSpec
 from kvpool.specs.targets.importing import import_from_here
-from kvpool.specs.targets.manager_api import block_ids, copy_ids
+from kvpool.specs.targets.manager_api import block_ids, copy_ids, offload_ids
 from kvpool.specs.targets.vllm import eras
 from kvpool.specs.targets.vllm.event_shape import UnmappedEvent, model_event
 from kvpool.specs.targets.vllm.hasher import VllmRequests, find_hasher
@@ -105,6 +111,9 @@ class ManagerApi:
     hash_block_size_arg: bool
     """0.12.0+: the constructor takes ``hash_block_size``; before, blocks are hashed
     at the block size (the adapter's scope has ``block_size == hash_block_size``)."""
+    scheduler_calls: bool = False
+    """0.33: the class has ``pop_blocks_for_free`` and its constructor takes
+    ``max_in_flight_tokens`` (the rest of the scheduler calls, ``OPERATIONS_SCHEDULER``)."""
 
 
 def load_manager_api(manager_class: Any = None) -> ManagerApi:
@@ -122,6 +131,8 @@ def load_manager_api(manager_class: Any = None) -> ManagerApi:
         manager_class=cls,
         scheduler_block_size_arg=eras.takes(cls, "__init__", "scheduler_block_size", base),
         hash_block_size_arg=eras.takes(cls, "__init__", "hash_block_size", base),
+        scheduler_calls=callable(getattr(cls, "pop_blocks_for_free", None))
+        and eras.takes(cls, "__init__", "max_in_flight_tokens", base),
     )
 
 
@@ -163,6 +174,9 @@ class VllmManagerTarget:
         self._has_get_blocks = callable(getattr(self.api.manager_class, "get_blocks", None))
         self._status = request_module.RequestStatus.RUNNING
         self.setup = setup
+        self.answers_scheduler_calls = self.api.scheduler_calls
+        """Whether the machine may send the rest of 0.33's scheduler calls (a release
+        before them has none)."""
         self._to_model: dict[Any, bytes] = {}
         self.hasher = chosen_hasher(hasher)
         self._requests: VllmRequests | None = None
@@ -214,6 +228,8 @@ class VllmManagerTarget:
             kwargs["scheduler_block_size"] = specs[0].block_size
         if self.api.hash_block_size_arg:
             kwargs["hash_block_size"] = setup.hash_block_size
+        if setup.max_in_flight_tokens is not None and self.api.scheduler_calls:
+            kwargs["max_in_flight_tokens"] = setup.max_in_flight_tokens
         cls = self.api.manager_class
         try:
             self.manager = Translating(cls(config, **kwargs), self.api.version)
@@ -253,7 +269,10 @@ class VllmManagerTarget:
         new_computed_blocks: Blocks | None = None,
         num_lookahead_tokens: int = 0,
         delay_cache_blocks: bool = False,
+        full_sequence_must_fit: bool = False,
     ) -> Blocks | None:
+        # passed only when asked for: a release before 0.33 has no such argument
+        whole = {"full_sequence_must_fit": True} if full_sequence_must_fit else {}
         hits = None
         if new_computed_blocks is not None and any(new_computed_blocks):
             pool_blocks = self.manager.block_pool.blocks
@@ -273,6 +292,7 @@ class VllmManagerTarget:
                 hits,
                 num_lookahead_tokens,
                 delay_cache_blocks=delay_cache_blocks,
+                **whole,
             )
         except VllmRejection as error:
             # 0.33 signals "no new tokens" with a ValueError, which NoNewTokens is too
@@ -365,6 +385,39 @@ class VllmManagerTarget:
 
     def new_step_starts(self) -> None:
         self.manager.new_step_starts()
+
+    # the rest of vLLM 0.33's scheduler calls
+
+    def pop_blocks_for_free(self, request: Request) -> Sequence[int]:
+        return tuple(b.block_id for b in self.manager.pop_blocks_for_free(self._request(request)))
+
+    def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int) -> None:
+        self.manager.remove_skipped_blocks(request_id, processed_computed_tokens)
+
+    def get_block_ids_for_computed_tokens(
+        self, request_id: str, num_computed_tokens: int
+    ) -> Blocks:
+        ids = self.manager.get_block_ids_for_computed_tokens(request_id, num_computed_tokens)
+        return tuple(tuple(g) for g in ids)
+
+    def get_computed_blocks_for_connector(self, request: Request) -> tuple[Blocks, int, int, bool]:
+        duck = self._request(request)
+        blocks, num_tokens, boundary, diverged = self.manager.get_computed_blocks_for_connector(
+            duck
+        )
+        # stats at the lookup, as for get_computed_blocks
+        self.manager.record_prefix_cache_stats(duck, num_tokens)
+        return block_ids(blocks), num_tokens, int(boundary), bool(diverged)
+
+    def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
+        self.manager.record_blocks_for_zeroing(request_id, start_token)
+
+    def take_boundary_state_offloads(self) -> dict[str, tuple[tuple[int, int, int], ...]]:
+        return offload_ids(self.manager.take_boundary_state_offloads())
+
+    def finalize_partial_tail_offloads(self, request: Request) -> Sequence[tuple[int, int, int]]:
+        tails = self.manager.finalize_partial_tail_offloads(self._request(request))
+        return tuple((int(g), int(b), int(n)) for g, b, n in tails)
 
 
 def enable_fine_grained_hits(coordinator: Any, hash_block_size: int) -> None:
@@ -563,6 +616,12 @@ STEPPED = (
     "reset_prefix_cache",
     "take_events",
     "make_prefix_cache_stats",
+    "pop_blocks_for_free",
+    "remove_skipped_blocks",
+    "get_computed_blocks_for_connector",
+    "record_blocks_for_zeroing",
+    "take_boundary_state_offloads",
+    "finalize_partial_tail_offloads",
 )
 """The calls that change a manager's state: the shadow model runs each of them."""
 
@@ -637,13 +696,16 @@ def scope(factory: VllmManagerFactory | None = None) -> ManagerTargetSpec:
             "sliding_window+full",
             "full+sliding_window+sliding_window",
             "full+chunked_local",
+            "full+mamba",
         ),
         profiles=(DEFAULT_PROFILE,),
         events=(False, True),
         block_factors=(1, 2),
         min_window=2,
-        uncached_layouts=("mamba",),
+        uncached_layouts=("mamba", "full+mamba"),
         hash_sized_layouts=("full", "sliding_window", "chunked_local"),
+        in_flight=(None, 1, 3),
+        scheduler_calls=True,
     )
 
 
@@ -692,23 +754,7 @@ runs with prefix caching off, and a single group has blocks of one hash block wh
 caching is on."""
 
 
-SCHEDULER_CALLS_NOT_DRIVEN: dict[str, str] = {
-    "finalize_partial_tail_offloads": "a KV connector producer's partial-tail hand-off "
-    "of Mamba 'align' states: connectors and Mamba 'align' are not modelled",
-    "get_block_ids_for_computed_tokens": "the block table cut at the computed tokens, "
-    "for a KV connector: connectors are not modelled",
-    "get_computed_blocks_for_connector": "the lookup for a request with a KV connector: "
-    "connectors are not modelled",
-    "pop_blocks_for_free": "the scheduler's deferred free, the request's blocks handed "
-    "back for a later BlockPool.free_blocks: not modelled yet (issue #16, part 2)",
-    "record_blocks_for_zeroing": "re-records blocks for zeroing after a failed KV "
-    "connector load; it acts only where the KV cache config needs zeroing (Mamba layers "
-    "or mixed precision), which kvpool's groups never do",
-    "remove_skipped_blocks": "called by the scheduler's connector path only; allocate_slots "
-    "makes the same removal itself, which the machine drives",
-    "take_boundary_state_offloads": "a KV connector's Mamba boundary states: connectors "
-    "and Mamba state caching are not modelled",
-}
+SCHEDULER_CALLS_NOT_DRIVEN: dict[str, str] = {}
 """Methods of 0.33's ``KVCacheManager`` its scheduler calls that the request machine
 does not drive, each with the reason (``tests/vllm/test_vllm_033_operations.py``
 fails on a scheduler call that is neither driven nor listed here, and on an entry
