@@ -242,7 +242,8 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
         """Build the model and the target; the first requests arrive."""
         chosen = profile_named(profile)
         specs = layout_specs(layout, hbs * factor, window, chunk_blocks, MAX_MODEL_LEN, hbs)
-        eagle = eagle and layout in ("full", "sliding_window")
+        # vLLM 0.33's chunked-local finder cannot drop EAGLE's block (kvpool.model.eagle)
+        eagle = eagle and not (caching and "chunked_local" in layout)
         self.setup = ManagerSetup(
             num_blocks=num_blocks,
             specs=specs,
