@@ -66,20 +66,35 @@ def cacheable(
     return final if final < bound else bound
 
 
-def check_eagle_flags(kv_cache_config: object, use_eagle: bool) -> None:
-    """Raise InvalidManagerConfig when vLLM's groups flag EAGLE on some groups only.
+def check_eagle_flags(
+    kv_cache_config: object,
+    use_eagle: bool,
+    enable_caching: bool,
+    num_prefill_lookahead: int,
+    block_size: int,
+) -> None:
+    """Raise InvalidManagerConfig where vLLM's per-group EAGLE flags (``is_eagle_group``)
+    would make vLLM 0.33 differ from kvpool, which models EAGLE on every group.
 
-    vLLM 0.33 drops EAGLE's block in the flagged groups (``is_eagle_group``)
-    and in every group when none is flagged; kvpool models the latter only.
-    Every group flagged with ``use_eagle`` is the same thing.
+    With ``use_eagle``, vLLM drops EAGLE's block in the flagged groups, or in
+    every group when none is flagged: flags on some groups only are refused.
+    Without it no group drops, but flagged groups still make vLLM refuse a
+    look-ahead longer than a scheduler block when caching is on: so does this.
 
-    >>> check_eagle_flags(object(), True) is None
+    >>> check_eagle_flags(object(), True, True, 0, 4) is None
     True
     """
     groups = getattr(kv_cache_config, "kv_cache_groups", ())
     flags = [getattr(group, "is_eagle_group", False) is True for group in groups]
-    if any(flags) and not (use_eagle and all(flags)):
+    if not any(flags):
+        return
+    if use_eagle and not all(flags):
         raise InvalidManagerConfig(
             "EAGLE flagged on some KV cache groups only (is_eagle_group): kvpool models "
             "EAGLE on every group"
+        )
+    if enable_caching and block_size < num_prefill_lookahead:
+        raise InvalidManagerConfig(
+            f"multi-module MTP with prefix caching needs scheduler_block_size={block_size} "
+            f">= num_prefill_lookahead={num_prefill_lookahead}"
         )

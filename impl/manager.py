@@ -160,8 +160,6 @@ class KVCacheManager:
             if value != default:
                 raise InvalidManagerConfig(f"{name}={value!r}: kvpool models only {default!r}")
         specs = _specs_of(kv_cache_config)
-        # Verify that EAGLE is not flagged on some groups only
-        check_eagle_flags(kv_cache_config, use_eagle)
         # Verify that every group's block size divides the scheduler's
         if scheduler_block_size is not None and any(
             scheduler_block_size % s.block_size for s in specs
@@ -185,6 +183,9 @@ class KVCacheManager:
                 )
         # Verify that EAGLE and the look-ahead are settings vLLM 0.33 runs
         reprefillable = check_eagle_config(specs, enable_caching, use_eagle, num_prefill_lookahead)
+        check_eagle_flags(
+            kv_cache_config, use_eagle, enable_caching, num_prefill_lookahead, specs[0].block_size
+        )
         try:
             self.block_pool = BlockPool(
                 kv_cache_config.num_blocks,

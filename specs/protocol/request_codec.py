@@ -167,6 +167,11 @@ def encode_setup(setup: ManagerSetup) -> Json:
         "profile": setup.profile.name,
         # written only when on, so that earlier setups encode as they did
         **({"fine_grained_hits": True} if setup.fine_grained_hits else {}),
+        **(
+            {"num_prefill_lookahead": setup.num_prefill_lookahead}
+            if setup.num_prefill_lookahead
+            else {}
+        ),
     }
 
 
@@ -192,6 +197,9 @@ def decode_setup(value: Json) -> ManagerSetup:
         enable_events=_bool(obj.get("enable_events"), "enable_events"),
         profile=PROFILES[profile],
         fine_grained_hits=_bool(obj.get("fine_grained_hits", False), "fine_grained_hits"),
+        num_prefill_lookahead=_bounded(
+            obj.get("num_prefill_lookahead", 0), "num_prefill_lookahead", MAX_TOKENS
+        ),
     )
 
 
@@ -391,6 +399,7 @@ def decode_manager_state(value: Json, setup: ManagerSetup) -> KVCacheManagerStat
             setup.use_eagle,
             setup.log_stats,
             _bool(obj.get("fine_grained_hits", False), "fine_grained_hits"),
+            setup.num_prefill_lookahead,
         ),
         managers=ManagersState(pool, setup.specs, tuple(tables)),
         stats=decode_stats(obj.get("stats")),

@@ -72,6 +72,7 @@ def run_request_conformance(
         uncached_layouts=target.uncached_layouts,
         hash_sized_layouts=target.hash_sized_layouts,
         fine_grained=target.fine_grained,
+        prefill_lookaheads=target.prefill_lookaheads,
     )
 
     def stop() -> None:
@@ -112,6 +113,9 @@ def narrowed(target: ManagerTargetSpec, claimed: dict[str, Any]) -> ManagerTarge
         )
     # fine-grained hits are an optional feature: the program's claim decides
     fine = tuple(claimed.get("fine_grained", target.fine_grained))
+    # so is multi-module MTP's look-ahead (a constructor argument of vLLM 0.33 only)
+    allowed = claimed.get("prefill_lookaheads", target.prefill_lookaheads)
+    lookaheads = tuple(x for x in target.prefill_lookaheads if x in allowed) or (0,)
     return replace(
         target,
         layouts=layouts,
@@ -119,4 +123,5 @@ def narrowed(target: ManagerTargetSpec, claimed: dict[str, Any]) -> ManagerTarge
         block_factors=factors,
         min_window=window,
         fine_grained=fine,
+        prefill_lookaheads=lookaheads,
     )

@@ -150,6 +150,7 @@ def _start_rule(
     uncached_layouts: Sequence[str] = (),
     hash_sized_layouts: Sequence[str] = (),
     fine_grained: Sequence[bool] = (False,),
+    prefill_lookaheads: Sequence[int] = (0,),
 ) -> Callable[..., None]:
     """The machine's first step, drawing only from the configurations given.
 
@@ -160,6 +161,8 @@ def _start_rule(
     extra: dict[str, st.SearchStrategy[Any]] = (
         {"fine": st.sampled_from(list(fine_grained))} if any(fine_grained) else {}
     )
+    if any(prefill_lookaheads):  # likewise
+        extra["lookahead"] = st.sampled_from(list(prefill_lookaheads))
 
     decorate = cast(
         Callable[[Callable[..., None]], Callable[..., None]],
@@ -238,12 +241,15 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
         profile: str,
         prompts: list[tuple[int, ...]],
         fine: bool = False,
+        lookahead: int = 0,
     ) -> None:
         """Build the model and the target; the first requests arrive."""
         chosen = profile_named(profile)
         specs = layout_specs(layout, hbs * factor, window, chunk_blocks, MAX_MODEL_LEN, hbs)
         # vLLM 0.33's chunked-local finder cannot drop EAGLE's block (kvpool.model.eagle)
         eagle = eagle and not (caching and "chunked_local" in layout)
+        if eagle and caching:  # EAGLE's dropped block holds every re-prefilled token
+            lookahead = min(lookahead, specs[0].block_size)
         self.setup = ManagerSetup(
             num_blocks=num_blocks,
             specs=specs,
@@ -255,6 +261,7 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
             enable_events=events,
             profile=chosen,
             fine_grained_hits=fine,
+            num_prefill_lookahead=lookahead,
         )
         self.block_sizes = [s.block_size for s in specs]
         self.model = model_manager.new_kv_cache_manager(
@@ -268,6 +275,7 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
             enable_events=events,
             profile=chosen,
             fine_grained_hits=fine,
+            num_prefill_lookahead=lookahead,
         )
         self.target = type(self).make_target(self.setup)
         for prompt in prompts:
@@ -932,6 +940,7 @@ def manager_machine(
     uncached_layouts: Sequence[str] = (),
     hash_sized_layouts: Sequence[str] = (),
     fine_grained: Sequence[bool] = (False,),
+    prefill_lookaheads: Sequence[int] = (0,),
 ) -> type[ManagerMachine]:
     """A state machine class that checks ``make_target`` on the given layouts and profiles.
 
@@ -958,6 +967,7 @@ def manager_machine(
             uncached_layouts,
             hash_sized_layouts,
             fine_grained,
+            prefill_lookaheads,
         ),
         "make_target": staticmethod(make_target),
         "lockstep": lockstep,

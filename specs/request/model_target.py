@@ -24,6 +24,7 @@ class ModelManagerTarget:
             enable_events=setup.enable_events,
             profile=setup.profile,
             fine_grained_hits=setup.fine_grained_hits,
+            num_prefill_lookahead=setup.num_prefill_lookahead,
         )
 
     def snapshot(self) -> KVCacheManagerState:

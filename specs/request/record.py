@@ -127,6 +127,7 @@ def _model_manager(setup: ManagerSetup) -> KVCacheManagerState:
         enable_events=setup.enable_events,
         profile=setup.profile,
         fine_grained_hits=setup.fine_grained_hits,
+        num_prefill_lookahead=setup.num_prefill_lookahead,
     )
 
 

@@ -77,6 +77,9 @@ class ManagerSetup:
     fine_grained_hits: bool = False
     """Ask for vLLM 0.33's fine-grained hits (``kvpool.model.copy_on_write``); the
     target also answers ``ManagerTarget033``'s calls."""
+    num_prefill_lookahead: int = 0
+    """Multi-module MTP's speculative tokens (vLLM 0.33's constructor argument;
+    ``kvpool.model.eagle``)."""
 
 
 class ManagerTarget(Protocol):
@@ -166,3 +169,5 @@ class ManagerTargetSpec:
     so; with caching off they take every block factor)."""
     fine_grained: tuple[bool, ...] = (False,)
     """Whether programs ask for fine-grained hits (True needs ``ManagerTarget033``)."""
+    prefill_lookaheads: tuple[int, ...] = (0,)
+    """The ``num_prefill_lookahead`` values programs draw (the target takes the argument)."""

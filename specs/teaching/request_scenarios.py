@@ -172,6 +172,7 @@ def new_world(setup: ManagerSetup) -> World:
         enable_events=setup.enable_events,
         profile=setup.profile,
         fine_grained_hits=setup.fine_grained_hits,
+        num_prefill_lookahead=setup.num_prefill_lookahead,
     )
     return World(manager)
 
@@ -661,6 +662,11 @@ def encode_setup(setup: ManagerSetup) -> dict[str, Json]:
         "profile": setup.profile.name,
         # written only when on, so that files of earlier programs stay as they were
         **({"fine_grained_hits": True} if setup.fine_grained_hits else {}),
+        **(
+            {"num_prefill_lookahead": setup.num_prefill_lookahead}
+            if setup.num_prefill_lookahead
+            else {}
+        ),
     }
 
 
@@ -668,7 +674,7 @@ def decode_setup(value: Json) -> ManagerSetup:
     """The manager configuration from JSON, bounded; the model then checks the rest."""
     if not isinstance(value, dict):
         raise ScenarioError("config must be an object")
-    known = {*encode_setup(_EXAMPLE_SETUP), "fine_grained_hits"}
+    known = {*encode_setup(_EXAMPLE_SETUP), "fine_grained_hits", "num_prefill_lookahead"}
     unknown = sorted(set(value) - known)
     if unknown:
         raise ScenarioError(f"config: unknown field(s) {', '.join(unknown)}")
@@ -698,6 +704,9 @@ def decode_setup(value: Json) -> ManagerSetup:
         enable_events=_flag(value, "enable_events"),
         profile=PROFILES[str(profile)],
         fine_grained_hits=_flag(value, "fine_grained_hits"),
+        num_prefill_lookahead=_count(
+            value.get("num_prefill_lookahead", 0), "num_prefill_lookahead"
+        ),
     )
     try:
         new_world(chosen)

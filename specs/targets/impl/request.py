@@ -30,6 +30,7 @@ class ImplManagerTarget:
             enable_kv_cache_events=setup.enable_events,
             profile=setup.profile,
             fine_grained_hits=setup.fine_grained_hits,
+            num_prefill_lookahead=setup.num_prefill_lookahead,
         )
 
     def snapshot(self) -> KVCacheManagerState:

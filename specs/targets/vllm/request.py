@@ -107,6 +107,8 @@ class ManagerApi:
     hash_block_size_arg: bool
     """0.12.0+: the constructor takes ``hash_block_size``; before, blocks are hashed
     at the block size (the adapter's scope has ``block_size == hash_block_size``)."""
+    prefill_lookahead_arg: bool = False
+    """0.33: the constructor takes ``num_prefill_lookahead`` (multi-module MTP)."""
 
 
 def load_manager_api(manager_class: Any = None) -> ManagerApi:
@@ -124,6 +126,7 @@ def load_manager_api(manager_class: Any = None) -> ManagerApi:
         manager_class=cls,
         scheduler_block_size_arg=eras.takes(cls, "__init__", "scheduler_block_size", base),
         hash_block_size_arg=eras.takes(cls, "__init__", "hash_block_size", base),
+        prefill_lookahead_arg=eras.takes(cls, "__init__", "num_prefill_lookahead", base),
     )
 
 
@@ -215,6 +218,12 @@ class VllmManagerTarget:
             kwargs["scheduler_block_size"] = specs[0].block_size
         if self.api.hash_block_size_arg:
             kwargs["hash_block_size"] = setup.hash_block_size
+        if setup.num_prefill_lookahead:
+            if not self.api.prefill_lookahead_arg:
+                raise TargetError(
+                    f"vLLM {self.api.version}'s manager takes no num_prefill_lookahead"
+                )
+            kwargs["num_prefill_lookahead"] = setup.num_prefill_lookahead
         cls = self.api.manager_class
         try:
             self.manager = Translating(cls(config, **kwargs), self.api.version)
@@ -571,6 +580,12 @@ class VllmManagerFactory:
         target = cls(setup, self.manager_class(), hasher)
         return SteppingOver(target, setup, self.suppress) if self.suppress else target
 
+    def declared_scope(self) -> dict[str, Any]:
+        """Multi-module MTP's look-ahead only where the constructor takes it (vLLM 0.33)."""
+        if load_manager_api(self.manager_class()).prefill_lookahead_arg:
+            return {}
+        return {"prefill_lookaheads": (0,)}
+
     def preflight(self, level: int, profiles: Sequence[str]) -> None:
         """Fail fast, before any program runs, if this manager cannot be checked here."""
         chosen_hasher(self.hash_mode)
@@ -674,6 +689,7 @@ def scope(factory: VllmManagerFactory | None = None) -> ManagerTargetSpec:
         min_window=2,
         uncached_layouts=("mamba",),
         hash_sized_layouts=("full", "sliding_window", "chunked_local"),
+        prefill_lookaheads=(0, 0, 1, 2, 3),
     )
 
 
