@@ -791,6 +791,11 @@ def _specs_of(kv_cache_config: Any) -> tuple[KVCacheSpec, ...]:
         # Verify that every group is of an attention type kvpool models
         if kind is None:
             raise InvalidManagerConfig(f"kvpool does not model {type(spec).__name__} groups")
+        # Verify that a window keeps no extra trailing tokens (multi-module MTP's, not modelled)
+        if getattr(spec, "extra_retained_tokens", 0):
+            raise InvalidManagerConfig(
+                f"extra_retained_tokens={spec.extra_retained_tokens}: kvpool's windows keep none"
+            )
         specs.append(
             KVCacheSpec(
                 kind,

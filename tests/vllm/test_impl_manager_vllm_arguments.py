@@ -87,3 +87,11 @@ def test_eagle_flagged_on_some_vllm_groups_only_is_refused_by_name() -> None:
     config.kv_cache_groups[1].is_eagle_group = True  # type: ignore[attr-defined]
     with pytest.raises(InvalidManagerConfig, match="is_eagle_group"):
         KVCacheManager(config, 64, 4, 4, use_eagle=True)
+
+
+def test_a_window_keeping_extra_tokens_is_refused_by_name() -> None:
+    from dataclasses import replace
+
+    spec = replace(window(4, 8), extra_retained_tokens=2)  # type: ignore[type-var]
+    with pytest.raises(InvalidManagerConfig, match="extra_retained_tokens"):
+        KVCacheManager(vllm_config(full(4), spec), 64, 4, 4, num_prefill_lookahead=3)
