@@ -73,6 +73,7 @@ def run_request_conformance(
         hash_sized_layouts=target.hash_sized_layouts,
         fine_grained=target.fine_grained,
         prefill_lookaheads=target.prefill_lookaheads,
+        eagle_hybrids=target.eagle_hybrids,
     )
 
     def stop() -> None:
@@ -124,4 +125,5 @@ def narrowed(target: ManagerTargetSpec, claimed: dict[str, Any]) -> ManagerTarge
         min_window=window,
         fine_grained=fine,
         prefill_lookaheads=lookaheads,
+        eagle_hybrids=bool(claimed.get("eagle_hybrids", target.eagle_hybrids)),
     )

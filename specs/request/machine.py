@@ -151,6 +151,7 @@ def _start_rule(
     hash_sized_layouts: Sequence[str] = (),
     fine_grained: Sequence[bool] = (False,),
     prefill_lookaheads: Sequence[int] = (0,),
+    eagle_hybrids: bool = False,
 ) -> Callable[..., None]:
     """The machine's first step, drawing only from the configurations given.
 
@@ -188,7 +189,7 @@ def _start_rule(
             drawn["caching"] = False
         if drawn["caching"] and drawn["layout"] in hash_sized_layouts:
             drawn["factor"] = 1
-        self.start(**drawn)
+        self.start(**drawn, eagle_hybrids=eagle_hybrids)
 
     return decorate(start)
 
@@ -242,12 +243,16 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
         prompts: list[tuple[int, ...]],
         fine: bool = False,
         lookahead: int = 0,
+        eagle_hybrids: bool = False,
     ) -> None:
         """Build the model and the target; the first requests arrive."""
         chosen = profile_named(profile)
         specs = layout_specs(layout, hbs * factor, window, chunk_blocks, MAX_MODEL_LEN, hbs)
-        # vLLM 0.33's chunked-local finder cannot drop EAGLE's block (kvpool.model.eagle)
-        eagle = eagle and not (caching and "chunked_local" in layout)
+        if eagle_hybrids:
+            # vLLM 0.33's chunked-local finder cannot drop EAGLE's block (kvpool.model.eagle)
+            eagle = eagle and not (caching and "chunked_local" in layout)
+        else:
+            eagle = eagle and layout in ("full", "sliding_window")
         if eagle and caching:  # EAGLE's dropped block holds every re-prefilled token
             lookahead = min(lookahead, specs[0].block_size)
         self.setup = ManagerSetup(
@@ -941,6 +946,7 @@ def manager_machine(
     hash_sized_layouts: Sequence[str] = (),
     fine_grained: Sequence[bool] = (False,),
     prefill_lookaheads: Sequence[int] = (0,),
+    eagle_hybrids: bool = False,
 ) -> type[ManagerMachine]:
     """A state machine class that checks ``make_target`` on the given layouts and profiles.
 
@@ -968,6 +974,7 @@ def manager_machine(
             hash_sized_layouts,
             fine_grained,
             prefill_lookaheads,
+            eagle_hybrids,
         ),
         "make_target": staticmethod(make_target),
         "lockstep": lockstep,

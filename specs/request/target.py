@@ -171,3 +171,7 @@ class ManagerTargetSpec:
     """Whether programs ask for fine-grained hits (True needs ``ManagerTarget033``)."""
     prefill_lookaheads: tuple[int, ...] = (0,)
     """The ``num_prefill_lookahead`` values programs draw (the target takes the argument)."""
+    eagle_hybrids: bool = False
+    """EAGLE is drawn on every layout vLLM 0.33 runs it on, hybrids included (else on one
+    full-attention or sliding-window group only, as before EAGLE on several groups was
+    modelled: a ``cmd:`` program need not implement it)."""

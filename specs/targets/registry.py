@@ -243,7 +243,11 @@ def _request(spec: str) -> TargetDescriptor:
             "request",
             spec,
             ImplManagerTarget,
-            scope={"fine_grained": (False, True), "prefill_lookaheads": PREFILL_LOOKAHEADS},
+            scope={
+                "fine_grained": (False, True),
+                "prefill_lookaheads": PREFILL_LOOKAHEADS,
+                "eagle_hybrids": True,
+            },
         )
     if spec == "model":
         from kvpool.specs.request.model_target import ModelManagerTarget
@@ -252,7 +256,11 @@ def _request(spec: str) -> TargetDescriptor:
             "request",
             spec,
             ModelManagerTarget,
-            scope={"fine_grained": (False, True), "prefill_lookaheads": PREFILL_LOOKAHEADS},
+            scope={
+                "fine_grained": (False, True),
+                "prefill_lookaheads": PREFILL_LOOKAHEADS,
+                "eagle_hybrids": True,
+            },
         )
     if spec.startswith("cmd:"):
         from kvpool.specs.targets.cmd.request import CmdManagerFactory
@@ -308,6 +316,7 @@ def _from_scope(
             "hash_sized_layouts": scope.hash_sized_layouts,
             "fine_grained": scope.fine_grained,
             "prefill_lookaheads": scope.prefill_lookaheads,
+            "eagle_hybrids": scope.eagle_hybrids,
         },
     )
 

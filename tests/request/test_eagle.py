@@ -160,6 +160,7 @@ def test_the_impl_conforms_with_eagle_hybrids_and_lookaheads() -> None:
         ImplManagerTarget,
         layouts=["full", "full+sliding_window", "full+sliding_window+sliding_window"],
         prefill_lookaheads=(0, 1, 2, 3),
+        eagle_hybrids=True,
     )
     chosen = settings(
         settings.get_profile("ci"),

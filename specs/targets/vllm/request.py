@@ -690,6 +690,7 @@ def scope(factory: VllmManagerFactory | None = None) -> ManagerTargetSpec:
         uncached_layouts=("mamba",),
         hash_sized_layouts=("full", "sliding_window", "chunked_local"),
         prefill_lookaheads=(0, 0, 1, 2, 3),
+        eagle_hybrids=True,
     )
 
 
