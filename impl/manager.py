@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 from mypy_extensions import mypyc_attr
 
 from kvpool.impl.block import KVCacheBlock
+from kvpool.impl.eagle import cacheable, check_eagle_config, check_eagle_flags
 from kvpool.impl.mamba_align import MambaAlignManager, take_boundary_state_offloads
 from kvpool.impl.pool import BlockPool, Unchecked
 from kvpool.impl.single_type import (
@@ -146,14 +147,15 @@ class KVCacheManager:
         vLLM's (its groups' specs are read by class name: full attention, MLA and hidden
         states, sliding window, chunked local attention, Mamba). Arguments kvpool does not
         model must keep vLLM's defaults (``InvalidManagerConfig`` otherwise):
-        ``max_in_flight_tokens``, ``num_prefill_lookahead``, context parallelism,
-        ``watermark`` and the Mamba shared-prefix checkpoint. ``fine_grained_hits`` (not
+        ``max_in_flight_tokens``, context parallelism, ``watermark`` and the Mamba
+        shared-prefix checkpoint. EAGLE runs on every group (kvpool has no per-group flag) and
+        ``num_prefill_lookahead`` holds back multi-module MTP's re-prefilled tokens from
+        caching (``kvpool.model.eagle``). ``fine_grained_hits`` (not
         vLLM's: there a Mamba "align" group turns it on) lets hits end inside a block when
         every group is full attention with blocks larger than a hash block (vllm#51843).
         """
         # Verify that the arguments kvpool does not model keep vLLM's defaults
         unmodelled = {
-            "num_prefill_lookahead": (num_prefill_lookahead, 0),
             "dcp_world_size": (dcp_world_size, 1),
             "pcp_world_size": (pcp_world_size, 1),
             "watermark": (watermark, 0.0),
@@ -203,12 +205,14 @@ class KVCacheManager:
                 f'Mamba "align" with hash blocks of {hbs} tokens in blocks of '
                 f"{specs[0].block_size} (hits inside a block) is not modelled"
             )
-        # Verify that EAGLE runs with a single full-attention or sliding-window group
-        if use_eagle and (
-            len(specs) != 1
-            or specs[0].attention not in (AttentionType.FULL, AttentionType.SLIDING_WINDOW)
-        ):
-            raise InvalidManagerConfig("EAGLE needs one group of full attention or sliding window")
+        # Verify that EAGLE and the look-ahead are settings vLLM 0.33 runs
+        reprefillable = check_eagle_config(specs, enable_caching, use_eagle, num_prefill_lookahead)
+        check_eagle_flags(
+            kv_cache_config, use_eagle, enable_caching, num_prefill_lookahead, specs[0].block_size
+        )
+        # Verify that EAGLE does not run beside a Mamba "align" group (not modelled)
+        if use_eagle and any(s.mamba_align for s in specs):
+            raise InvalidManagerConfig('EAGLE beside a Mamba "align" group is not modelled')
         try:
             self.block_pool = BlockPool(
                 kv_cache_config.num_blocks,
@@ -252,6 +256,8 @@ class KVCacheManager:
         ]
         self.enable_caching = enable_caching
         self.use_eagle = use_eagle
+        self.num_prefill_lookahead = num_prefill_lookahead
+        self._reprefillable = reprefillable
         self.log_stats = log_stats
         self.prefix_cache_stats: PrefixCacheStats | None = PrefixCacheStats() if log_stats else None
         self.managers: list[SingleTypeKVCacheManager] = [
@@ -327,17 +333,33 @@ class KVCacheManager:
         lengths: dict[int, int] = {}
         length = max_length
         longest = 0
+        eagle = self.use_eagle
+        kinds = self._kinds
+        # full attention and one other kind: one round (vLLM's "simple hybrid")
+        simple = len(kinds) == 2 and kinds[0][0].attention is AttentionType.FULL
+        num_hashed = len(block_hashes) * self.block_pool.hash_block_size
+        verified: set[int] = set()  # EAGLE kinds that dropped at this candidate length
         while True:
             candidate = length
-            for spec, ids in self._kinds:
+            for k, (spec, ids) in enumerate(kinds):
                 cls = type(managers[ids[0]])
                 if spec.attention is AttentionType.FULL and ids[0] in hits:
                     candidate = min(candidate, lengths[ids[0]])
                     continue
+                drop = eagle and k not in verified
+                reach = candidate
+                if drop and spec.attention is not AttentionType.MAMBA:
+                    # peek one block past the candidate, then drop back to it
+                    reach = min(candidate + spec.block_size, num_hashed)
                 found = cls.find_longest_cache_hit(
-                    block_hashes, candidate, ids, self.block_pool, spec, False
+                    block_hashes, reach, ids, self.block_pool, spec, drop
                 )
-                candidate = self._extend(found, block_hashes, candidate, ids, spec)
+                found_length = self._extend(found, block_hashes, reach, ids, spec)
+                if drop:
+                    verified.add(k)
+                elif found_length < candidate:
+                    verified.clear()
+                candidate = found_length
                 for g, blocks in zip(ids, found, strict=True):
                     hits[g] = blocks
                     lengths[g] = candidate
@@ -346,6 +368,8 @@ class KVCacheManager:
             if candidate >= length:
                 break
             length = candidate
+            if simple:
+                break
         keep = -(-length // self.specs[0].block_size)
         return tuple(hits[g][:keep] for g in range(len(managers))), length, longest - length
 
@@ -578,9 +602,20 @@ class KVCacheManager:
 
     def _cache(self, request: Any, num_tokens: int) -> None:
         """Cache every group's full blocks, and the prompt's tail where blocks hold several hash
-        blocks (the managers' ``cache_blocks``, unrounded with fine-grained hits)."""
+        blocks (the managers' ``cache_blocks``), each of the tokens ``cacheable`` allows."""
+        hybrid = len(self.managers) > 1
         for manager in self.managers:
-            manager.cache_blocks(request, num_tokens)
+            manager.cache_blocks(
+                request,
+                cacheable(
+                    hybrid,
+                    manager.block_size,
+                    self.use_eagle,
+                    self.fine_grained_hits,
+                    self._reprefillable,
+                    num_tokens,
+                ),
+            )
 
     def _verify_hashes_to_cache(
         self, request: Any, hits: tuple[Sequence[KVCacheBlock], ...], num_tokens: int
@@ -885,6 +920,7 @@ class KVCacheManager:
                 self.log_stats,
                 self.fine_grained_hits,
                 self.max_in_flight_tokens,
+                self.num_prefill_lookahead,
             ),
             managers=ManagersState(
                 pool=self.block_pool.snapshot(),
@@ -1019,6 +1055,11 @@ def _specs_of(kv_cache_config: Any) -> tuple[KVCacheSpec, ...]:
         if kind is None:
             raise InvalidManagerConfig(f"kvpool does not model {type(spec).__name__} groups")
         align = kind is AttentionType.MAMBA and _mamba_align_of(spec)
+        # Verify that a window keeps no extra trailing tokens (multi-module MTP's, not modelled)
+        if getattr(spec, "extra_retained_tokens", 0):
+            raise InvalidManagerConfig(
+                f"extra_retained_tokens={spec.extra_retained_tokens}: kvpool's windows keep none"
+            )
         specs.append(
             KVCacheSpec(
                 kind,

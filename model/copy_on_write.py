@@ -33,7 +33,8 @@ def fine_grained_hits_enabled(
     specs: Sequence[KVCacheSpec], hash_block_size: int, requested: bool, use_eagle: bool
 ) -> bool:
     """Whether hits may end inside a block: asked for, blocks larger than a hash block,
-    every group full attention (vllm#51843), and no EAGLE (kvpool's EAGLE is single-group).
+    every group full attention (vllm#51843), and no EAGLE (which drops one hash block
+    from a fine-grained hit in vLLM; kvpool does not model it).
 
     >>> from kvpool.model.single_type import full_attention, sliding_window
     >>> fine_grained_hits_enabled([full_attention(4)], 2, True, False)

@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 
 import kvpool.model.admission as admission
 import kvpool.model.copy_on_write as cow
+import kvpool.model.eagle as eagle_ops
 import kvpool.model.mamba_align as mamba_align
 import kvpool.model.pool as pool_ops
 import kvpool.model.single_type as single
@@ -166,6 +167,9 @@ class ManagerConfig:
     """Tokens scheduled and not yet processed, at most (vLLM 0.33); None: ``max_model_len``.
     It caps what a recycling group counts when a whole sequence must fit
     (``kvpool.model.admission``)."""
+    num_prefill_lookahead: int = 0
+    """Multi-module MTP's speculative tokens; the last ``num_prefill_lookahead - 1``
+    computed tokens are not cached yet (``kvpool.model.eagle``)."""
 
 
 @dataclass(frozen=True)
@@ -198,13 +202,15 @@ def new_kv_cache_manager(
     profile: Profile = DEFAULT_PROFILE,
     fine_grained_hits: bool = False,
     max_in_flight_tokens: int | None = None,
+    num_prefill_lookahead: int = 0,
 ) -> KVCacheManagerState:
     """A manager over a fresh pool of ``num_blocks``, one group per spec.
 
     ``hash_block_size`` defaults to the first group's block size. Groups
     must share one block size; a Mamba group's block must hold a whole
-    request (``block_size >= max_model_len``); EAGLE is supported with one
-    group of full attention or sliding window. ``fine_grained_hits`` asks for
+    request (``block_size >= max_model_len``); EAGLE and multi-module MTP's
+    ``num_prefill_lookahead`` as ``kvpool.model.eagle.verify_eagle_config``
+    allows. ``fine_grained_hits`` asks for
     hits ending inside a block; it takes effect only where
     ``copy_on_write.fine_grained_hits_enabled`` allows it (vllm#51843).
 
@@ -241,19 +247,20 @@ def new_kv_cache_manager(
             f'Mamba "align" with hash blocks of {hbs} tokens in blocks of '
             f"{specs[0].block_size} (hits inside a block) is not modelled"
         )
-    # Verify that EAGLE runs with a single full-attention or sliding-window group
-    if use_eagle and (
-        len(specs) != 1
-        or specs[0].attention not in (AttentionType.FULL, AttentionType.SLIDING_WINDOW)
-    ):
-        raise InvalidManagerConfig("EAGLE needs one group of full attention or sliding window")
+    # Verify that EAGLE and the look-ahead are settings vLLM 0.33 runs
+    eagle_ops.verify_eagle_config(specs, enable_caching, use_eagle, num_prefill_lookahead)
+    # Verify that EAGLE does not run beside a Mamba "align" group (not modelled)
+    if use_eagle and any(s.mamba_align for s in specs):
+        raise InvalidManagerConfig('EAGLE beside a Mamba "align" group is not modelled')
     try:
         pool = pool_ops.new_pool(num_blocks, enable_caching, hbs, enable_events, profile)
     except ValueError as error:
         raise InvalidManagerConfig(str(error)) from error
     fine = cow.fine_grained_hits_enabled(specs, hbs, fine_grained_hits, use_eagle)
     return KVCacheManagerState(
-        config=ManagerConfig(max_model_len, use_eagle, log_stats, fine, max_in_flight_tokens),
+        config=ManagerConfig(
+            max_model_len, use_eagle, log_stats, fine, max_in_flight_tokens, num_prefill_lookahead
+        ),
         managers=single.new_managers(pool, specs),
         stats=PrefixCacheStats() if log_stats else None,
     )
@@ -271,8 +278,11 @@ def find_hit(
 
     One group: its own search. Several: each attention type in turn (full
     attention first) may only shorten the candidate length; repeat until no
-    type shortens it, then trim full-attention hits to that length. With
-    fine-grained hits a full-attention search may end inside a block
+    type shortens it (one round for full attention and one other type), then
+    trim full-attention hits to that length. With EAGLE each type's search
+    peeks one block past the candidate and drops its last block, once per
+    candidate length (``kvpool.model.eagle``). With fine-grained hits a
+    full-attention search may end inside a block
     (``copy_on_write.extend_into_partial_block``).
 
     Complexity: O(groups * max_length / block_size) lookups per round.
@@ -320,13 +330,26 @@ def find_hit_with_boundary(
     lengths: dict[int, int] = {}
     length = max_length
     longest = 0
+    # Two kinds, full attention first: the second cannot shorten what the first allows
+    # twice, so one round suffices (vLLM stops there even with EAGLE's peeks).
+    simple = len(kinds) == 2 and kinds[0][0].attention is AttentionType.FULL
+    num_hashed = len(block_hashes) * m.pool.config.hash_block_size
+    verified: set[int] = set()
+    """Kinds whose EAGLE drop was applied at the current candidate length."""
     while True:
         candidate = length
-        for spec, ids in kinds:
+        for k, (spec, ids) in enumerate(kinds):
             if spec.attention is AttentionType.FULL and ids[0] in hits:
                 candidate = min(candidate, lengths[ids[0]])
                 continue
-            found, candidate = _search(m.pool, spec, block_hashes, candidate, ids, False, fine)
+            drop = eagle and k not in verified
+            reach = eagle_ops.peek(spec, candidate, num_hashed) if drop else candidate
+            found, found_length = _search(m.pool, spec, block_hashes, reach, ids, drop, fine)
+            if drop:
+                verified.add(k)
+            elif found_length < candidate:
+                verified.clear()  # a shorter candidate: every EAGLE kind drops again
+            candidate = found_length
             for g, blocks in zip(ids, found, strict=True):
                 hits[g] = blocks
                 lengths[g] = candidate
@@ -334,6 +357,8 @@ def find_hit_with_boundary(
         if candidate >= length:
             break
         length = candidate
+        if simple:
+            break
     block_size = specs[0].block_size
     trimmed = tuple(hits[g][: -(-length // block_size)] for g in range(len(specs)))
     return trimmed, length, longest - length
@@ -560,13 +585,24 @@ def _cache(
 ) -> single.ManagersState:
     """Cache every group's full blocks, and the prompt's tail where blocks hold several hash blocks.
 
-    With fine-grained hits the tail is cached without rounding the cacheable
-    tokens down to the block size (``single.cache_blocks``).
+    Each group caches what ``eagle.cacheable_tokens`` allows of ``num_tokens``
+    (rounded to blocks with several groups; without the tokens multi-module
+    MTP may prefill again). With fine-grained hits the tail is cached without
+    rounding the cacheable tokens down to the block size (``single.cache_blocks``).
     """
     config = state.config
-    for g in range(len(m.specs)):
+    reprefillable = eagle_ops.num_reprefillable_tokens(config.num_prefill_lookahead)
+    for g, spec in enumerate(m.specs):
+        cacheable = eagle_ops.cacheable_tokens(
+            len(m.specs),
+            spec.block_size,
+            config.use_eagle,
+            config.fine_grained_hits,
+            reprefillable,
+            num_tokens,
+        )
         m, _ = single.cache_blocks(
-            m, g, request, num_tokens, config.use_eagle, config.fine_grained_hits
+            m, g, request, cacheable, config.use_eagle, config.fine_grained_hits
         )
     return m
 

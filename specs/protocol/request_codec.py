@@ -183,6 +183,11 @@ def encode_setup(setup: ManagerSetup) -> Json:
             if setup.max_in_flight_tokens is None
             else {"max_in_flight_tokens": setup.max_in_flight_tokens}
         ),
+        **(
+            {"num_prefill_lookahead": setup.num_prefill_lookahead}
+            if setup.num_prefill_lookahead
+            else {}
+        ),
     }
 
 
@@ -212,6 +217,9 @@ def decode_setup(value: Json) -> ManagerSetup:
             None
             if obj.get("max_in_flight_tokens") is None
             else _int(obj.get("max_in_flight_tokens"), "max_in_flight_tokens")
+        ),
+        num_prefill_lookahead=_bounded(
+            obj.get("num_prefill_lookahead", 0), "num_prefill_lookahead", MAX_TOKENS
         ),
     )
 
@@ -412,6 +420,7 @@ def decode_manager_state(value: Json, setup: ManagerSetup) -> KVCacheManagerStat
             setup.use_eagle,
             setup.log_stats,
             _bool(obj.get("fine_grained_hits", False), "fine_grained_hits"),
+            setup.num_prefill_lookahead,
         ),
         managers=ManagersState(pool, setup.specs, tuple(tables)),
         stats=decode_stats(obj.get("stats")),

@@ -74,6 +74,8 @@ def run_request_conformance(
         fine_grained=target.fine_grained,
         in_flight=target.in_flight,
         scheduler_calls=target.scheduler_calls,
+        prefill_lookaheads=target.prefill_lookaheads,
+        eagle_hybrids=target.eagle_hybrids,
     )
 
     def stop() -> None:
@@ -114,6 +116,9 @@ def narrowed(target: ManagerTargetSpec, claimed: dict[str, Any]) -> ManagerTarge
         )
     # fine-grained hits are an optional feature: the program's claim decides
     fine = tuple(claimed.get("fine_grained", target.fine_grained))
+    # so is multi-module MTP's look-ahead (a constructor argument of vLLM 0.33 only)
+    allowed = claimed.get("prefill_lookaheads", target.prefill_lookaheads)
+    lookaheads = tuple(x for x in target.prefill_lookaheads if x in allowed) or (0,)
     return replace(
         target,
         layouts=layouts,
@@ -121,4 +126,6 @@ def narrowed(target: ManagerTargetSpec, claimed: dict[str, Any]) -> ManagerTarge
         block_factors=factors,
         min_window=window,
         fine_grained=fine,
+        prefill_lookaheads=lookaheads,
+        eagle_hybrids=bool(claimed.get("eagle_hybrids", target.eagle_hybrids)),
     )

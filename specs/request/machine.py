@@ -165,6 +165,8 @@ def _start_rule(
     hash_sized_layouts: Sequence[str] = (),
     fine_grained: Sequence[bool] = (False,),
     in_flight: Sequence[int | None] = (None,),
+    prefill_lookaheads: Sequence[int] = (0,),
+    eagle_hybrids: bool = False,
 ) -> Callable[..., None]:
     """The machine's first step, drawing only from the configurations given.
 
@@ -177,6 +179,8 @@ def _start_rule(
     )
     if any(n is not None for n in in_flight):
         extra["in_flight"] = st.sampled_from(list(in_flight))
+    if any(prefill_lookaheads):  # likewise
+        extra["lookahead"] = st.sampled_from(list(prefill_lookaheads))
 
     decorate = cast(
         Callable[[Callable[..., None]], Callable[..., None]],
@@ -202,7 +206,7 @@ def _start_rule(
             drawn["caching"] = False
         if drawn["caching"] and drawn["layout"] in hash_sized_layouts:
             drawn["factor"] = 1
-        self.start(**drawn)
+        self.start(**drawn, eagle_hybrids=eagle_hybrids)
 
     return decorate(start)
 
@@ -289,11 +293,19 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
         prompts: list[tuple[int, ...]],
         fine: bool = False,
         in_flight: int | None = None,
+        lookahead: int = 0,
+        eagle_hybrids: bool = False,
     ) -> None:
         """Build the model and the target; the first requests arrive."""
         chosen = profile_named(profile)
         specs = layout_specs(layout, hbs * factor, window, chunk_blocks, MAX_MODEL_LEN, hbs)
-        eagle = eagle and layout in ("full", "sliding_window")
+        if eagle_hybrids:
+            # vLLM 0.33's chunked-local finder cannot drop EAGLE's block (kvpool.model.eagle)
+            eagle = eagle and not (caching and "chunked_local" in layout)
+        else:
+            eagle = eagle and layout in ("full", "sliding_window")
+        if eagle and caching:  # EAGLE's dropped block holds every re-prefilled token
+            lookahead = min(lookahead, specs[0].block_size)
         self.setup = ManagerSetup(
             num_blocks=num_blocks,
             specs=specs,
@@ -306,6 +318,7 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
             profile=chosen,
             fine_grained_hits=fine,
             max_in_flight_tokens=in_flight,
+            num_prefill_lookahead=lookahead,
         )
         self.block_sizes = [s.block_size for s in specs]
         self.states = [s.mamba_align for s in specs]
@@ -322,6 +335,7 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
             profile=chosen,
             fine_grained_hits=fine,
             max_in_flight_tokens=in_flight,
+            num_prefill_lookahead=lookahead,
         )
         self.target = type(self).make_target(self.setup)
         for prompt in prompts:
@@ -1196,6 +1210,8 @@ def manager_machine(
     fine_grained: Sequence[bool] = (False,),
     in_flight: Sequence[int | None] = (None,),
     scheduler_calls: bool = False,
+    prefill_lookaheads: Sequence[int] = (0,),
+    eagle_hybrids: bool = False,
 ) -> type[ManagerMachine]:
     """A state machine class that checks ``make_target`` on the given layouts and profiles.
 
@@ -1226,6 +1242,8 @@ def manager_machine(
             hash_sized_layouts,
             fine_grained,
             in_flight,
+            prefill_lookaheads,
+            eagle_hybrids,
         ),
         "make_target": staticmethod(make_target),
         "lockstep": lockstep,

@@ -26,6 +26,7 @@ class ModelManagerTarget:
             profile=setup.profile,
             fine_grained_hits=setup.fine_grained_hits,
             max_in_flight_tokens=setup.max_in_flight_tokens,
+            num_prefill_lookahead=setup.num_prefill_lookahead,
         )
 
     def snapshot(self) -> KVCacheManagerState:

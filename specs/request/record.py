@@ -129,6 +129,7 @@ def _model_manager(setup: ManagerSetup) -> KVCacheManagerState:
         profile=setup.profile,
         fine_grained_hits=setup.fine_grained_hits,
         max_in_flight_tokens=setup.max_in_flight_tokens,
+        num_prefill_lookahead=setup.num_prefill_lookahead,
     )
 
 

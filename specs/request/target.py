@@ -100,6 +100,9 @@ class ManagerSetup:
     max_in_flight_tokens: int | None = None
     """vLLM 0.33's cap on tokens scheduled and not yet processed (None: max_model_len); it
     matters to ``allocate_slots(..., full_sequence_must_fit=True)``."""
+    num_prefill_lookahead: int = 0
+    """Multi-module MTP's speculative tokens (vLLM 0.33's constructor argument;
+    ``kvpool.model.eagle``)."""
 
 
 class ManagerTarget(Protocol):
@@ -232,3 +235,9 @@ class ManagerTargetSpec:
     scheduler_calls: bool = False
     """Whether programs send the rest of vLLM 0.33's scheduler calls
     (``OPERATIONS_SCHEDULER``; True needs ``ManagerTargetScheduler``)."""
+    prefill_lookaheads: tuple[int, ...] = (0,)
+    """The ``num_prefill_lookahead`` values programs draw (the target takes the argument)."""
+    eagle_hybrids: bool = False
+    """EAGLE is drawn on every layout vLLM 0.33 runs it on, hybrids included (else on one
+    full-attention or sliding-window group only, as before EAGLE on several groups was
+    modelled: a ``cmd:`` program need not implement it)."""

@@ -231,18 +231,36 @@ def _in_release_child(release: str) -> bool:
 # --------------------------------------------------------------------------
 
 
+PREFILL_LOOKAHEADS = (0, 0, 1, 2, 3)
+"""The ``num_prefill_lookahead`` values drawn where a target takes them (0 most often)."""
+
+
 def _request(spec: str) -> TargetDescriptor:
     if spec == "impl":
         from kvpool.specs.targets.impl.request import ImplManagerTarget
 
         return TargetDescriptor(
-            "request", spec, ImplManagerTarget, scope={"fine_grained": (False, True)}
+            "request",
+            spec,
+            ImplManagerTarget,
+            scope={
+                "fine_grained": (False, True),
+                "prefill_lookaheads": PREFILL_LOOKAHEADS,
+                "eagle_hybrids": True,
+            },
         )
     if spec == "model":
         from kvpool.specs.request.model_target import ModelManagerTarget
 
         return TargetDescriptor(
-            "request", spec, ModelManagerTarget, scope={"fine_grained": (False, True)}
+            "request",
+            spec,
+            ModelManagerTarget,
+            scope={
+                "fine_grained": (False, True),
+                "prefill_lookaheads": PREFILL_LOOKAHEADS,
+                "eagle_hybrids": True,
+            },
         )
     if spec.startswith("cmd:"):
         from kvpool.specs.targets.cmd.request import CmdManagerFactory
@@ -299,6 +317,8 @@ def _from_scope(
             "fine_grained": scope.fine_grained,
             "in_flight": scope.in_flight,
             "scheduler_calls": scope.scheduler_calls,
+            "prefill_lookaheads": scope.prefill_lookaheads,
+            "eagle_hybrids": scope.eagle_hybrids,
         },
     )
 

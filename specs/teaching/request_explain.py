@@ -49,6 +49,7 @@ def header(scenario: RequestScenario) -> str:
         f"hash block size {s.hash_block_size}; max_model_len {s.max_model_len}; "
         f"profile {s.profile.name}; caching {'on' if s.enable_caching else 'off'}"
         + ("; EAGLE" if s.use_eagle else "")
+        + (f"; prefill look-ahead {s.num_prefill_lookahead}" if s.num_prefill_lookahead else "")
         + ("; events on" if s.enable_events else "")
     )
 

@@ -174,6 +174,7 @@ def new_world(setup: ManagerSetup) -> World:
         profile=setup.profile,
         fine_grained_hits=setup.fine_grained_hits,
         max_in_flight_tokens=setup.max_in_flight_tokens,
+        num_prefill_lookahead=setup.num_prefill_lookahead,
     )
     return World(manager)
 
@@ -721,6 +722,11 @@ def encode_setup(setup: ManagerSetup) -> dict[str, Json]:
             if setup.max_in_flight_tokens is None
             else {"max_in_flight_tokens": setup.max_in_flight_tokens}
         ),
+        **(
+            {"num_prefill_lookahead": setup.num_prefill_lookahead}
+            if setup.num_prefill_lookahead
+            else {}
+        ),
     }
 
 
@@ -728,7 +734,12 @@ def decode_setup(value: Json) -> ManagerSetup:
     """The manager configuration from JSON, bounded; the model then checks the rest."""
     if not isinstance(value, dict):
         raise ScenarioError("config must be an object")
-    known = {*encode_setup(_EXAMPLE_SETUP), "fine_grained_hits", "max_in_flight_tokens"}
+    known = {
+        *encode_setup(_EXAMPLE_SETUP),
+        "fine_grained_hits",
+        "max_in_flight_tokens",
+        "num_prefill_lookahead",
+    }
     unknown = sorted(set(value) - known)
     if unknown:
         raise ScenarioError(f"config: unknown field(s) {', '.join(unknown)}")
@@ -762,6 +773,9 @@ def decode_setup(value: Json) -> ManagerSetup:
             None
             if value.get("max_in_flight_tokens") is None
             else _count(value["max_in_flight_tokens"], "max_in_flight_tokens")
+        ),
+        num_prefill_lookahead=_count(
+            value.get("num_prefill_lookahead", 0), "num_prefill_lookahead"
         ),
     )
     try:

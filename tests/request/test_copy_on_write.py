@@ -197,7 +197,7 @@ def test_impl_conforms_with_fine_grained_hits_and_programs_do_copy() -> None:
     machine = manager_machine(
         CountingTarget, layouts=["full"], block_factors=[2], fine_grained=[True]
     )
-    run(machine, max_examples=150)
+    run(machine, max_examples=300)
     assert CountingTarget.copies > 0
 
 

@@ -230,7 +230,14 @@ def test_preconditions_of_allocate_slots() -> None:
         lambda: new_kv_cache_manager(4, [full_attention(2), sliding_window(4, 2)], 8),
         lambda: new_kv_cache_manager(4, [mamba(4)], 8),
         lambda: new_kv_cache_manager(4, [chunked_local(2, 4)], 8, use_eagle=True),
-        lambda: new_kv_cache_manager(4, [full_attention(2), full_attention(2)], 8, use_eagle=True),
+        lambda: new_kv_cache_manager(
+            4, [full_attention(2), chunked_local(2, 4)], 8, use_eagle=True
+        ),
+        lambda: new_kv_cache_manager(
+            4, [full_attention(2)], 8, use_eagle=True, num_prefill_lookahead=3
+        ),
+        lambda: new_kv_cache_manager(4, [full_attention(2)], 8, num_prefill_lookahead=-1),
+        lambda: new_kv_cache_manager(4, [full_attention(2)], 8, num_prefill_lookahead=1.0),  # type: ignore[arg-type]
         lambda: new_kv_cache_manager(0, [full_attention(2)], 8),
         lambda: new_kv_cache_manager(4, [full_attention(3)], 8, hash_block_size=2),
     ],
@@ -240,7 +247,10 @@ def test_preconditions_of_allocate_slots() -> None:
         "two-block-sizes",
         "mamba-too-small",
         "eagle-chunked",
-        "eagle-hybrid",
+        "eagle-hybrid-chunked",
+        "lookahead-past-a-block",
+        "lookahead-negative",
+        "lookahead-not-an-int",
         "no-blocks",
         "not-a-multiple",
     ],

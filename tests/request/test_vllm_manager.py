@@ -6,11 +6,12 @@ when ``KVPOOL_REQUIRE_VLLM=1``.
 
 import importlib
 import os
+from typing import Any
 
 import pytest
 
 from kvpool.model.request import new_request, with_computed
-from kvpool.model.single_type import chunked_local, sliding_window
+from kvpool.model.single_type import chunked_local, full_attention, sliding_window
 from kvpool.specs.request.check import run_request_conformance as run_manager_conformance
 from kvpool.specs.request.model_target import ModelManagerTarget
 from kvpool.specs.request.target import ManagerSetup, ManagerTargetSpec
@@ -78,6 +79,54 @@ def test_vllm_033_caches_no_sliding_window_block_for_a_window_of_one() -> None:
         target.allocate_slots(request, 4)  # type: ignore[attr-defined]
         hits.append(target.get_computed_blocks(later))  # type: ignore[attr-defined]
     assert hits == [(((0, 0, 0, 4),), 4), (((),), 0)]
+
+
+def test_vllm_033_eagle_hybrid_search_peeks_past_the_candidate_as_the_model_does() -> None:
+    """Full attention drops its sixth block; the window peeks one block past the 20 tokens
+    left and drops back (HybridKVCacheCoordinator.find_longest_cache_hit in 0.33.0)."""
+    setup = ManagerSetup(16, (full_attention(4), sliding_window(4, 5)), 32, 4, use_eagle=True)
+    first = new_request("a", tuple(range(1, 28)), 4)
+    later = new_request("b", tuple(range(1, 26)), 4)
+    hits = []
+    for target in both(setup):
+        target.allocate_slots(first, 27)  # type: ignore[attr-defined]
+        hits.append(target.get_computed_blocks(later))  # type: ignore[attr-defined]
+    assert hits == [(((1, 2, 3, 4, 5), (0, 0, 0, 0, 12)), 20)] * 2
+
+
+@pytest.mark.parametrize(
+    ("specs", "eagle", "hit"),
+    [
+        ((full_attention(4),), False, 4),  # one group: 8 computed, 2 re-prefillable
+        ((full_attention(4), full_attention(4)), True, 0),  # EAGLE also drops a block
+        ((full_attention(4), full_attention(4)), False, 8),  # no EAGLE group: not held back
+    ],
+)
+def test_vllm_033_holds_back_reprefillable_tokens_as_the_model_does(
+    specs: tuple[Any, ...], eagle: bool, hit: int
+) -> None:
+    """num_prefill_lookahead=3: the last 2 computed tokens are not cached (0.33.0's
+    get_num_cacheable_tokens), in the unitary coordinator and for EAGLE groups of a hybrid."""
+    setup = ManagerSetup(16, specs, 32, 4, use_eagle=eagle, num_prefill_lookahead=3)
+    first = new_request("a", tuple(range(1, 10)), 4)
+    later = new_request("b", tuple(range(1, 13)), 4)
+    hits = []
+    for target in both(setup):
+        target.allocate_slots(first, 8)  # type: ignore[attr-defined]
+        hits.append(target.get_computed_blocks(later)[1])  # type: ignore[attr-defined]
+    assert hits == [hit, hit]
+
+
+def test_vllm_hybrids_with_eagle_and_lookaheads_conform() -> None:
+    """The hybrids with EAGLE drawn in a third of the programs and look-aheads of 0 to 3."""
+    from kvpool.specs.targets.vllm.request import VLLM_SCOPE
+
+    scope = _narrowed(
+        layouts=tuple(layout for layout in VLLM_SCOPE.layouts if "+" in layout),
+        prefill_lookaheads=(0, 1, 2, 3),
+    )
+    report = run_manager_conformance(scope, hypothesis_profile="ci", max_examples=150)
+    assert report.conforms, f"{report.failure}\n{report.program}"
 
 
 # --------------------------------------------------------------------------

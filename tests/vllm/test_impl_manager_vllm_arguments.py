@@ -59,7 +59,7 @@ def test_positional_arguments_are_vllms() -> None:
 
 
 @pytest.mark.parametrize(
-    "argument", [{"watermark": 0.1}, {"dcp_world_size": 2}, {"num_prefill_lookahead": 1}]
+    "argument", [{"watermark": 0.1}, {"dcp_world_size": 2}, {"pcp_world_size": 2}]
 )
 def test_an_unmodelled_argument_is_refused_by_name(argument: dict[str, object]) -> None:
     with pytest.raises(InvalidManagerConfig):
@@ -73,3 +73,25 @@ def test_an_unmodelled_attention_type_is_refused_by_name() -> None:
     spec = CrossAttentionSpec(block_size=4, num_kv_heads=1, head_size=1, dtype=torch.float32)
     with pytest.raises(InvalidManagerConfig):
         KVCacheManager(vllm_config(spec), 64, 4, 4)
+
+
+def test_eagle_on_a_vllm_hybrid_and_a_lookahead_are_taken() -> None:
+    manager = KVCacheManager(
+        vllm_config(full(4), window(4, 8)), 64, 4, 4, use_eagle=True, num_prefill_lookahead=3
+    )
+    assert manager.use_eagle and manager.num_prefill_lookahead == 3
+
+
+def test_eagle_flagged_on_some_vllm_groups_only_is_refused_by_name() -> None:
+    config = vllm_config(full(4), window(4, 8))
+    config.kv_cache_groups[1].is_eagle_group = True  # type: ignore[attr-defined]
+    with pytest.raises(InvalidManagerConfig, match="is_eagle_group"):
+        KVCacheManager(config, 64, 4, 4, use_eagle=True)
+
+
+def test_a_window_keeping_extra_tokens_is_refused_by_name() -> None:
+    from dataclasses import replace
+
+    spec = replace(window(4, 8), extra_retained_tokens=2)  # type: ignore[type-var]
+    with pytest.raises(InvalidManagerConfig, match="extra_retained_tokens"):
+        KVCacheManager(vllm_config(full(4), spec), 64, 4, 4, num_prefill_lookahead=3)

@@ -265,6 +265,7 @@ def _model_manager(setup: ManagerSetup) -> KVCacheManagerState:
         log_stats=setup.log_stats,
         enable_events=setup.enable_events,
         profile=setup.profile,
+        num_prefill_lookahead=setup.num_prefill_lookahead,
     )
 
 

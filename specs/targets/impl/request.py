@@ -32,6 +32,7 @@ class ImplManagerTarget:
             profile=setup.profile,
             fine_grained_hits=setup.fine_grained_hits,
             max_in_flight_tokens=setup.max_in_flight_tokens,
+            num_prefill_lookahead=setup.num_prefill_lookahead,
         )
 
     def snapshot(self) -> KVCacheManagerState:

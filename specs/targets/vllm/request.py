@@ -114,6 +114,8 @@ class ManagerApi:
     scheduler_calls: bool = False
     """0.33: the class has ``pop_blocks_for_free`` and its constructor takes
     ``max_in_flight_tokens`` (the rest of the scheduler calls, ``OPERATIONS_SCHEDULER``)."""
+    prefill_lookahead_arg: bool = False
+    """0.33: the constructor takes ``num_prefill_lookahead`` (multi-module MTP)."""
 
 
 def load_manager_api(manager_class: Any = None) -> ManagerApi:
@@ -133,6 +135,7 @@ def load_manager_api(manager_class: Any = None) -> ManagerApi:
         hash_block_size_arg=eras.takes(cls, "__init__", "hash_block_size", base),
         scheduler_calls=callable(getattr(cls, "pop_blocks_for_free", None))
         and eras.takes(cls, "__init__", "max_in_flight_tokens", base),
+        prefill_lookahead_arg=eras.takes(cls, "__init__", "num_prefill_lookahead", base),
     )
 
 
@@ -230,6 +233,12 @@ class VllmManagerTarget:
             kwargs["hash_block_size"] = setup.hash_block_size
         if setup.max_in_flight_tokens is not None and self.api.scheduler_calls:
             kwargs["max_in_flight_tokens"] = setup.max_in_flight_tokens
+        if setup.num_prefill_lookahead:
+            if not self.api.prefill_lookahead_arg:
+                raise TargetError(
+                    f"vLLM {self.api.version}'s manager takes no num_prefill_lookahead"
+                )
+            kwargs["num_prefill_lookahead"] = setup.num_prefill_lookahead
         cls = self.api.manager_class
         try:
             self.manager = Translating(cls(config, **kwargs), self.api.version)
@@ -594,6 +603,12 @@ class VllmManagerFactory:
         target = cls(setup, self.manager_class(), hasher)
         return SteppingOver(target, setup, self.suppress) if self.suppress else target
 
+    def declared_scope(self) -> dict[str, Any]:
+        """Multi-module MTP's look-ahead only where the constructor takes it (vLLM 0.33)."""
+        if load_manager_api(self.manager_class()).prefill_lookahead_arg:
+            return {}
+        return {"prefill_lookaheads": (0,)}
+
     def preflight(self, level: int, profiles: Sequence[str]) -> None:
         """Fail fast, before any program runs, if this manager cannot be checked here."""
         chosen_hasher(self.hash_mode)
@@ -706,6 +721,8 @@ def scope(factory: VllmManagerFactory | None = None) -> ManagerTargetSpec:
         hash_sized_layouts=("full", "sliding_window", "chunked_local"),
         in_flight=(None, 1, 3),
         scheduler_calls=True,
+        prefill_lookaheads=(0, 0, 1, 2, 3),
+        eagle_hybrids=True,
     )
 
 
