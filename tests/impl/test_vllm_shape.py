@@ -120,3 +120,76 @@ def test_invalid_map_writes_are_named_and_change_nothing() -> None:
     assert_rejected(pool, InvalidArgument, entries.__setitem__, b"k\0\0\0\0", {3: pool.blocks[3]})
     assert_rejected(pool, UnknownBlock, entries.__setitem__, b"k\0\0\0\0", other.blocks[3])
     assert_rejected(pool, InvalidArgument, the_map.pop, "k", 3)
+
+
+def test_the_map_view_says_which_blocks_a_vllm_key_holds() -> None:
+    pool = cached(strict=False)
+    the_map = pool.cached_block_hash_to_block
+    h1, h2 = b"h1\0\0\0\1", b"h2\0\0\0\1"
+    assert the_map.contain(h1, 1) and not the_map.contain(h1, 2)
+    assert not the_map.contain(b"h1\0\0\0\0", 1), "the same hash in another group"
+    the_map.insert(h2, pool.blocks[3])  # a second block under h2: a shared entry
+    assert the_map.contain(h2, 2) and the_map.contain(h2, 3) and not the_map.contain(h2, 1)
+
+
+def test_the_shortest_vllm_key_is_the_group_alone() -> None:
+    """vLLM's key is the hash then 4 group-id bytes: 4 bytes are an empty hash, 3 are no key."""
+    assert pool_key(b"\0\0\0\7") == (b"", 7)
+    with pytest.raises(InvalidArgument):
+        pool_key(b"\0\0\7")
+
+
+def test_caller_events_build_each_kind_with_none_fields_kept_none() -> None:
+    made = CallerEvents(
+        lambda **fields: ("stored", fields),
+        lambda **fields: ("removed", fields),
+        lambda: ("cleared", {}),
+        external_hash=len,
+    )
+    removed = made(BlockRemoved(block_hashes=(b"abc",), medium="GPU", group_idx=2), None)
+    assert removed == ("removed", {"block_hashes": [3], "medium": "GPU", "group_idx": 2})
+    stored = BlockStored(
+        block_hashes=(b"ab",),
+        parent_block_hash=None,
+        token_ids=(1, 2),
+        block_size=2,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+        extra_keys=None,
+        group_idx=0,
+        lookahead_token_ids=None,
+    )
+    kind, fields = made(stored, None)  # type: ignore[misc]
+    assert kind == "stored" and fields["extra_keys"] is None and fields["block_hashes"] == [2]
+    assert fields["parent_block_hash"] is None and fields["lookahead_token_ids"] is None
+
+
+def test_the_map_view_pops_one_block_of_a_vllm_key() -> None:
+    pool = cached(strict=False)
+    the_map = pool.cached_block_hash_to_block
+    h1, h2 = b"h1\0\0\0\1", b"h2\0\0\0\1"
+    assert the_map.pop(b"zz\0\0\0\1", 1) is None and len(the_map) == 2
+    assert the_map.pop(h1, 2) is None and the_map.contain(h1, 1), "another block's id"
+    assert the_map.pop(h1, 1) is pool.blocks[1] and not the_map.contain(h1, 1)
+    the_map.insert(h2, pool.blocks[3])
+    assert the_map.pop(h2, 1) is None
+    assert the_map.pop(h2, 3) is pool.blocks[3]
+    assert the_map.contain(h2, 2) and not the_map.contain(h2, 3) and len(the_map) == 1
+
+
+def test_the_entries_view_takes_vllm_s_entry_shapes() -> None:
+    """A block, or a dict of two blocks or more by id, as vLLM's map holds them."""
+    pool = cached(strict=False)
+    other = BlockPool(4, True, 2, strict=False)
+    entries = pool.cached_block_hash_to_block._cache
+    mixed = {1: pool.blocks[1], 3: other.blocks[3]}
+    assert_rejected(pool, UnknownBlock, entries.__setitem__, b"m\0\0\0\0", mixed)
+    # Raw writes, as to vLLM's map: the blocks do not record the key (no invariant holds).
+    key = b"k\0\0\0\0"
+    entries[key] = pool.blocks[3]
+    assert entries[key] is pool.blocks[3] and len(entries) == 3
+    shared = {2: pool.blocks[2], 3: pool.blocks[3]}
+    entries[key] = shared
+    assert entries[key] == shared
+    assert pool.cached_block_hash_to_block.contain(key, 2)
