@@ -13,10 +13,14 @@ Representation (``snapshot()`` is the abstraction function back to the model):
   ref_cnt is 0 (and it is not the null block); the hot paths do not clear a
   block's links when it leaves the queue, so a held block's links are stale
   and never read;
-* ``_cached`` maps a hash key ``(hash, group id)`` to the one block under it,
-  or, when several blocks share it, to a ``{block_id: block}`` dict in
-  insertion order (the first entry is the one a lookup returns). A dict entry
-  always has at least two blocks: one left alone collapses back to the block.
+* the hash map is one dict per KV cache group, ``_maps[group id]``, mapping a
+  hash (bytes) to the one block under the key ``(hash, group id)``, or, when
+  several blocks share it, to a ``{block_id: block}`` dict in insertion order
+  (the first entry is the one a lookup returns). A dict entry always has at
+  least two blocks: one left alone collapses back to the block. Group 0's map
+  is also ``_map0`` (the only one with a single group). Keying by the bare
+  hash makes a lookup build no ``(hash, group)`` tuple: no allocation, and the
+  bytes' hash is cached in the object (measured in docs/performance.md).
 * each block records its own keys: the primary one in ``_block_hash`` and the
   further (partial) ones in ``_extra_keys``, oldest first.
 """
@@ -126,10 +130,11 @@ class BlockPool:
     """
 
     __slots__ = (
-        "_cached",
         "_epoch",
         "_free_by_hash",
         "_hashless_first",
+        "_map0",
+        "_maps",
         "_removal_per_copy",
         "_reuse_watchers",
         "blocks",
@@ -202,7 +207,8 @@ class BlockPool:
         self.null_block = self.blocks[0]
         self.null_block.is_null = True
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[1:])
-        self._cached: dict[HashKey, CacheEntry] = {}
+        self._map0: dict[bytes, CacheEntry] = {}
+        self._maps: dict[int, dict[bytes, CacheEntry]] = {0: self._map0}
         # kvpool's events, or what event_hook made of them
         self.kv_event_queue: list[Any] = []
         self._hashless_first = profile.free_order_for(enable_caching) is FreeOrder.HASHLESS_FIRST
@@ -643,11 +649,11 @@ class BlockPool:
         if primary is None:
             return
         extra = src._extra_keys
-        cached = self._cached
         for key in [primary] if extra is None else [primary, *extra]:
-            entry: Any = cached[key]
+            cached = self._map(key[1])
+            entry: Any = cached[key[0]]
             if entry is src:
-                cached[key] = dst
+                cached[key[0]] = dst
             else:
                 del entry[src.block_id]
                 entry[dst.block_id] = dst
@@ -805,7 +811,7 @@ class BlockPool:
                 f"request has {len(block_hashes) // factor} hashes of size {block_size}, "
                 f"{num_full_blocks} are needed"
             )
-        cached = self._cached
+        cached = self._map(kv_cache_group_id)
         events_on = self.enable_kv_cache_events
         if events_on:
             # Read before anything changes: a request that cannot be read is rejected whole.
@@ -840,9 +846,9 @@ class BlockPool:
                 key = (block_hash, kv_cache_group_id)
                 block._block_hash = key
                 block._block_hash_num_tokens = num_tokens
-                entry = cached.setdefault(key, block)
+                entry = cached.setdefault(block_hash, block)
                 if entry is not block:
-                    self._add_beside(key, entry, block)
+                    self._add_beside(cached, block_hash, entry, block)
                 if events_on:
                     stored.append(block_hash)
         else:
@@ -869,9 +875,9 @@ class BlockPool:
                 key = (block_hash, kv_cache_group_id)
                 block._block_hash = key
                 block._block_hash_num_tokens = (i + 1) * block_size
-                entry = cached.setdefault(key, block)
+                entry = cached.setdefault(block_hash, block)
                 if entry is not block:
-                    self._add_beside(key, entry, block)
+                    self._add_beside(cached, block_hash, entry, block)
                 if events_on:
                     stored.append(block_hash)
 
@@ -1013,9 +1019,7 @@ class BlockPool:
             block._extra_keys = [key]
         else:
             block._extra_keys.append(key)
-        entry = self._cached.setdefault(key, block)
-        if entry is not block:
-            self._add_beside(key, entry, block)
+        self._insert(key, block)
 
         if self.enable_kv_cache_events:
             self._emit(stored, request)
@@ -1129,7 +1133,10 @@ class BlockPool:
             # Verify that no group id is negative
             if group_id < 0:
                 raise InvalidGroup(f"KV cache group id {group_id} is negative")
-            entry = self._cached.get((block_hash, group_id))
+            cached = self._map0 if group_id == 0 else self._maps.get(group_id)
+            if cached is None:
+                return None
+            entry = cached.get(block_hash)
             if entry is None:
                 return None
             if type(entry) is dict:
@@ -1142,10 +1149,11 @@ class BlockPool:
         for group_id in kv_cache_group_ids:
             if group_id < 0:
                 raise InvalidGroup(f"KV cache group id {group_id} is negative")
-        cached = self._cached
+        maps = self._maps
         found: list[KVCacheBlock] = []
         for group_id in kv_cache_group_ids:
-            entry = cached.get((block_hash, group_id))
+            group_map = maps.get(group_id)
+            entry = None if group_map is None else group_map.get(block_hash)
             if entry is None:
                 return None
             found.append(next(iter(entry.values())) if type(entry) is dict else entry)
@@ -1202,14 +1210,15 @@ class BlockPool:
             for block_id, watcher in list(self._reuse_watchers.items()):
                 watcher(blocks[block_id])
             self._reuse_watchers = {}
-        for entry in self._cached.values():
+        for _, entry in self._cached_items():
             if type(entry) is dict:
                 for block in entry.values():
                     block.reset_hash()
             else:
                 assert isinstance(entry, KVCacheBlock)
                 entry.reset_hash()
-        self._cached = {}
+        self._map0 = {}
+        self._maps = {0: self._map0}
         if self.metrics_collector is not None:
             self.metrics_collector.reset()
         if self.enable_kv_cache_events:
@@ -1312,7 +1321,7 @@ class BlockPool:
             for b in self.blocks
         )
         cached: dict[HashKey, tuple[int, ...]] = {}
-        for key, entry in self._cached.items():
+        for key, entry in self._cached_items():
             if type(entry) is dict:
                 cached[key] = tuple(entry)
             else:
@@ -1418,7 +1427,9 @@ class BlockPool:
             )
             # (A held block's own links may be stale: nothing reads them.)
 
-        cached = self._cached
+        # Group 0's map is the one kept at hand.
+        assert self._maps.get(0) is self._map0, "_map0 is not group 0's map"
+        cached = dict(self._cached_items())
         # Without prefix caching nothing is ever cached.
         if not self.enable_caching:
             assert not cached, "a pool without prefix caching has cached keys"
@@ -1497,7 +1508,7 @@ class BlockPool:
         everything: list[Any] = self.blocks  # a corrupted entry is shown, not type-checked
         lines.extend(f"    {block!r}" for block in everything)
         lines.append("  hash map:")
-        for key, entry in self._cached.items():
+        for key, entry in self._cached_items():
             ids = list(entry) if isinstance(entry, dict) else entry.block_id
             lines.append(f"    {key!r} -> {ids}")
         lines.append(f"  pending events: {len(self.kv_event_queue)}")
@@ -1569,12 +1580,47 @@ class BlockPool:
         if first_bad is not None:
             self._verify_cacheable(*first_bad)
 
-    def _add_beside(self, key: HashKey, entry: Any, block: KVCacheBlock) -> None:
-        """Put ``block`` under ``key`` after ``entry``, what the key already held."""
+    def _map(self, group_id: int) -> dict[bytes, CacheEntry]:
+        """The hash map of KV cache group ``group_id`` (made on first use)."""
+        if group_id == 0:
+            return self._map0
+        cached = self._maps.get(group_id)
+        if cached is None:
+            cached = self._maps[group_id] = {}
+        return cached
+
+    def _lookup(self, key: HashKey) -> CacheEntry | None:
+        """What the map holds under ``key``, or None."""
+        cached = self._maps.get(key[1])
+        return None if cached is None else cached.get(key[0])
+
+    def _cached_items(self) -> list[tuple[HashKey, CacheEntry]]:
+        """Every (key, entry) of the map, group by group, each group's in insertion order."""
+        return [
+            ((block_hash, group_id), entry)
+            for group_id, cached in self._maps.items()
+            for block_hash, entry in cached.items()
+        ]
+
+    def _num_cached(self) -> int:
+        """How many keys the map holds."""
+        return sum(len(cached) for cached in self._maps.values())
+
+    def _insert(self, key: HashKey, block: KVCacheBlock) -> None:
+        """Put ``block`` under ``key``, after any block the key already holds."""
+        cached = self._map(key[1])
+        entry = cached.setdefault(key[0], block)
+        if entry is not block:
+            self._add_beside(cached, key[0], entry, block)
+
+    def _add_beside(
+        self, cached: dict[bytes, CacheEntry], block_hash: bytes, entry: Any, block: KVCacheBlock
+    ) -> None:
+        """Put ``block`` after ``entry``, what ``cached`` already held under ``block_hash``."""
         if type(entry) is dict:
             entry[block.block_id] = block
         else:
-            self._cached[key] = {entry.block_id: entry, block.block_id: block}
+            cached[block_hash] = {entry.block_id: entry, block.block_id: block}
 
     def _drop_keys(self, block: KVCacheBlock) -> None:
         """Remove every key pointing at ``block`` (primary first), a BlockRemoved each.
@@ -1583,9 +1629,10 @@ class BlockPool:
         are announced.
         """
         key: Any = block._block_hash
-        entry = self._cached.pop(key)
+        cached = self._map(key[1])
+        entry = cached.pop(key[0])
         if entry is not block:
-            self._put_back(key, entry, block)
+            self._put_back(cached, key[0], entry, block)
         if self.enable_kv_cache_events and (self._removal_per_copy or entry is block):
             self._emit(BlockRemoved(block_hashes=(key[0],), medium=self.medium, group_idx=key[1]))
         if block._extra_keys is not None:
@@ -1597,17 +1644,20 @@ class BlockPool:
 
     def _unmap(self, key: HashKey, block: KVCacheBlock) -> None:
         """Take ``block`` out from under ``key`` in the map and report it."""
-        entry = self._cached.pop(key)
+        cached = self._map(key[1])
+        entry = cached.pop(key[0])
         if entry is not block:
-            self._put_back(key, entry, block)
+            self._put_back(cached, key[0], entry, block)
         if self.enable_kv_cache_events and (self._removal_per_copy or entry is block):
             self._emit(BlockRemoved(block_hashes=(key[0],), medium=self.medium, group_idx=key[1]))
 
-    def _put_back(self, key: HashKey, entry: Any, block: KVCacheBlock) -> None:
-        """Restore a popped shared entry without ``block``."""
+    def _put_back(
+        self, cached: dict[bytes, CacheEntry], block_hash: bytes, entry: Any, block: KVCacheBlock
+    ) -> None:
+        """Restore a shared entry popped from ``cached`` without ``block``."""
         del entry[block.block_id]
         # One block left: store it bare again, as a first insertion would.
-        self._cached[key] = next(iter(entry.values())) if len(entry) == 1 else entry
+        cached[block_hash] = next(iter(entry.values())) if len(entry) == 1 else entry
 
 
 def _entry(values: Sequence[object], index: int) -> object:

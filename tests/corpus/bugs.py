@@ -241,7 +241,7 @@ class LookupReturnsNewestDuplicate(BlockPool):
             return None
         out = []
         for group_id in kv_cache_group_ids:
-            entry = self._cached[(block_hash, group_id)]
+            entry = self._maps[group_id][block_hash]
             out.append(list(entry.values())[-1] if type(entry) is dict else entry)
         return out
 
@@ -388,9 +388,7 @@ class PromotionKeepsPartialKey(BlockPool):
         kept = [key for key in old if key is not None]
         block._extra_keys = kept or None
         for key in kept:
-            entry = self._cached.setdefault(key, block)
-            if entry is not block:
-                self._add_beside(key, entry, block)
+            self._insert(key, block)
 
 
 class EvictEmitsNoRemoved(BlockPool):
@@ -442,7 +440,8 @@ class ResetIgnoresHeldBlocks(BlockPool):
     def reset_prefix_cache(self) -> bool:
         for block in self.blocks:
             block.reset_hash()
-        self._cached = {}
+        self._map0 = {}
+        self._maps = {0: self._map0}
         if self.enable_kv_cache_events:
             self.kv_event_queue.append(AllBlocksCleared())
         return True
