@@ -21,7 +21,7 @@ Representation (``snapshot()`` is the abstraction function back to the model):
   is also ``_map0`` (the only one with a single group). Keying by the bare
   hash makes a lookup build no ``(hash, group)`` tuple: no allocation, and the
   bytes' hash is cached in the object (measured in docs/performance.md).
-* each block records its own keys: the primary one in ``_block_hash`` and the
+* each block records its own keys: the primary one in ``_hash`` and ``_group``, the
   further (partial) ones in ``_extra_keys``, oldest first.
 """
 
@@ -267,7 +267,7 @@ class BlockPool:
         if count == 1:
             out = [node]
             node.ref_cnt = 1
-            if node._block_hash is not None:
+            if node._hash is not None:
                 self._drop_keys(node)
             node = node.next_free_block  # type: ignore[assignment]
         elif self.enable_caching:
@@ -275,7 +275,7 @@ class BlockPool:
             for _ in range(count):
                 out.append(node)
                 node.ref_cnt = 1
-                if node._block_hash is not None:
+                if node._hash is not None:
                     self._drop_keys(node)
                 node = node.next_free_block  # type: ignore[assignment]
         else:
@@ -397,7 +397,7 @@ class BlockPool:
                     ref_cnt = block.ref_cnt - 1
                     if ref_cnt == 0 and block.pool is self:
                         block.ref_cnt = 0
-                        if block._block_hash is None:
+                        if block._hash is None:
                             front.next_free_block = block
                             block.prev_free_block = front
                             front = block
@@ -643,9 +643,9 @@ class BlockPool:
         if dst.ref_cnt == 0:
             raise BlockNotHeld(f"block {dst.block_id} is not held: keys cannot move to it")
         # Verify that the destination carries no key yet
-        if dst._block_hash is not None:
+        if dst._hash is not None:
             raise AlreadyCached(f"block {dst.block_id} already carries a key")
-        primary = src._block_hash
+        primary = src._primary_key()
         if primary is None:
             return
         extra = src._extra_keys
@@ -657,12 +657,11 @@ class BlockPool:
             else:
                 del entry[src.block_id]
                 entry[dst.block_id] = dst
-        dst._block_hash = primary
+        dst._hash = src._hash
+        dst._group = src._group
         dst._block_hash_num_tokens = src._block_hash_num_tokens
         dst._extra_keys = extra
-        src._block_hash = None
-        src._block_hash_num_tokens = None
-        src._extra_keys = None
+        src.reset_hash()
 
     def _own_block(self, block: object) -> KVCacheBlock:
         """``block``, if it is a block of this pool; else ``UnknownBlock``.
@@ -686,7 +685,7 @@ class BlockPool:
         """
         # Verify that the block belongs to this pool
         own = self._own_block(block)
-        return not own.is_null and own.ref_cnt == 1 and own._block_hash is None
+        return not own.is_null and own.ref_cnt == 1 and own._hash is None
 
     def _maybe_evict_cached_block(self, block: object) -> bool:
         """Drop every key of ``block`` (``evict_blocks`` for one block); whether it had any.
@@ -702,7 +701,7 @@ class BlockPool:
         own = self._own_block(block)
         if self.metrics_collector is not None:
             self.metrics_collector.on_block_evicted(own)
-        if own._block_hash is None:
+        if own._hash is None:
             return False
         self._drop_keys(own)
         return True
@@ -822,9 +821,6 @@ class BlockPool:
             lora_id, lora_name = _lora_of(request)
         stored: list[bytes] = []
         block: KVCacheBlock  # checked above; typed for the compiled build's field access
-        # Any, so that the compiled build boxes the key once for the block and the map
-        # (it keeps a tuple-typed local unboxed, then boxes it anew at each use).
-        key: Any
         if num_new == 1:
             # One block (a decode step filled it): nothing can stand twice, no loops.
             block = blocks[num_cached_blocks]
@@ -835,16 +831,16 @@ class BlockPool:
                     raise BlockNotHeld(f"block {block.block_id} is free: it cannot be cached")
                 covered = block._block_hash_num_tokens
                 # Verify that a hashed block is only ever promoted to a longer prefix
-                if covered is not None and covered >= num_tokens:
+                if covered >= num_tokens:
                     raise AlreadyCached(f"block {block.block_id} caches {covered} tokens")
                 block_hash = block_hashes[num_full_blocks * factor - 1]
                 # Verify that the hash the block gets is bytes
                 if type(block_hash) is not bytes:
                     _verify_hash(block_hash)
-                if covered is not None:
+                if covered:
                     self._drop_keys(block)
-                key = (block_hash, kv_cache_group_id)
-                block._block_hash = key
+                block._hash = block_hash
+                block._group = kv_cache_group_id
                 block._block_hash_num_tokens = num_tokens
                 entry = cached.setdefault(block_hash, block)
                 if entry is not block:
@@ -870,10 +866,10 @@ class BlockPool:
                     continue
                 # Hashes are chained: a block's last hash block names the whole prefix.
                 block_hash = block_hashes[i * factor + last]
-                if block._block_hash is not None:
+                if block._hash is not None:
                     self._drop_keys(block)
-                key = (block_hash, kv_cache_group_id)
-                block._block_hash = key
+                block._hash = block_hash
+                block._group = kv_cache_group_id
                 block._block_hash_num_tokens = (i + 1) * block_size
                 entry = cached.setdefault(block_hash, block)
                 if entry is not block:
@@ -982,6 +978,8 @@ class BlockPool:
             )
 
         block_hash = block_hashes[num_hash_blocks - 1]
+        # Verify that the hash the block gets is bytes
+        _verify_hash(block_hash)
         key = (block_hash, kv_cache_group_id)
         if self.enable_kv_cache_events:
             lora_id, lora_name = _lora_of(request)
@@ -999,7 +997,7 @@ class BlockPool:
                 group_idx=kv_cache_group_id,
                 lookahead_token_ids=self._lookahead(token_ids, (num_tokens,)),
             )
-        primary = block._block_hash
+        primary = block._primary_key()
         if replace_existing_hashes:
             if primary is not None:
                 self._drop_keys(block)
@@ -1009,11 +1007,12 @@ class BlockPool:
             if primary == key or (extra is not None and key in extra):
                 return key if self.strict else vllm_key(key)
             num_primary = block._block_hash_num_tokens
-            if num_primary is not None and num_primary < num_tokens:
+            if num_primary < num_tokens:
                 self._drop_keys(block)
                 primary = None
         if primary is None:
-            block._block_hash = key
+            block._hash = block_hash
+            block._group = kv_cache_group_id
             block._block_hash_num_tokens = num_tokens
         elif block._extra_keys is None:
             block._extra_keys = [key]
@@ -1190,7 +1189,7 @@ class BlockPool:
             block = blocks[block_id]
             if collector is not None:
                 collector.on_block_evicted(block)
-            if block._block_hash is not None:
+            if block._hash is not None:
                 self._drop_keys(block)
 
     def reset_prefix_cache(self) -> bool:
@@ -1314,8 +1313,8 @@ class BlockPool:
         blocks = tuple(
             BlockState(
                 ref_cnt=b.ref_cnt,
-                block_hash=b._block_hash,
-                hash_num_tokens=b._block_hash_num_tokens,
+                block_hash=b._primary_key(),
+                hash_num_tokens=b.block_hash_num_tokens,
                 partial_keys=() if b._extra_keys is None else tuple(b._extra_keys),
             )
             for b in self.blocks
@@ -1379,7 +1378,7 @@ class BlockPool:
             assert sentinel.block_id == -1, f"fake {name} has block_id {sentinel.block_id}"
             assert sentinel.ref_cnt == 0, f"fake {name} has ref_cnt {sentinel.ref_cnt}"
             assert sentinel.pool is None, f"fake {name} claims to belong to a pool"
-            assert sentinel._block_hash is None, f"fake {name} carries a hash"
+            assert sentinel._hash is None, f"fake {name} carries a hash"
         assert head is not tail, "fake head and fake tail are one block"
         assert head.prev_free_block is None, "something precedes the fake head"
         assert tail.next_free_block is None, "something follows the fake tail"
@@ -1436,10 +1435,10 @@ class BlockPool:
 
         for block in blocks:
             bid = block.block_id
-            key = block._block_hash
+            key = block._primary_key()
             extra = block._extra_keys
             # A block has a primary key exactly when it has a token count for it.
-            assert (key is None) == (block._block_hash_num_tokens is None), (
+            assert (key is None) == (block._block_hash_num_tokens == 0), (
                 f"block {bid}: primary key and token count disagree"
             )
             # Extra keys exist only beside a primary key, never empty, none repeated.
@@ -1467,9 +1466,9 @@ class BlockPool:
                 assert 0 <= bid < n and blocks[bid] is block and block.block_id == bid, (
                     f"key {k!r} maps to block {bid}, which is not this pool's block {bid}"
                 )
-                assert block._block_hash == k or (block._extra_keys and k in block._extra_keys), (
-                    f"key {k!r} maps to block {bid}, which does not record it"
-                )
+                assert block._primary_key() == k or (
+                    block._extra_keys and k in block._extra_keys
+                ), f"key {k!r} maps to block {bid}, which does not record it"
 
         # Watchers are registered for non-null blocks of the pool, and are callable.
         for bid, watcher in self._reuse_watchers.items():
@@ -1546,7 +1545,7 @@ class BlockPool:
             raise BlockNotHeld(f"block {block.block_id} is free: only held blocks can be cached")
         # Verify that a hashed block is only ever promoted to a longer prefix
         covered = block._block_hash_num_tokens
-        if covered is not None and covered >= num_tokens:
+        if covered >= num_tokens:
             raise AlreadyCached(f"block {block.block_id} already caches {covered} tokens")
 
     def _verify_all_cacheable(
@@ -1570,11 +1569,7 @@ class BlockPool:
                 raise DuplicateBlock(f"block {block.block_id} stands at two positions")
             block._mark = epoch
             if first_bad is None and (
-                block.ref_cnt == 0
-                or (
-                    block._block_hash_num_tokens is not None
-                    and block._block_hash_num_tokens >= (i + 1) * block_size
-                )
+                block.ref_cnt == 0 or (block._block_hash_num_tokens >= (i + 1) * block_size)
             ):
                 first_bad = (block, (i + 1) * block_size)
         if first_bad is not None:
@@ -1628,18 +1623,22 @@ class BlockPool:
         Under the last-copy event semantics only keys no other block carries
         are announced.
         """
-        key: Any = block._block_hash
-        cached = self._map(key[1])
-        entry = cached.pop(key[0])
+        block_hash: Any = block._hash
+        group_id = block._group
+        cached = self._map(group_id)
+        entry = cached.pop(block_hash)
         if entry is not block:
-            self._put_back(cached, key[0], entry, block)
+            self._put_back(cached, block_hash, entry, block)
         if self.enable_kv_cache_events and (self._removal_per_copy or entry is block):
-            self._emit(BlockRemoved(block_hashes=(key[0],), medium=self.medium, group_idx=key[1]))
+            self._emit(
+                BlockRemoved(block_hashes=(block_hash,), medium=self.medium, group_idx=group_id)
+            )
         if block._extra_keys is not None:
             for key in block._extra_keys:
                 self._unmap(key, block)
-        block._block_hash = None
-        block._block_hash_num_tokens = None
+        block._hash = None
+        block._group = 0
+        block._block_hash_num_tokens = 0
         block._extra_keys = None
 
     def _unmap(self, key: HashKey, block: KVCacheBlock) -> None:

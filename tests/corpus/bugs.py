@@ -69,7 +69,7 @@ class TakesMostRecentlyFreed(BlockPool):
         for block in out:
             queue.remove(block)
             block.ref_cnt = 1
-            if block._block_hash is not None:
+            if block._hash is not None:
                 self._drop_keys(block)
         return out
 
@@ -103,7 +103,7 @@ class HashlessAppended(BlockPool):
         super().free_blocks(blocks)
         freed = [b for b in dict.fromkeys(blocks) if b.ref_cnt == 0 and not b.is_null]
         for block in freed:
-            if block._block_hash is None:
+            if block._hash is None:
                 self.free_block_queue.remove(block)
                 self.free_block_queue.append(block)
 
@@ -383,7 +383,7 @@ class PromotionKeepsPartialKey(BlockPool):
             del self._drop_keys
 
     def _drop_but_keep_as_extra(self, block: KVCacheBlock) -> None:
-        old = [block._block_hash, *(block._extra_keys or ())]
+        old = [block._primary_key(), *(block._extra_keys or ())]
         BlockPool._drop_keys(self, block)
         kept = [key for key in old if key is not None]
         block._extra_keys = kept or None
@@ -420,7 +420,7 @@ class EvictMovesBlockToFront(BlockPool):
             for i in sorted(ids)
             if 0 < i < self.num_gpu_blocks
             and self.blocks[i].ref_cnt == 0
-            and self.blocks[i]._block_hash is not None
+            and self.blocks[i]._hash is not None
         ]
         super().evict_blocks(ids)
         for block in moved:
