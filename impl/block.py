@@ -30,7 +30,8 @@ class KVCacheBlock:
         "next_free_block",
         "prev_free_block",
         "pool",
-        "_block_hash",
+        "_hash",
+        "_group",
         "block_id",
         "is_null",
         "_block_hash_num_tokens",
@@ -40,8 +41,14 @@ class KVCacheBlock:
 
     block_id: int
     ref_cnt: int
-    _block_hash: HashKey | None
-    _block_hash_num_tokens: int | None
+    _hash: bytes | None
+    """The hash of the primary key ``(_hash, _group)``; None when the block is not cached."""
+    _group: int
+    """The KV cache group of the primary key (0 when there is none). Kept apart from the
+    hash so that caching a block builds no key tuple (docs/performance.md)."""
+    _block_hash_num_tokens: int
+    """How many tokens the primary key covers; 0 when there is none (a key covers at least
+    one). A plain int, so that the compiled build stores it without boxing it."""
     _extra_keys: list[HashKey] | None
     """Further keys pointing at this block (partial entries), oldest first; None when none."""
     _mark: int
@@ -63,8 +70,9 @@ class KVCacheBlock:
         self.block_id = block_id
         self.pool = pool
         self.ref_cnt = ref_cnt
-        self._block_hash = None
-        self._block_hash_num_tokens = None
+        self._hash = None
+        self._group = 0
+        self._block_hash_num_tokens = 0
         self._extra_keys = None
         self._mark = 0
         self.prev_free_block = None
@@ -78,16 +86,22 @@ class KVCacheBlock:
         In a pool built with ``strict=False`` (vLLM's semantics), vLLM's shape
         of the same key: ``hash + group id`` as 4 big-endian bytes.
         """
-        key = self._block_hash
+        key = self._primary_key()
         pool = self.pool
         if key is None or pool is None or pool.strict:
             return key
         return vllm_key(key)
 
+    def _primary_key(self) -> HashKey | None:
+        """The primary key ``(hash, group id)``, or None."""
+        block_hash = self._hash
+        return None if block_hash is None else (block_hash, self._group)
+
     @property
     def block_hash_num_tokens(self) -> int | None:
         """How many prefix tokens the primary key covers, or None if there is none."""
-        return self._block_hash_num_tokens
+        num_tokens = self._block_hash_num_tokens
+        return None if num_tokens == 0 else num_tokens
 
     def reset_hash(self) -> None:
         """Forget every key this block records (the pool's map is not touched).
@@ -96,8 +110,9 @@ class KVCacheBlock:
         >>> b.reset_hash(); b.block_hash is None
         True
         """
-        self._block_hash = None
-        self._block_hash_num_tokens = None
+        self._hash = None
+        self._group = 0
+        self._block_hash_num_tokens = 0
         self._extra_keys = None
 
     def __repr__(self) -> str:
@@ -105,7 +120,7 @@ class KVCacheBlock:
         next_id = None if self.next_free_block is None else self.next_free_block.block_id
         return (
             f"KVCacheBlock(block_id={self.block_id}, ref_cnt={self.ref_cnt}, "
-            f"block_hash={self._block_hash!r}, "
+            f"block_hash={self._primary_key()!r}, "
             f"block_hash_num_tokens={self._block_hash_num_tokens}, "
             f"extra_keys={self._extra_keys!r}, "
             f"prev_free_block={prev_id}, next_free_block={next_id}"

@@ -78,7 +78,7 @@ class MambaAlignManager(MambaManager):
         """At most one new block plus the free hits; the pool's size plus one (so the request
         waits) when the hit ends on a state cached this step. Not clamped at zero."""
         if new_computed_blocks:
-            key = new_computed_blocks[-1]._block_hash
+            key = new_computed_blocks[-1]._primary_key()
             if key is not None and key in self.cached_blocks_this_step:
                 return self.block_pool.num_gpu_blocks + 1
         held = self.req_to_blocks.get(request_id)
@@ -145,7 +145,7 @@ class MambaAlignManager(MambaManager):
         blocks = self.req_to_blocks[rid]
         for i in range(before, after):
             block = blocks[i]
-            key = block._block_hash
+            key = block._primary_key()
             if block.is_null or key is None:
                 continue
             self.cached_blocks_this_step.add(key)
@@ -167,8 +167,8 @@ class MambaAlignManager(MambaManager):
         self.block_pool.cache_full_blocks(
             request, blocks, index, index + 1, self.block_size, self.kv_cache_group_id
         )
-        if block._block_hash is not None:
-            self.cached_blocks_this_step.add(block._block_hash)
+        if block._primary_key() is not None:
+            self.cached_blocks_this_step.add(block._primary_key())
 
     def free(self, request_id: str) -> None:
         """Forget the request's states and its offers not yet taken, then release its blocks."""

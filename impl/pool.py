@@ -13,11 +13,15 @@ Representation (``snapshot()`` is the abstraction function back to the model):
   ref_cnt is 0 (and it is not the null block); the hot paths do not clear a
   block's links when it leaves the queue, so a held block's links are stale
   and never read;
-* ``_cached`` maps a hash key ``(hash, group id)`` to the one block under it,
-  or, when several blocks share it, to a ``{block_id: block}`` dict in
-  insertion order (the first entry is the one a lookup returns). A dict entry
-  always has at least two blocks: one left alone collapses back to the block.
-* each block records its own keys: the primary one in ``_block_hash`` and the
+* the hash map is one dict per KV cache group, ``_maps[group id]``, mapping a
+  hash (bytes) to the one block under the key ``(hash, group id)``, or, when
+  several blocks share it, to a ``{block_id: block}`` dict in insertion order
+  (the first entry is the one a lookup returns). A dict entry always has at
+  least two blocks: one left alone collapses back to the block. Group 0's map
+  is also ``_map0`` (the only one with a single group). Keying by the bare
+  hash makes a lookup build no ``(hash, group)`` tuple: no allocation, and the
+  bytes' hash is cached in the object (measured in docs/performance.md).
+* each block records its own keys: the primary one in ``_hash`` and ``_group``, the
   further (partial) ones in ``_extra_keys``, oldest first.
 """
 
@@ -126,10 +130,11 @@ class BlockPool:
     """
 
     __slots__ = (
-        "_cached",
         "_epoch",
         "_free_by_hash",
         "_hashless_first",
+        "_map0",
+        "_maps",
         "_removal_per_copy",
         "_reuse_watchers",
         "blocks",
@@ -202,7 +207,8 @@ class BlockPool:
         self.null_block = self.blocks[0]
         self.null_block.is_null = True
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[1:])
-        self._cached: dict[HashKey, CacheEntry] = {}
+        self._map0: dict[bytes, CacheEntry] = {}
+        self._maps: dict[int, dict[bytes, CacheEntry]] = {0: self._map0}
         # kvpool's events, or what event_hook made of them
         self.kv_event_queue: list[Any] = []
         self._hashless_first = profile.free_order_for(enable_caching) is FreeOrder.HASHLESS_FIRST
@@ -261,7 +267,7 @@ class BlockPool:
         if count == 1:
             out = [node]
             node.ref_cnt = 1
-            if node._block_hash is not None:
+            if node._hash is not None:
                 self._drop_keys(node)
             node = node.next_free_block  # type: ignore[assignment]
         elif self.enable_caching:
@@ -269,7 +275,7 @@ class BlockPool:
             for _ in range(count):
                 out.append(node)
                 node.ref_cnt = 1
-                if node._block_hash is not None:
+                if node._hash is not None:
                     self._drop_keys(node)
                 node = node.next_free_block  # type: ignore[assignment]
         else:
@@ -391,7 +397,7 @@ class BlockPool:
                     ref_cnt = block.ref_cnt - 1
                     if ref_cnt == 0 and block.pool is self:
                         block.ref_cnt = 0
-                        if block._block_hash is None:
+                        if block._hash is None:
                             front.next_free_block = block
                             block.prev_free_block = front
                             front = block
@@ -637,26 +643,25 @@ class BlockPool:
         if dst.ref_cnt == 0:
             raise BlockNotHeld(f"block {dst.block_id} is not held: keys cannot move to it")
         # Verify that the destination carries no key yet
-        if dst._block_hash is not None:
+        if dst._hash is not None:
             raise AlreadyCached(f"block {dst.block_id} already carries a key")
-        primary = src._block_hash
+        primary = src._primary_key()
         if primary is None:
             return
         extra = src._extra_keys
-        cached = self._cached
         for key in [primary] if extra is None else [primary, *extra]:
-            entry: Any = cached[key]
+            cached = self._map(key[1])
+            entry: Any = cached[key[0]]
             if entry is src:
-                cached[key] = dst
+                cached[key[0]] = dst
             else:
                 del entry[src.block_id]
                 entry[dst.block_id] = dst
-        dst._block_hash = primary
+        dst._hash = src._hash
+        dst._group = src._group
         dst._block_hash_num_tokens = src._block_hash_num_tokens
         dst._extra_keys = extra
-        src._block_hash = None
-        src._block_hash_num_tokens = None
-        src._extra_keys = None
+        src.reset_hash()
 
     def _own_block(self, block: object) -> KVCacheBlock:
         """``block``, if it is a block of this pool; else ``UnknownBlock``.
@@ -680,7 +685,7 @@ class BlockPool:
         """
         # Verify that the block belongs to this pool
         own = self._own_block(block)
-        return not own.is_null and own.ref_cnt == 1 and own._block_hash is None
+        return not own.is_null and own.ref_cnt == 1 and own._hash is None
 
     def _maybe_evict_cached_block(self, block: object) -> bool:
         """Drop every key of ``block`` (``evict_blocks`` for one block); whether it had any.
@@ -696,7 +701,7 @@ class BlockPool:
         own = self._own_block(block)
         if self.metrics_collector is not None:
             self.metrics_collector.on_block_evicted(own)
-        if own._block_hash is None:
+        if own._hash is None:
             return False
         self._drop_keys(own)
         return True
@@ -805,7 +810,7 @@ class BlockPool:
                 f"request has {len(block_hashes) // factor} hashes of size {block_size}, "
                 f"{num_full_blocks} are needed"
             )
-        cached = self._cached
+        cached = self._map(kv_cache_group_id)
         events_on = self.enable_kv_cache_events
         if events_on:
             # Read before anything changes: a request that cannot be read is rejected whole.
@@ -816,9 +821,6 @@ class BlockPool:
             lora_id, lora_name = _lora_of(request)
         stored: list[bytes] = []
         block: KVCacheBlock  # checked above; typed for the compiled build's field access
-        # Any, so that the compiled build boxes the key once for the block and the map
-        # (it keeps a tuple-typed local unboxed, then boxes it anew at each use).
-        key: Any
         if num_new == 1:
             # One block (a decode step filled it): nothing can stand twice, no loops.
             block = blocks[num_cached_blocks]
@@ -829,20 +831,20 @@ class BlockPool:
                     raise BlockNotHeld(f"block {block.block_id} is free: it cannot be cached")
                 covered = block._block_hash_num_tokens
                 # Verify that a hashed block is only ever promoted to a longer prefix
-                if covered is not None and covered >= num_tokens:
+                if covered >= num_tokens:
                     raise AlreadyCached(f"block {block.block_id} caches {covered} tokens")
                 block_hash = block_hashes[num_full_blocks * factor - 1]
                 # Verify that the hash the block gets is bytes
                 if type(block_hash) is not bytes:
                     _verify_hash(block_hash)
-                if covered is not None:
+                if covered:
                     self._drop_keys(block)
-                key = (block_hash, kv_cache_group_id)
-                block._block_hash = key
+                block._hash = block_hash
+                block._group = kv_cache_group_id
                 block._block_hash_num_tokens = num_tokens
-                entry = cached.setdefault(key, block)
+                entry = cached.setdefault(block_hash, block)
                 if entry is not block:
-                    self._add_beside(key, entry, block)
+                    self._add_beside(cached, block_hash, entry, block)
                 if events_on:
                     stored.append(block_hash)
         else:
@@ -864,14 +866,14 @@ class BlockPool:
                     continue
                 # Hashes are chained: a block's last hash block names the whole prefix.
                 block_hash = block_hashes[i * factor + last]
-                if block._block_hash is not None:
+                if block._hash is not None:
                     self._drop_keys(block)
-                key = (block_hash, kv_cache_group_id)
-                block._block_hash = key
+                block._hash = block_hash
+                block._group = kv_cache_group_id
                 block._block_hash_num_tokens = (i + 1) * block_size
-                entry = cached.setdefault(key, block)
+                entry = cached.setdefault(block_hash, block)
                 if entry is not block:
-                    self._add_beside(key, entry, block)
+                    self._add_beside(cached, block_hash, entry, block)
                 if events_on:
                     stored.append(block_hash)
 
@@ -976,6 +978,8 @@ class BlockPool:
             )
 
         block_hash = block_hashes[num_hash_blocks - 1]
+        # Verify that the hash the block gets is bytes
+        _verify_hash(block_hash)
         key = (block_hash, kv_cache_group_id)
         if self.enable_kv_cache_events:
             lora_id, lora_name = _lora_of(request)
@@ -993,7 +997,7 @@ class BlockPool:
                 group_idx=kv_cache_group_id,
                 lookahead_token_ids=self._lookahead(token_ids, (num_tokens,)),
             )
-        primary = block._block_hash
+        primary = block._primary_key()
         if replace_existing_hashes:
             if primary is not None:
                 self._drop_keys(block)
@@ -1003,19 +1007,18 @@ class BlockPool:
             if primary == key or (extra is not None and key in extra):
                 return key if self.strict else vllm_key(key)
             num_primary = block._block_hash_num_tokens
-            if num_primary is not None and num_primary < num_tokens:
+            if num_primary < num_tokens:
                 self._drop_keys(block)
                 primary = None
         if primary is None:
-            block._block_hash = key
+            block._hash = block_hash
+            block._group = kv_cache_group_id
             block._block_hash_num_tokens = num_tokens
         elif block._extra_keys is None:
             block._extra_keys = [key]
         else:
             block._extra_keys.append(key)
-        entry = self._cached.setdefault(key, block)
-        if entry is not block:
-            self._add_beside(key, entry, block)
+        self._insert(key, block)
 
         if self.enable_kv_cache_events:
             self._emit(stored, request)
@@ -1129,7 +1132,10 @@ class BlockPool:
             # Verify that no group id is negative
             if group_id < 0:
                 raise InvalidGroup(f"KV cache group id {group_id} is negative")
-            entry = self._cached.get((block_hash, group_id))
+            cached = self._map0 if group_id == 0 else self._maps.get(group_id)
+            if cached is None:
+                return None
+            entry = cached.get(block_hash)
             if entry is None:
                 return None
             if type(entry) is dict:
@@ -1142,10 +1148,11 @@ class BlockPool:
         for group_id in kv_cache_group_ids:
             if group_id < 0:
                 raise InvalidGroup(f"KV cache group id {group_id} is negative")
-        cached = self._cached
+        maps = self._maps
         found: list[KVCacheBlock] = []
         for group_id in kv_cache_group_ids:
-            entry = cached.get((block_hash, group_id))
+            group_map = maps.get(group_id)
+            entry = None if group_map is None else group_map.get(block_hash)
             if entry is None:
                 return None
             found.append(next(iter(entry.values())) if type(entry) is dict else entry)
@@ -1182,7 +1189,7 @@ class BlockPool:
             block = blocks[block_id]
             if collector is not None:
                 collector.on_block_evicted(block)
-            if block._block_hash is not None:
+            if block._hash is not None:
                 self._drop_keys(block)
 
     def reset_prefix_cache(self) -> bool:
@@ -1202,14 +1209,15 @@ class BlockPool:
             for block_id, watcher in list(self._reuse_watchers.items()):
                 watcher(blocks[block_id])
             self._reuse_watchers = {}
-        for entry in self._cached.values():
+        for _, entry in self._cached_items():
             if type(entry) is dict:
                 for block in entry.values():
                     block.reset_hash()
             else:
                 assert isinstance(entry, KVCacheBlock)
                 entry.reset_hash()
-        self._cached = {}
+        self._map0 = {}
+        self._maps = {0: self._map0}
         if self.metrics_collector is not None:
             self.metrics_collector.reset()
         if self.enable_kv_cache_events:
@@ -1305,14 +1313,14 @@ class BlockPool:
         blocks = tuple(
             BlockState(
                 ref_cnt=b.ref_cnt,
-                block_hash=b._block_hash,
-                hash_num_tokens=b._block_hash_num_tokens,
+                block_hash=b._primary_key(),
+                hash_num_tokens=b.block_hash_num_tokens,
                 partial_keys=() if b._extra_keys is None else tuple(b._extra_keys),
             )
             for b in self.blocks
         )
         cached: dict[HashKey, tuple[int, ...]] = {}
-        for key, entry in self._cached.items():
+        for key, entry in self._cached_items():
             if type(entry) is dict:
                 cached[key] = tuple(entry)
             else:
@@ -1370,7 +1378,7 @@ class BlockPool:
             assert sentinel.block_id == -1, f"fake {name} has block_id {sentinel.block_id}"
             assert sentinel.ref_cnt == 0, f"fake {name} has ref_cnt {sentinel.ref_cnt}"
             assert sentinel.pool is None, f"fake {name} claims to belong to a pool"
-            assert sentinel._block_hash is None, f"fake {name} carries a hash"
+            assert sentinel._hash is None, f"fake {name} carries a hash"
         assert head is not tail, "fake head and fake tail are one block"
         assert head.prev_free_block is None, "something precedes the fake head"
         assert tail.next_free_block is None, "something follows the fake tail"
@@ -1418,17 +1426,19 @@ class BlockPool:
             )
             # (A held block's own links may be stale: nothing reads them.)
 
-        cached = self._cached
+        # Group 0's map is the one kept at hand.
+        assert self._maps.get(0) is self._map0, "_map0 is not group 0's map"
+        cached = dict(self._cached_items())
         # Without prefix caching nothing is ever cached.
         if not self.enable_caching:
             assert not cached, "a pool without prefix caching has cached keys"
 
         for block in blocks:
             bid = block.block_id
-            key = block._block_hash
+            key = block._primary_key()
             extra = block._extra_keys
             # A block has a primary key exactly when it has a token count for it.
-            assert (key is None) == (block._block_hash_num_tokens is None), (
+            assert (key is None) == (block._block_hash_num_tokens == 0), (
                 f"block {bid}: primary key and token count disagree"
             )
             # Extra keys exist only beside a primary key, never empty, none repeated.
@@ -1456,9 +1466,9 @@ class BlockPool:
                 assert 0 <= bid < n and blocks[bid] is block and block.block_id == bid, (
                     f"key {k!r} maps to block {bid}, which is not this pool's block {bid}"
                 )
-                assert block._block_hash == k or (block._extra_keys and k in block._extra_keys), (
-                    f"key {k!r} maps to block {bid}, which does not record it"
-                )
+                assert block._primary_key() == k or (
+                    block._extra_keys and k in block._extra_keys
+                ), f"key {k!r} maps to block {bid}, which does not record it"
 
         # Watchers are registered for non-null blocks of the pool, and are callable.
         for bid, watcher in self._reuse_watchers.items():
@@ -1497,7 +1507,7 @@ class BlockPool:
         everything: list[Any] = self.blocks  # a corrupted entry is shown, not type-checked
         lines.extend(f"    {block!r}" for block in everything)
         lines.append("  hash map:")
-        for key, entry in self._cached.items():
+        for key, entry in self._cached_items():
             ids = list(entry) if isinstance(entry, dict) else entry.block_id
             lines.append(f"    {key!r} -> {ids}")
         lines.append(f"  pending events: {len(self.kv_event_queue)}")
@@ -1535,7 +1545,7 @@ class BlockPool:
             raise BlockNotHeld(f"block {block.block_id} is free: only held blocks can be cached")
         # Verify that a hashed block is only ever promoted to a longer prefix
         covered = block._block_hash_num_tokens
-        if covered is not None and covered >= num_tokens:
+        if covered >= num_tokens:
             raise AlreadyCached(f"block {block.block_id} already caches {covered} tokens")
 
     def _verify_all_cacheable(
@@ -1559,22 +1569,53 @@ class BlockPool:
                 raise DuplicateBlock(f"block {block.block_id} stands at two positions")
             block._mark = epoch
             if first_bad is None and (
-                block.ref_cnt == 0
-                or (
-                    block._block_hash_num_tokens is not None
-                    and block._block_hash_num_tokens >= (i + 1) * block_size
-                )
+                block.ref_cnt == 0 or (block._block_hash_num_tokens >= (i + 1) * block_size)
             ):
                 first_bad = (block, (i + 1) * block_size)
         if first_bad is not None:
             self._verify_cacheable(*first_bad)
 
-    def _add_beside(self, key: HashKey, entry: Any, block: KVCacheBlock) -> None:
-        """Put ``block`` under ``key`` after ``entry``, what the key already held."""
+    def _map(self, group_id: int) -> dict[bytes, CacheEntry]:
+        """The hash map of KV cache group ``group_id`` (made on first use)."""
+        if group_id == 0:
+            return self._map0
+        cached = self._maps.get(group_id)
+        if cached is None:
+            cached = self._maps[group_id] = {}
+        return cached
+
+    def _lookup(self, key: HashKey) -> CacheEntry | None:
+        """What the map holds under ``key``, or None."""
+        cached = self._maps.get(key[1])
+        return None if cached is None else cached.get(key[0])
+
+    def _cached_items(self) -> list[tuple[HashKey, CacheEntry]]:
+        """Every (key, entry) of the map, group by group, each group's in insertion order."""
+        return [
+            ((block_hash, group_id), entry)
+            for group_id, cached in self._maps.items()
+            for block_hash, entry in cached.items()
+        ]
+
+    def _num_cached(self) -> int:
+        """How many keys the map holds."""
+        return sum(len(cached) for cached in self._maps.values())
+
+    def _insert(self, key: HashKey, block: KVCacheBlock) -> None:
+        """Put ``block`` under ``key``, after any block the key already holds."""
+        cached = self._map(key[1])
+        entry = cached.setdefault(key[0], block)
+        if entry is not block:
+            self._add_beside(cached, key[0], entry, block)
+
+    def _add_beside(
+        self, cached: dict[bytes, CacheEntry], block_hash: bytes, entry: Any, block: KVCacheBlock
+    ) -> None:
+        """Put ``block`` after ``entry``, what ``cached`` already held under ``block_hash``."""
         if type(entry) is dict:
             entry[block.block_id] = block
         else:
-            self._cached[key] = {entry.block_id: entry, block.block_id: block}
+            cached[block_hash] = {entry.block_id: entry, block.block_id: block}
 
     def _drop_keys(self, block: KVCacheBlock) -> None:
         """Remove every key pointing at ``block`` (primary first), a BlockRemoved each.
@@ -1582,32 +1623,40 @@ class BlockPool:
         Under the last-copy event semantics only keys no other block carries
         are announced.
         """
-        key: Any = block._block_hash
-        entry = self._cached.pop(key)
+        block_hash: Any = block._hash
+        group_id = block._group
+        cached = self._map(group_id)
+        entry = cached.pop(block_hash)
         if entry is not block:
-            self._put_back(key, entry, block)
+            self._put_back(cached, block_hash, entry, block)
         if self.enable_kv_cache_events and (self._removal_per_copy or entry is block):
-            self._emit(BlockRemoved(block_hashes=(key[0],), medium=self.medium, group_idx=key[1]))
+            self._emit(
+                BlockRemoved(block_hashes=(block_hash,), medium=self.medium, group_idx=group_id)
+            )
         if block._extra_keys is not None:
             for key in block._extra_keys:
                 self._unmap(key, block)
-        block._block_hash = None
-        block._block_hash_num_tokens = None
+        block._hash = None
+        block._group = 0
+        block._block_hash_num_tokens = 0
         block._extra_keys = None
 
     def _unmap(self, key: HashKey, block: KVCacheBlock) -> None:
         """Take ``block`` out from under ``key`` in the map and report it."""
-        entry = self._cached.pop(key)
+        cached = self._map(key[1])
+        entry = cached.pop(key[0])
         if entry is not block:
-            self._put_back(key, entry, block)
+            self._put_back(cached, key[0], entry, block)
         if self.enable_kv_cache_events and (self._removal_per_copy or entry is block):
             self._emit(BlockRemoved(block_hashes=(key[0],), medium=self.medium, group_idx=key[1]))
 
-    def _put_back(self, key: HashKey, entry: Any, block: KVCacheBlock) -> None:
-        """Restore a popped shared entry without ``block``."""
+    def _put_back(
+        self, cached: dict[bytes, CacheEntry], block_hash: bytes, entry: Any, block: KVCacheBlock
+    ) -> None:
+        """Restore a shared entry popped from ``cached`` without ``block``."""
         del entry[block.block_id]
         # One block left: store it bare again, as a first insertion would.
-        self._cached[key] = next(iter(entry.values())) if len(entry) == 1 else entry
+        cached[block_hash] = next(iter(entry.values())) if len(entry) == 1 else entry
 
 
 def _entry(values: Sequence[object], index: int) -> object:

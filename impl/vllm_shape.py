@@ -142,16 +142,16 @@ class VllmHashMap:
         return VllmKeyedEntries(self._pool)
 
     def __len__(self) -> int:
-        return len(self._pool._cached)
+        return self._pool._num_cached()
 
     def get_one_block(self, key: object) -> KVCacheBlock | None:
-        entry = self._pool._cached.get(pool_key(key))
+        entry = self._pool._lookup(pool_key(key))
         if entry is None or isinstance(entry, KVCacheBlock):
             return entry
         return next(iter(entry.values()))
 
     def contain(self, key: object, block_id: int) -> bool:
-        entry = self._pool._cached.get(pool_key(key))
+        entry = self._pool._lookup(pool_key(key))
         if entry is None:
             return False
         if isinstance(entry, KVCacheBlock):
@@ -160,27 +160,23 @@ class VllmHashMap:
 
     def insert(self, key: object, block: object) -> None:
         own = self._pool._own_block(block)
-        hash_key = pool_key(key)
-        cached = self._pool._cached
-        entry = cached.setdefault(hash_key, own)
-        if entry is not own:
-            self._pool._add_beside(hash_key, entry, own)
+        self._pool._insert(pool_key(key), own)
 
     def pop(self, key: object, block_id: int) -> KVCacheBlock | None:
-        hash_key = pool_key(key)
-        cached = self._pool._cached
-        entry = cached.get(hash_key)
-        if entry is None:
+        block_hash, group_id = pool_key(key)
+        cached = self._pool._maps.get(group_id)
+        entry = None if cached is None else cached.get(block_hash)
+        if cached is None or entry is None:
             return None
         if isinstance(entry, KVCacheBlock):
             if entry.block_id != block_id:
                 return None
-            del cached[hash_key]
+            del cached[block_hash]
             return entry
         block = entry.get(block_id)
         if block is not None:
-            del cached[hash_key]
-            self._pool._put_back(hash_key, entry, block)
+            del cached[block_hash]
+            self._pool._put_back(cached, block_hash, entry, block)
         return block
 
 
@@ -193,10 +189,13 @@ class VllmKeyedEntries(MutableMapping[bytes, Entry]):
         self._pool = pool
 
     def __getitem__(self, key: bytes) -> Entry:
-        return self._pool._cached[pool_key(key)]
+        entry = self._pool._lookup(pool_key(key))
+        if entry is None:
+            raise KeyError(key)
+        return entry
 
     def __setitem__(self, key: bytes, entry: Entry) -> None:
-        hash_key = pool_key(key)
+        block_hash, group_id = pool_key(key)
         if isinstance(entry, dict):
             for block in entry.values():
                 self._pool._own_block(block)
@@ -204,16 +203,20 @@ class VllmKeyedEntries(MutableMapping[bytes, Entry]):
                 raise InvalidArgument("a shared entry holds at least two blocks")
         else:
             self._pool._own_block(entry)
-        self._pool._cached[hash_key] = entry
+        self._pool._map(group_id)[block_hash] = entry
 
     def __delitem__(self, key: bytes) -> None:
-        del self._pool._cached[pool_key(key)]
+        block_hash, group_id = pool_key(key)
+        cached = self._pool._maps.get(group_id)
+        if cached is None or block_hash not in cached:
+            raise KeyError(key)
+        del cached[block_hash]
 
     def __iter__(self) -> Iterator[bytes]:
-        return (vllm_key(key) for key in list(self._pool._cached))
+        return (vllm_key(key) for key, _ in self._pool._cached_items())
 
     def __len__(self) -> int:
-        return len(self._pool._cached)
+        return self._pool._num_cached()
 
     def __copy__(self) -> dict[bytes, Entry]:
         """A plain dict of the entries now (``copy.copy`` of vLLM's ``_cache`` is one)."""

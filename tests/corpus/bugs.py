@@ -69,7 +69,7 @@ class TakesMostRecentlyFreed(BlockPool):
         for block in out:
             queue.remove(block)
             block.ref_cnt = 1
-            if block._block_hash is not None:
+            if block._hash is not None:
                 self._drop_keys(block)
         return out
 
@@ -103,7 +103,7 @@ class HashlessAppended(BlockPool):
         super().free_blocks(blocks)
         freed = [b for b in dict.fromkeys(blocks) if b.ref_cnt == 0 and not b.is_null]
         for block in freed:
-            if block._block_hash is None:
+            if block._hash is None:
                 self.free_block_queue.remove(block)
                 self.free_block_queue.append(block)
 
@@ -241,7 +241,7 @@ class LookupReturnsNewestDuplicate(BlockPool):
             return None
         out = []
         for group_id in kv_cache_group_ids:
-            entry = self._cached[(block_hash, group_id)]
+            entry = self._maps[group_id][block_hash]
             out.append(list(entry.values())[-1] if type(entry) is dict else entry)
         return out
 
@@ -383,14 +383,12 @@ class PromotionKeepsPartialKey(BlockPool):
             del self._drop_keys
 
     def _drop_but_keep_as_extra(self, block: KVCacheBlock) -> None:
-        old = [block._block_hash, *(block._extra_keys or ())]
+        old = [block._primary_key(), *(block._extra_keys or ())]
         BlockPool._drop_keys(self, block)
         kept = [key for key in old if key is not None]
         block._extra_keys = kept or None
         for key in kept:
-            entry = self._cached.setdefault(key, block)
-            if entry is not block:
-                self._add_beside(key, entry, block)
+            self._insert(key, block)
 
 
 class EvictEmitsNoRemoved(BlockPool):
@@ -422,7 +420,7 @@ class EvictMovesBlockToFront(BlockPool):
             for i in sorted(ids)
             if 0 < i < self.num_gpu_blocks
             and self.blocks[i].ref_cnt == 0
-            and self.blocks[i]._block_hash is not None
+            and self.blocks[i]._hash is not None
         ]
         super().evict_blocks(ids)
         for block in moved:
@@ -442,7 +440,8 @@ class ResetIgnoresHeldBlocks(BlockPool):
     def reset_prefix_cache(self) -> bool:
         for block in self.blocks:
             block.reset_hash()
-        self._cached = {}
+        self._map0 = {}
+        self._maps = {0: self._map0}
         if self.enable_kv_cache_events:
             self.kv_event_queue.append(AllBlocksCleared())
         return True

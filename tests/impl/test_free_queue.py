@@ -86,7 +86,7 @@ def test_append_append_n_and_prepend_n_keep_the_given_order() -> None:
 def test_block_fields_and_reset_hash() -> None:
     block = KVCacheBlock(7)
     assert (block.block_id, block.ref_cnt, block.is_null, block.pool) == (7, 0, False, None)
-    block._block_hash, block._block_hash_num_tokens = (b"h", 0), 16
+    block._hash, block._block_hash_num_tokens = b"h", 16
     block._extra_keys = [(b"p", 1)]
     assert block.block_hash == (b"h", 0) and block.block_hash_num_tokens == 16
     assert "block_id=7" in repr(block)

@@ -91,15 +91,15 @@ def _wrong_id(pool: BlockPool) -> None:
 
 
 def _key_lost_from_map(pool: BlockPool) -> None:
-    del pool._cached[(b"h1", 0)]
+    del pool._map0[b"h1"]
 
 
 def _map_points_at_a_stranger(pool: BlockPool) -> None:
-    pool._cached[(b"zz", 0)] = pool.blocks[3]
+    pool._map0[b"zz"] = pool.blocks[3]
 
 
 def _one_block_dict(pool: BlockPool) -> None:
-    pool._cached[(b"h1", 0)] = {2: pool.blocks[2]}
+    pool._map0[b"h1"] = {2: pool.blocks[2]}
 
 
 def _extra_without_primary(pool: BlockPool) -> None:
@@ -121,9 +121,9 @@ def _block_forgets_its_key(pool: BlockPool) -> None:
 
 
 def _null_hashed(pool: BlockPool) -> None:
-    pool.null_block._block_hash = (b"n", 0)
+    pool.null_block._hash = b"n"
     pool.null_block._block_hash_num_tokens = 1
-    pool._cached[(b"n", 0)] = pool.null_block
+    pool._map0[b"n"] = pool.null_block
 
 
 def _extra_block(pool: BlockPool) -> None:
@@ -143,7 +143,7 @@ def _sentinel_held(pool: BlockPool) -> None:
 
 
 def _sentinel_hashed(pool: BlockPool) -> None:
-    pool.free_block_queue.fake_free_list_tail._block_hash = (b"x", 0)
+    pool.free_block_queue.fake_free_list_tail._hash = b"x"
 
 
 def _sentinel_owned(pool: BlockPool) -> None:
@@ -176,8 +176,8 @@ def _empty_extra_list(pool: BlockPool) -> None:
 
 def _map_points_at_a_copy(pool: BlockPool) -> None:
     copy = KVCacheBlock(2, pool=pool)
-    copy._block_hash, copy._block_hash_num_tokens = (b"zz", 0), 2
-    pool._cached[(b"zz", 0)] = copy
+    copy._hash, copy._block_hash_num_tokens = b"zz", 2
+    pool._map0[b"zz"] = copy
 
 
 CORRUPTIONS: dict[str, tuple[Corruption, str]] = {
@@ -235,8 +235,8 @@ def test_check_invariants_catches(name: str) -> None:
 def test_caching_disabled_pool_with_a_cached_key_is_caught() -> None:
     pool = busy_pool(caching=False)
     block = pool.blocks[1]
-    block._block_hash, block._block_hash_num_tokens = (b"x", 0), 1
-    pool._cached[(b"x", 0)] = block
+    block._hash, block._block_hash_num_tokens = b"x", 1
+    pool._map0[b"x"] = block
     with pytest.raises(AssertionError, match="without prefix caching"):
         pool.check_invariants()
 

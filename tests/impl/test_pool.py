@@ -18,6 +18,7 @@ from kvpool.model import (
     CacheRequest,
     CachingDisabled,
     DuplicateBlock,
+    InvalidArgument,
     InvalidBlockCount,
     InvalidBlockMask,
     InvalidBlockRange,
@@ -467,6 +468,9 @@ def test_cache_partial_block_preconditions_in_the_models_order() -> None:
     assert_rejected(pool, InvalidPartialBlock, pool.cache_partial_block, REQ, a, 3, 0, 4)
     assert_rejected(pool, InvalidPartialBlock, pool.cache_partial_block, REQ, a, 4, 0, 4)
     assert_rejected(pool, NotEnoughHashes, pool.cache_partial_block, REQ, a, 10, 0, 4)
+    # Last: the hash the block would get is bytes (the block records it as bytes).
+    not_bytes = CacheRequest(("h0",))  # type: ignore[arg-type]
+    assert_rejected(pool, InvalidArgument, pool.cache_partial_block, not_bytes, a, 2, 0, 4)
 
 
 # --------------------------------------------------------------------------

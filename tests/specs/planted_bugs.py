@@ -42,8 +42,9 @@ class KeepsStaleHashOnReuse(BlockPool):
 
     @staticmethod
     def _forget_but_keep_map_entry(block: KVCacheBlock) -> None:
-        block._block_hash = None
-        block._block_hash_num_tokens = None
+        block._hash = None
+        block._group = 0
+        block._block_hash_num_tokens = 0
         block._extra_keys = None
 
 
