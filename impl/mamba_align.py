@@ -167,8 +167,9 @@ class MambaAlignManager(MambaManager):
         self.block_pool.cache_full_blocks(
             request, blocks, index, index + 1, self.block_size, self.kv_cache_group_id
         )
-        if block._primary_key() is not None:
-            self.cached_blocks_this_step.add(block._primary_key())
+        key = block._primary_key()
+        if key is not None:
+            self.cached_blocks_this_step.add(key)
 
     def free(self, request_id: str) -> None:
         """Forget the request's states and its offers not yet taken, then release its blocks."""
