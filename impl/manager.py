@@ -443,8 +443,13 @@ class KVCacheManager:
         num_new_computed_tokens: Unchecked = 0,
         new_computed_blocks: Unchecked = None,
         num_lookahead_tokens: Unchecked = 0,
+        num_external_computed_tokens: Unchecked = 0,
         delay_cache_blocks: Unchecked = False,
+        num_encoder_tokens: Unchecked = 0,
         full_sequence_must_fit: Unchecked = False,
+        reserved_blocks: Unchecked = 0,
+        has_scheduled_reqs: Unchecked = True,
+        skip_zeroing_group_ids: Unchecked = (),
     ) -> KVCacheBlocks | None:
         """New slots for ``num_new_tokens`` (and look-ahead), or None with nothing else changed.
 
@@ -466,6 +471,23 @@ class KVCacheManager:
         )
         if not isinstance(delay_cache_blocks, bool):
             raise InvalidArgument("delay_cache_blocks must be a bool")
+        # Verify that the arguments kvpool does not model keep vLLM's defaults (vLLM 0.33's
+        # parameters, in its order, so that a caller passing them by position is read right)
+        unmodelled = {
+            "num_external_computed_tokens": (num_external_computed_tokens, 0),
+            "num_encoder_tokens": (num_encoder_tokens, 0),
+            "reserved_blocks": (reserved_blocks, 0),
+        }
+        for name, (value, default) in unmodelled.items():
+            if type(value) is not int or value != default:
+                raise InvalidArgument(f"{name}={value!r:.60}: kvpool models only {default!r}")
+        if not isinstance(skip_zeroing_group_ids, (tuple, list)) or skip_zeroing_group_ids:
+            raise InvalidArgument(
+                f"skip_zeroing_group_ids={skip_zeroing_group_ids!r:.60}: kvpool models none"
+            )
+        # has_scheduled_reqs only decides whether vLLM applies its watermark, which is 0 here
+        if not isinstance(has_scheduled_reqs, bool):
+            raise InvalidArgument("has_scheduled_reqs must be a bool")
         if not isinstance(full_sequence_must_fit, bool):
             raise InvalidArgument("full_sequence_must_fit must be a bool")
         if new_computed_blocks is not None and not isinstance(new_computed_blocks, KVCacheBlocks):

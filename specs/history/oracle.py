@@ -196,7 +196,7 @@ class ImplOracle:
                 num_new_computed_tokens,
                 computed,
                 num_lookahead_tokens,
-                delay_cache_blocks,
+                delay_cache_blocks=delay_cache_blocks,
             )
         )
 

@@ -89,7 +89,12 @@ OPERATIONS: dict[str, tuple[str, ...]] = {
     "get_computed_blocks": ("request",),
     "truncate_computed_blocks": ("hits", "int"),
     "estimate_cached_tokens": ("request",),
-    "allocate_slots": ("request", "int", "int", "hits", "int", "bool", "bool"),
+    # vLLM 0.33's parameters in its order: external tokens, delay, encoder tokens, whole
+    # sequence, reserved blocks, scheduled requests, groups not zeroed
+    "allocate_slots": (
+        *("request", "int", "int", "hits", "int", "int", "bool", "int", "bool", "int", "bool"),
+        "ids",
+    ),
     "free": ("request",),
     "cache_blocks": ("request", "int"),
     "evict_blocks": ("ids",),

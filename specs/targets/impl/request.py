@@ -61,7 +61,7 @@ class ImplManagerTarget:
             num_new_computed_tokens,
             hits,
             num_lookahead_tokens,
-            delay_cache_blocks,
+            delay_cache_blocks=delay_cache_blocks,
             # only when asked for, so that a subclass predating the argument still runs
             **({"full_sequence_must_fit": True} if full_sequence_must_fit else {}),
         )
