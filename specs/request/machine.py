@@ -448,8 +448,12 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
         self._compute(request, num_new, ())
 
     def _has_033(self) -> bool:
-        """Whether the target answers vLLM 0.33's further calls (``ManagerTarget033``)."""
-        return callable(getattr(self.target, "take_kv_cache_block_copies", None))
+        """Whether the target answers vLLM 0.33's further calls (``ManagerTarget033``): it
+        has them, and does not say it cannot (``answers_033``: a vLLM release before them)."""
+        target = self.target
+        return callable(getattr(target, "take_kv_cache_block_copies", None)) and bool(
+            getattr(target, "answers_033", True)
+        )
 
     def _take_copies(self, request: Request, num_hit: int, hit: Blocks | None) -> None:
         """Take the pending copy-on-write copies, run them on the ground truth, free their ends."""

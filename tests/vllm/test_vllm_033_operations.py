@@ -128,7 +128,7 @@ def test_every_scheduler_call_on_the_manager_is_driven_or_listed_with_a_reason()
     calls: Counter[str] = Counter()
     factory = VllmManagerFactory(outside_calls_counting_manager(calls))
     for chosen in (scope(factory), fine_grained_scope(factory)):
-        report = run_request_conformance(chosen, hypothesis_profile="ci", max_examples=50)
+        report = run_request_conformance(chosen, hypothesis_profile="ci", max_examples=150)
         assert report.conforms, report.failure
     unexplained = expected - set(calls) - set(SCHEDULER_CALLS_NOT_DRIVEN)
     assert not unexplained, f"the request machine never calls {sorted(unexplained)}"
@@ -211,8 +211,10 @@ def _vllm_subclass_is_found(cls: type, evidence: str) -> None:
     from kvpool.specs.request.check import run_request_conformance
     from kvpool.specs.targets.vllm.request import VllmManagerFactory, scope
 
+    # 1000: since EAGLE and the look-ahead are drawn on every layout, the ci sample first
+    # admits a sequence that cannot fit whole at program 818 (at 300 before)
     report = run_request_conformance(
-        scope(VllmManagerFactory(cls)), hypothesis_profile="ci", max_examples=300
+        scope(VllmManagerFactory(cls)), hypothesis_profile="ci", max_examples=1000
     )
     assert not report.conforms
     assert evidence in str(report.failure) + str(report.program), report.failure

@@ -285,3 +285,34 @@ def test_a_namedtuple_era_release_is_checked_end_to_end() -> None:
     assert code == 1
     first = result["runs"]["level 1 caching=True"]["failure"][0]
     assert first.startswith("get_usage()"), first
+
+
+UNTAGGED_KEYS_RELEASE = "0.24.0"
+"""A release before vLLM tagged its extra hash keys (0.31): a LoRA's name and a cache salt
+are both a bare string in a block's extra keys (``generate_block_hash_extra_keys`` in
+``vllm/v1/core/kv_cache_utils.py``), vllm-project/vllm#44701."""
+
+
+def _check_request_layer(release: str, hasher: str) -> tuple[int, str]:
+    from tests.kit.helpers import run_kvpool
+
+    done = run_kvpool(
+        *("check", "--layer", "request", "--target", f"vllm=={release}"),
+        *("--hypothesis-profile", "ci"),
+        env={"KVPOOL_VLLM_HASHER": hasher},
+        timeout=600,
+    )
+    return done.returncode, " ".join((done.stdout + done.stderr).split())
+
+
+@pytest.mark.usefixtures("require_vllm")
+def test_an_old_release_s_manager_is_checked_at_the_request_layer() -> None:
+    """With kvpool's hashes vLLM 0.24's manager conforms; with its own hasher the kit finds
+    that a LoRA named like another request's cache salt gets the same block hashes."""
+    require_cached_release(UNTAGGED_KEYS_RELEASE)
+    code, output = _check_request_layer(UNTAGGED_KEYS_RELEASE, "kvpool")
+    assert code == 0 and "conforms" in output, output[-3000:]
+    code, output = _check_request_layer(UNTAGGED_KEYS_RELEASE, "vllm")
+    assert code == 1, output[-3000:]
+    assert "target_hashes_name_prefixes" in output and "different prefixes hash equal" in output
+    assert "lora=" in output and "salt=" in output, output[-3000:]

@@ -116,6 +116,12 @@ class ManagerApi:
     ``max_in_flight_tokens`` (the rest of the scheduler calls, ``OPERATIONS_SCHEDULER``)."""
     prefill_lookahead_arg: bool = False
     """0.33: the constructor takes ``num_prefill_lookahead`` (multi-module MTP)."""
+    records_stats_apart: bool = True
+    """0.28+: hit statistics are recorded by ``record_prefix_cache_stats``, not inside
+    ``get_computed_blocks``."""
+    calls_033: bool = True
+    """0.28+: the manager has ``take_kv_cache_block_copies`` and the other calls of
+    ``OPERATIONS_033`` (the machine sends them only then)."""
 
 
 def load_manager_api(manager_class: Any = None) -> ManagerApi:
@@ -136,6 +142,8 @@ def load_manager_api(manager_class: Any = None) -> ManagerApi:
         scheduler_calls=callable(getattr(cls, "pop_blocks_for_free", None))
         and eras.takes(cls, "__init__", "max_in_flight_tokens", base),
         prefill_lookahead_arg=eras.takes(cls, "__init__", "num_prefill_lookahead", base),
+        records_stats_apart=callable(getattr(cls, "record_prefix_cache_stats", None)),
+        calls_033=callable(getattr(cls, "take_kv_cache_block_copies", None)),
     )
 
 
@@ -178,6 +186,9 @@ class VllmManagerTarget:
         self._status = request_module.RequestStatus.RUNNING
         self.setup = setup
         self.answers_scheduler_calls = self.api.scheduler_calls
+        self.answers_033 = self.api.calls_033
+        """Whether the machine may send the calls of ``OPERATIONS_033`` (a release before
+        them has none)."""
         """Whether the machine may send the rest of 0.33's scheduler calls (a release
         before them has none)."""
         self._to_model: dict[Any, bytes] = {}
@@ -265,9 +276,11 @@ class VllmManagerTarget:
     def get_computed_blocks(self, request: Request) -> tuple[Blocks, int]:
         duck = self._request(request)
         blocks, num_tokens, *_ = self.manager.get_computed_blocks(duck)
-        # 0.33 records hit stats from the scheduler, at admission; seed 004 (and the
-        # model) at the lookup itself: record here, where the seed does.
-        self.manager.record_prefix_cache_stats(duck, num_tokens)
+        # 0.28+ record hit stats from the scheduler, at admission; seed 004 (and the
+        # model, and releases before 0.28, inside get_computed_blocks) at the lookup
+        # itself: record here, where the seed does.
+        if self.api.records_stats_apart:
+            self.manager.record_prefix_cache_stats(duck, num_tokens)
         return block_ids(blocks), num_tokens
 
     def allocate_slots(
@@ -525,7 +538,13 @@ class Translating:
         self._version = version
 
     def __getattr__(self, name: str) -> Any:
-        value = getattr(self._manager, name)
+        try:
+            value = getattr(self._manager, name)
+        except AttributeError as error:
+            # A method the release lacks is an API mismatch, never the target's answer
+            raise TargetError(
+                f"the adapter and vLLM {self._version} disagree ({name}): {error!r}"
+            ) from error
         if not callable(value):
             return value
 
