@@ -18,6 +18,7 @@ from typing import Any
 
 from mypy_extensions import mypyc_attr
 
+import kvpool.impl.geometry as geometry
 from kvpool.impl.block import KVCacheBlock
 from kvpool.impl.pool import BlockPool, Unchecked
 from kvpool.impl.single_type import (
@@ -30,6 +31,7 @@ from kvpool.model.errors import (
     CachingDisabled,
     HitOnRunningRequest,
     InvalidArgument,
+    InvalidBlockRange,
     InvalidHit,
     InvalidManagerConfig,
     InvalidTokenCount,
@@ -140,17 +142,18 @@ class KVCacheManager:
         vLLM's (its groups' specs are read by class name: full attention, MLA and hidden
         states, sliding window, chunked local attention, Mamba). Arguments kvpool does not
         model must keep vLLM's defaults (``InvalidManagerConfig`` otherwise):
-        ``max_in_flight_tokens``, ``num_prefill_lookahead``, context parallelism,
-        ``watermark`` and the Mamba shared-prefix checkpoint. ``fine_grained_hits`` (not
-        vLLM's: there a Mamba "align" group turns it on) lets hits end inside a block when
-        every group is full attention with blocks larger than a hash block (vllm#51843).
+        ``max_in_flight_tokens``, ``num_prefill_lookahead``, ``watermark`` and the Mamba
+        shared-prefix checkpoint, and ``prefix_cache_retention_interval`` in the config.
+        Groups may have different block sizes, and decode context parallelism multiplies a
+        sharded group's (``kvpool.model.geometry``). ``fine_grained_hits`` (not vLLM's:
+        there a Mamba "align" group turns it on) lets hits end inside a block when every
+        group is full attention with blocks larger than a hash block, all of one size
+        (vllm#51843).
         """
         # Verify that the arguments kvpool does not model keep vLLM's defaults
         unmodelled = {
             "max_in_flight_tokens": (max_in_flight_tokens, None),
             "num_prefill_lookahead": (num_prefill_lookahead, 0),
-            "dcp_world_size": (dcp_world_size, 1),
-            "pcp_world_size": (pcp_world_size, 1),
             "watermark": (watermark, 0.0),
             "enable_mamba_shared_prefix_checkpoint": (enable_mamba_shared_prefix_checkpoint, False),
         }
@@ -158,21 +161,19 @@ class KVCacheManager:
             if value != default:
                 raise InvalidManagerConfig(f"{name}={value!r}: kvpool models only {default!r}")
         specs = _specs_of(kv_cache_config)
-        # Verify that every group's block size divides the scheduler's
-        if scheduler_block_size is not None and any(
-            scheduler_block_size % s.block_size for s in specs
-        ):
-            raise InvalidManagerConfig(
-                f"scheduler_block_size={scheduler_block_size} is not a multiple of every "
-                "group's block size"
-            )
+        # Verify that the config asks for dense prefix-cache retention (the one kvpool models)
+        _verify_retention(kv_cache_config, specs)
         # Verify that requests can hold at least one token
         if max_model_len < 1:
             raise InvalidManagerConfig(f"max_model_len={max_model_len} must be positive")
-        # Verify that there is at least one group, all with one block size
-        if not specs or len({s.block_size for s in specs}) != 1:
-            raise InvalidManagerConfig("the groups must be at least one and share one block size")
-        hbs = specs[0].block_size if hash_block_size is None else hash_block_size
+        # Verify that there is at least one group
+        if not specs:
+            raise InvalidManagerConfig("a KV cache manager needs at least one group")
+        # Verify that context parallelism runs only on the groups vLLM runs it on
+        geometry.check_world_sizes(specs, dcp_world_size, pcp_world_size)
+        # the managers' block sizes: sharded groups' times the decode world size
+        specs = geometry.sharded(specs, dcp_world_size)
+        hbs = geometry.common_divisor(specs) if hash_block_size is None else hash_block_size
         # Verify that a Mamba block holds a whole request
         for spec in specs:
             if spec.attention is AttentionType.MAMBA and spec.block_size < max_model_len:
@@ -209,6 +210,16 @@ class KVCacheManager:
                 raise InvalidManagerConfig(
                     f"attention_chunk_size={spec.attention_chunk_size} must be positive"
                 )
+        scheduler = (
+            geometry.common_multiple(specs)
+            if scheduler_block_size is None
+            else scheduler_block_size
+        )
+        # Verify that the scheduler block size is a multiple of every block size
+        geometry.check_scheduler_block_size(specs, hbs, scheduler)
+        self.scheduler_block_size: int = scheduler
+        self.dcp_world_size = dcp_world_size
+        self.pcp_world_size = pcp_world_size
         self.kv_cache_config = kv_cache_config
         self.specs = specs
         self.max_model_len = max_model_len
@@ -221,12 +232,18 @@ class KVCacheManager:
         ]
         for manager in self.managers:
             manager.use_eagle = use_eagle
+            # sliding-window groups cache only what hits at these multiples can use
+            manager.cache_hit_alignment_tokens = scheduler
+            sharded_group = manager.kv_cache_spec.dcp_sharded
+            manager.dcp_world_size = dcp_world_size if sharded_group else 1
+            manager.pcp_world_size = pcp_world_size if sharded_group else 1
         self.num_kv_cache_groups = len(specs)
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in specs))
         self.fine_grained_hits = (
             bool(fine_grained_hits)
             and not use_eagle
             and all(s.attention is AttentionType.FULL and s.block_size > hbs for s in specs)
+            and all(s.block_size == specs[0].block_size for s in specs)
         )
         for manager in self.managers:
             manager.fine_grained_hits = self.fine_grained_hits
@@ -284,6 +301,8 @@ class KVCacheManager:
         lengths: dict[int, int] = {}
         length = max_length
         longest = 0
+        # several groups hit where all can resume: multiples of the scheduler block size
+        alignment = 0 if self.fine_grained_hits else self.scheduler_block_size
         while True:
             candidate = length
             for spec, ids in self._kinds:
@@ -292,7 +311,7 @@ class KVCacheManager:
                     candidate = min(candidate, lengths[ids[0]])
                     continue
                 found = cls.find_longest_cache_hit(
-                    block_hashes, candidate, ids, self.block_pool, spec, False
+                    block_hashes, candidate, ids, self.block_pool, spec, False, alignment
                 )
                 candidate = self._extend(found, block_hashes, candidate, ids, spec)
                 for g, blocks in zip(ids, found, strict=True):
@@ -303,8 +322,11 @@ class KVCacheManager:
             if candidate >= length:
                 break
             length = candidate
-        keep = -(-length // self.specs[0].block_size)
-        return tuple(hits[g][:keep] for g in range(len(managers))), length, longest - length
+        return (
+            tuple(hits[g][: -(-length // managers[g].block_size)] for g in range(len(managers))),
+            length,
+            longest - length,
+        )
 
     def _extend(
         self,
@@ -510,6 +532,22 @@ class KVCacheManager:
     def _cache(self, request: Any, num_tokens: int) -> None:
         """Cache every group's full blocks, and the prompt's tail where blocks hold several hash
         blocks (the managers' ``cache_blocks``, unrounded with fine-grained hits)."""
+        if len(self.managers) > 1 and not self.fine_grained_hits:
+            # no hit can end past the last multiple of the scheduler block size
+            num_tokens -= num_tokens % self.scheduler_block_size
+        # Verify that every group holds the blocks it would cache (checked before any group
+        # caches: with blocks of several sizes, a group of smaller blocks runs out first)
+        hashed = len(request.block_hashes) * self.block_pool.hash_block_size
+        for manager in self.managers:
+            blocks = manager.req_to_blocks.get(request.request_id)
+            if blocks is None or manager.kv_cache_spec.attention is AttentionType.MAMBA:
+                continue
+            num_full = (num_tokens if num_tokens < hashed else hashed) // manager.block_size
+            if num_full > len(blocks) and num_full > manager.num_cached_block[request.request_id]:
+                raise InvalidBlockRange(
+                    f"cannot cache blocks [{manager.num_cached_block[request.request_id]}:"
+                    f"{num_full}] of a request with {len(blocks)} blocks"
+                )
         for manager in self.managers:
             manager.cache_blocks(request, num_tokens)
 
@@ -676,7 +714,13 @@ class KVCacheManager:
         """
         return KVCacheManagerState(
             config=ManagerConfig(
-                self.max_model_len, self.use_eagle, self.log_stats, self.fine_grained_hits
+                self.max_model_len,
+                self.use_eagle,
+                self.log_stats,
+                self.fine_grained_hits,
+                self.scheduler_block_size,
+                self.dcp_world_size,
+                self.pcp_world_size,
             ),
             managers=ManagersState(
                 pool=self.block_pool.snapshot(),
@@ -687,6 +731,26 @@ class KVCacheManager:
             pending_copies=tuple((s.block_id, d.block_id) for s, d in self.pending_copies),
             new_block_ids=tuple(self.new_block_ids),
         )
+
+
+def _verify_retention(kv_cache_config: Any, specs: Sequence[KVCacheSpec]) -> None:
+    """InvalidManagerConfig unless vLLM's ``prefix_cache_retention_interval`` is None (dense),
+    or 0 where no group is a sliding window or Mamba (vLLM 0.33 ignores it there).
+
+    Sparse retention (vllm/v1/core/kv_cache_coordinator.py in 0.33.0,
+    ``_validate_prefix_cache_retention_interval`` and the managers' ``reachable_block_mask``)
+    caches fewer sliding-window and Mamba blocks; kvpool does not model it, so it refuses
+    rather than cache what vLLM would not.
+    """
+    interval = getattr(kv_cache_config, "prefix_cache_retention_interval", None)
+    if interval is None:
+        return
+    sparse = any(s.attention in (AttentionType.SLIDING_WINDOW, AttentionType.MAMBA) for s in specs)
+    if interval == 0 and not sparse:
+        return
+    raise InvalidManagerConfig(
+        f"prefix_cache_retention_interval={interval!r}: kvpool models only None (dense)"
+    )
 
 
 def _verify_ints(**values: object) -> None:
@@ -765,6 +829,8 @@ def _specs_of(kv_cache_config: Any) -> tuple[KVCacheSpec, ...]:
                 attention_chunk_size=getattr(spec, "attention_chunk_size", 0) or 0
                 if kind is AttentionType.CHUNKED_LOCAL
                 else 0,
+                # vLLM 0.33's attention specs are sharded by default, its Mamba spec is not
+                dcp_sharded=bool(getattr(spec, "dcp_sharded", kind is not AttentionType.MAMBA)),
             )
         )
     return tuple(specs)

@@ -24,7 +24,9 @@ what decided the rest.
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
+import kvpool.model.alignment as geometry_alignment
 import kvpool.model.copy_on_write as cow
+import kvpool.model.geometry as geometry
 import kvpool.model.pool as pool_ops
 import kvpool.model.single_type as single
 from kvpool.model.errors import (
@@ -160,6 +162,13 @@ class ManagerConfig:
     log_stats: bool = False
     fine_grained_hits: bool = False
     """Hits may end inside a block (vLLM 0.33; ``kvpool.model.copy_on_write``)."""
+    scheduler_block_size: int = 0
+    """What hits of several groups are a multiple of (``kvpool.model.geometry``); 0 for
+    a state built before kvpool modelled it, read as the first group's block size."""
+    dcp_world_size: int = 1
+    """Decode context parallelism: sharded groups' blocks hold this many times their tokens."""
+    pcp_world_size: int = 1
+    """Prefill context parallelism (checked at construction; blocks keep their size)."""
 
 
 @dataclass(frozen=True)
@@ -190,15 +199,23 @@ def new_kv_cache_manager(
     enable_events: bool = False,
     profile: Profile = DEFAULT_PROFILE,
     fine_grained_hits: bool = False,
+    scheduler_block_size: int | None = None,
+    dcp_world_size: int = 1,
+    pcp_world_size: int = 1,
 ) -> KVCacheManagerState:
     """A manager over a fresh pool of ``num_blocks``, one group per spec.
 
-    ``hash_block_size`` defaults to the first group's block size. Groups
-    must share one block size; a Mamba group's block must hold a whole
-    request (``block_size >= max_model_len``); EAGLE is supported with one
-    group of full attention or sliding window. ``fine_grained_hits`` asks for
-    hits ending inside a block; it takes effect only where
-    ``copy_on_write.fine_grained_hits_enabled`` allows it (vllm#51843).
+    Groups may have different block sizes (``kvpool.model.geometry``): each a
+    multiple of ``hash_block_size`` (by default their greatest common divisor),
+    all dividing ``scheduler_block_size`` (by default their least common
+    multiple), which hits of several groups are a multiple of. With
+    ``dcp_world_size`` > 1 a sharded group's blocks hold that many times its
+    ``block_size`` tokens; the state keeps those effective sizes. A Mamba
+    group's block must hold a whole request (``block_size >= max_model_len``);
+    EAGLE is supported with one group of full attention or sliding window.
+    ``fine_grained_hits`` asks for hits ending inside a block; it takes effect
+    only where ``copy_on_write.fine_grained_hits_enabled`` allows it
+    (vllm#51843) and the groups share one block size.
 
     Complexity: O(num_blocks + len(specs)).
 
@@ -210,10 +227,13 @@ def new_kv_cache_manager(
     # Verify that requests can hold at least one token
     if max_model_len < 1:
         raise InvalidManagerConfig(f"max_model_len={max_model_len} must be positive")
-    # Verify that there is at least one group, all with one block size
-    if not specs or len({s.block_size for s in specs}) != 1:
-        raise InvalidManagerConfig("the groups must be at least one and share one block size")
-    hbs = specs[0].block_size if hash_block_size is None else hash_block_size
+    # Verify that there is at least one group
+    if not specs:
+        raise InvalidManagerConfig("a KV cache manager needs at least one group")
+    # Verify that context parallelism runs only on the groups vLLM runs it on
+    geometry.verify_context_parallel(specs, dcp_world_size, pcp_world_size)
+    specs = geometry.effective_specs(specs, dcp_world_size)
+    hbs = geometry.default_hash_block_size(specs) if hash_block_size is None else hash_block_size
     # Verify that a Mamba block holds a whole request
     for spec in specs:
         if spec.attention is AttentionType.MAMBA and spec.block_size < max_model_len:
@@ -230,10 +250,23 @@ def new_kv_cache_manager(
         pool = pool_ops.new_pool(num_blocks, enable_caching, hbs, enable_events, profile)
     except ValueError as error:
         raise InvalidManagerConfig(str(error)) from error
-    fine = cow.fine_grained_hits_enabled(specs, hbs, fine_grained_hits, use_eagle)
+    managers = single.new_managers(pool, specs)
+    scheduler = (
+        geometry.default_scheduler_block_size(specs)
+        if scheduler_block_size is None
+        else scheduler_block_size
+    )
+    # Verify that the scheduler block size is a multiple of every block size
+    geometry.verify_scheduler_block_size(specs, hbs, scheduler)
+    fine = cow.fine_grained_hits_enabled(specs, hbs, fine_grained_hits, use_eagle) and (
+        len({s.block_size for s in specs}) == 1
+    )
+    config = ManagerConfig(
+        max_model_len, use_eagle, log_stats, fine, scheduler, dcp_world_size, pcp_world_size
+    )
     return KVCacheManagerState(
-        config=ManagerConfig(max_model_len, use_eagle, log_stats, fine),
-        managers=single.new_managers(pool, specs),
+        config=config,
+        managers=managers,
         stats=PrefixCacheStats() if log_stats else None,
     )
 
@@ -284,6 +317,8 @@ def find_hit_with_boundary(
     if len(specs) == 1:
         (hit,), length = _search(m.pool, specs[0], block_hashes, max_length, [0], eagle, fine)
         return (hit,), length, 0
+    # hits of several groups end where every group can resume (kvpool.model.geometry)
+    alignment = 0 if fine else _scheduler_block_size(state)
 
     kinds: list[tuple[KVCacheSpec, list[int]]] = []
     for g, spec in enumerate(specs):
@@ -305,7 +340,9 @@ def find_hit_with_boundary(
             if spec.attention is AttentionType.FULL and ids[0] in hits:
                 candidate = min(candidate, lengths[ids[0]])
                 continue
-            found, candidate = _search(m.pool, spec, block_hashes, candidate, ids, False, fine)
+            found, candidate = _search(
+                m.pool, spec, block_hashes, candidate, ids, False, fine, alignment
+            )
             for g, blocks in zip(ids, found, strict=True):
                 hits[g] = blocks
                 lengths[g] = candidate
@@ -313,9 +350,12 @@ def find_hit_with_boundary(
         if candidate >= length:
             break
         length = candidate
-    block_size = specs[0].block_size
-    trimmed = tuple(hits[g][: -(-length // block_size)] for g in range(len(specs)))
+    trimmed = tuple(hits[g][: -(-length // specs[g].block_size)] for g in range(len(specs)))
     return trimmed, length, longest - length
+
+
+def _scheduler_block_size(state: KVCacheManagerState) -> int:
+    return state.config.scheduler_block_size or state.managers.specs[0].block_size
 
 
 def _search(
@@ -326,9 +366,13 @@ def _search(
     ids: Sequence[int],
     eagle: bool,
     fine: bool,
+    alignment: int = 0,
 ) -> tuple[tuple[tuple[int, ...], ...], int]:
-    """One attention type's hit for groups ``ids`` and its length in tokens."""
-    found = single.find_longest_cache_hit(pool, spec, block_hashes, max_length, ids, eagle)
+    """One attention type's hit for groups ``ids`` and its length in tokens, a multiple of
+    ``alignment`` when one is given."""
+    found = single.find_longest_cache_hit(
+        pool, spec, block_hashes, max_length, ids, eagle, alignment
+    )
     if fine and spec.attention is AttentionType.FULL:
         return cow.extend_into_partial_block(pool, spec, block_hashes, max_length, ids, found)
     return found, len(found[0]) * spec.block_size
@@ -528,9 +572,13 @@ def _cache(
     tokens down to the block size (``single.cache_blocks``).
     """
     config = state.config
+    scheduler = _scheduler_block_size(state)
+    if len(m.specs) > 1 and not config.fine_grained_hits:
+        # beyond the last boundary every group can resume at, no hit can use a block
+        num_tokens = geometry_alignment.aligned_length(num_tokens, scheduler)
     for g in range(len(m.specs)):
         m, _ = single.cache_blocks(
-            m, g, request, num_tokens, config.use_eagle, config.fine_grained_hits
+            m, g, request, num_tokens, config.use_eagle, config.fine_grained_hits, scheduler
         )
     return m
 
