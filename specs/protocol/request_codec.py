@@ -21,6 +21,7 @@ from typing import Any
 
 from kvpool.model import PROFILES, PoolConfig, PoolError
 from kvpool.model import errors as model_errors
+from kvpool.model.geometry import default_scheduler_block_size, effective_specs
 from kvpool.model.hashing import NONE_HASH, LoraAdapter, MultiModalInput, none_hash
 from kvpool.model.manager import (
     Blocks,
@@ -55,6 +56,7 @@ from kvpool.specs.request.target import (
     ManagerSetup,
     ManagerSnapshottable,
     ManagerTarget,
+    geometry_arguments,
 )
 
 REQUEST_PROTOCOL_VERSION = 1
@@ -115,12 +117,21 @@ def encode_spec(spec: KVCacheSpec) -> Json:
     >>> encode_spec(sliding_window(2, 4))
     {'attention': 'sliding_window', 'block_size': 2, 'sliding_window': 4, 'attention_chunk_size': 0}
     """
-    return {
+    encoded: dict[str, Json] = {
         "attention": ATTENTION_NAMES[spec.attention],
         "block_size": spec.block_size,
         "sliding_window": spec.sliding_window,
         "attention_chunk_size": spec.attention_chunk_size,
     }
+    # only when it is not the attention type's default, so older files keep their shape
+    if spec.dcp_sharded != _default_dcp_sharded(spec.attention):
+        encoded["dcp_sharded"] = spec.dcp_sharded
+    return encoded
+
+
+def _default_dcp_sharded(attention: AttentionType) -> bool:
+    """vLLM 0.33's default: attention groups are sharded across decode ranks, Mamba is not."""
+    return attention is not AttentionType.MAMBA
 
 
 def decode_spec(value: Json) -> KVCacheSpec:
@@ -136,6 +147,9 @@ def decode_spec(value: Json) -> KVCacheSpec:
         sliding_window=_bounded(obj.get("sliding_window", 0), "sliding_window", MAX_TOKENS),
         attention_chunk_size=_bounded(
             obj.get("attention_chunk_size", 0), "attention_chunk_size", MAX_TOKENS
+        ),
+        dcp_sharded=_bool(
+            obj.get("dcp_sharded", _default_dcp_sharded(names[attention])), "dcp_sharded"
         ),
     )
 
@@ -167,6 +181,8 @@ def encode_setup(setup: ManagerSetup) -> Json:
         "profile": setup.profile.name,
         # written only when on, so that earlier setups encode as they did
         **({"fine_grained_hits": True} if setup.fine_grained_hits else {}),
+        # the block geometry, written only where it is not the default
+        **geometry_arguments(setup),
     }
 
 
@@ -192,6 +208,13 @@ def decode_setup(value: Json) -> ManagerSetup:
         enable_events=_bool(obj.get("enable_events"), "enable_events"),
         profile=PROFILES[profile],
         fine_grained_hits=_bool(obj.get("fine_grained_hits", False), "fine_grained_hits"),
+        scheduler_block_size=(
+            _bounded(obj["scheduler_block_size"], "scheduler_block_size", MAX_TOKENS)
+            if "scheduler_block_size" in obj
+            else None
+        ),
+        dcp_world_size=_bounded(obj.get("dcp_world_size", 1), "dcp_world_size", MAX_GROUPS),
+        pcp_world_size=_bounded(obj.get("pcp_world_size", 1), "pcp_world_size", MAX_GROUPS),
     )
 
 
@@ -385,14 +408,20 @@ def decode_manager_state(value: Json, setup: ManagerSetup) -> KVCacheManagerStat
     zero = [_ints(p, "pair") for p in _list(obj.get("new_block_ids", []), "new_block_ids")]
     if any(len(p) != 2 for p in (*pairs, *zero)):
         raise ProtocolError("pending_copies and new_block_ids hold pairs")
+    # the groups as the manager holds them: sharded blocks times the decode world size
+    specs = effective_specs(setup.specs, setup.dcp_world_size)
+    scheduler = setup.scheduler_block_size or default_scheduler_block_size(specs)
     return KVCacheManagerState(
         config=ManagerConfig(
             setup.max_model_len,
             setup.use_eagle,
             setup.log_stats,
             _bool(obj.get("fine_grained_hits", False), "fine_grained_hits"),
+            scheduler,
+            setup.dcp_world_size,
+            setup.pcp_world_size,
         ),
-        managers=ManagersState(pool, setup.specs, tuple(tables)),
+        managers=ManagersState(pool, specs, tuple(tables)),
         stats=decode_stats(obj.get("stats")),
         pending_copies=tuple((p[0], p[1]) for p in pairs),
         new_block_ids=tuple((p[0], p[1]) for p in zero),

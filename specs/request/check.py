@@ -72,6 +72,7 @@ def run_request_conformance(
         uncached_layouts=target.uncached_layouts,
         hash_sized_layouts=target.hash_sized_layouts,
         fine_grained=target.fine_grained,
+        context_parallel=target.context_parallel,
     )
 
     def stop() -> None:

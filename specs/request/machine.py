@@ -41,6 +41,7 @@ from kvpool.model.manager import Blocks, KVCacheManagerState
 from kvpool.model.profiles import profile_named
 from kvpool.model.request import Request, append_tokens, new_request, preempted, with_computed
 from kvpool.model.single_type import (
+    AttentionType,
     KVCacheSpec,
     chunked_local,
     full_attention,
@@ -69,6 +70,7 @@ from kvpool.specs.request.target import (
     ManagerSnapshottable,
     ManagerTarget,
     ManagerTarget033,
+    geometry_arguments,
 )
 from kvpool.specs.runner.lockstep import LockStep
 from kvpool.specs.runner.swarm import gentle_swarm
@@ -133,6 +135,11 @@ def layout_specs(
         return (full_attention(block_size), full_attention(block_size))
     if layout == "full+chunked_local":
         return (full_attention(block_size), chunked_local(block_size, block_size * chunk_blocks))
+    if layout == "wide_full+sliding_window":
+        # blocks of two sizes (vLLM's test_different_block_size): hits at multiples of both
+        return (full_attention(2 * block_size), sliding_window(block_size, window))
+    if layout == "full+wide_sliding_window":
+        return (full_attention(block_size), sliding_window(2 * block_size, window))
     raise ValueError(f"unknown layout {layout!r}")
 
 
@@ -150,16 +157,20 @@ def _start_rule(
     uncached_layouts: Sequence[str] = (),
     hash_sized_layouts: Sequence[str] = (),
     fine_grained: Sequence[bool] = (False,),
+    context_parallel: Sequence[tuple[int, int]] = ((1, 1),),
 ) -> Callable[..., None]:
     """The machine's first step, drawing only from the configurations given.
 
     A layout in ``uncached_layouts`` is drawn with prefix caching off; one in
     ``hash_sized_layouts`` with blocks of one hash block when caching is on.
+    ``context_parallel`` lists the (decode, prefill) world sizes to draw.
     """
     # drawn only when it can be True, so that other programs draw what they always did
     extra: dict[str, st.SearchStrategy[Any]] = (
         {"fine": st.sampled_from(list(fine_grained))} if any(fine_grained) else {}
     )
+    if any(cp != (1, 1) for cp in context_parallel):
+        extra["cp"] = st.sampled_from(list(context_parallel))
 
     decorate = cast(
         Callable[[Callable[..., None]], Callable[..., None]],
@@ -238,10 +249,20 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
         profile: str,
         prompts: list[tuple[int, ...]],
         fine: bool = False,
+        cp: tuple[int, int] = (1, 1),
     ) -> None:
-        """Build the model and the target; the first requests arrive."""
+        """Build the model and the target; the first requests arrive.
+
+        With context parallelism (``cp``: decode and prefill world sizes; full-attention
+        layouts only) requests are hashed in blocks of ``hbs`` times the decode world
+        size, so that one hash block is a sharded block of ``hbs`` tokens per rank.
+        """
         chosen = profile_named(profile)
-        specs = layout_specs(layout, hbs * factor, window, chunk_blocks, MAX_MODEL_LEN, hbs)
+        dcp, pcp = cp
+        if any(s.attention is not AttentionType.FULL for s in layout_specs(layout, 1, 1, 1, 1, 1)):
+            dcp, pcp = 1, 1
+        hbs *= dcp
+        specs = layout_specs(layout, hbs // dcp * factor, window, chunk_blocks, MAX_MODEL_LEN, hbs)
         eagle = eagle and layout in ("full", "sliding_window")
         self.setup = ManagerSetup(
             num_blocks=num_blocks,
@@ -254,8 +275,9 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
             enable_events=events,
             profile=chosen,
             fine_grained_hits=fine,
+            dcp_world_size=dcp,
+            pcp_world_size=pcp,
         )
-        self.block_sizes = [s.block_size for s in specs]
         self.model = model_manager.new_kv_cache_manager(
             num_blocks,
             specs,
@@ -267,7 +289,10 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
             enable_events=events,
             profile=chosen,
             fine_grained_hits=fine,
+            **geometry_arguments(self.setup),
         )
+        # the groups' blocks as the manager holds them (sharded ones times the world size)
+        self.block_sizes = [s.block_size for s in self.model.managers.specs]
         self.target = type(self).make_target(self.setup)
         for prompt in prompts:
             self.add_request(prompt, "plain")
@@ -407,7 +432,7 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
                 )
             )
             if self.lockstep and self.model is not None and self.target is not None:
-                size = self.block_sizes[0]
+                size = math.lcm(*self.block_sizes)  # a whole number of every group's blocks
                 n = num_hit // size * size - cut * size
                 if n >= 0:
                     self._record(
@@ -931,6 +956,7 @@ def manager_machine(
     uncached_layouts: Sequence[str] = (),
     hash_sized_layouts: Sequence[str] = (),
     fine_grained: Sequence[bool] = (False,),
+    context_parallel: Sequence[tuple[int, int]] = ((1, 1),),
 ) -> type[ManagerMachine]:
     """A state machine class that checks ``make_target`` on the given layouts and profiles.
 
@@ -957,6 +983,7 @@ def manager_machine(
             uncached_layouts,
             hash_sized_layouts,
             fine_grained,
+            context_parallel,
         ),
         "make_target": staticmethod(make_target),
         "lockstep": lockstep,

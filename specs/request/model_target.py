@@ -6,7 +6,7 @@ from kvpool.model import manager as model_manager
 from kvpool.model.events import KVCacheEvent
 from kvpool.model.manager import Blocks, KVCacheManagerState, PrefixCacheStats
 from kvpool.model.request import Request
-from kvpool.specs.request.target import ManagerSetup
+from kvpool.specs.request.target import ManagerSetup, geometry_arguments
 
 
 class ModelManagerTarget:
@@ -24,6 +24,7 @@ class ModelManagerTarget:
             enable_events=setup.enable_events,
             profile=setup.profile,
             fine_grained_hits=setup.fine_grained_hits,
+            **geometry_arguments(setup),
         )
 
     def snapshot(self) -> KVCacheManagerState:

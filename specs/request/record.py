@@ -29,6 +29,7 @@ from kvpool.specs.request.target import (
     ManagerSetup,
     ManagerSnapshottable,
     ManagerTarget,
+    geometry_arguments,
 )
 
 QUERIES = ("get_block_ids", "usage", "num_free_blocks", "snapshot", "block_hashes")
@@ -127,6 +128,7 @@ def _model_manager(setup: ManagerSetup) -> KVCacheManagerState:
         enable_events=setup.enable_events,
         profile=setup.profile,
         fine_grained_hits=setup.fine_grained_hits,
+        **geometry_arguments(setup),
     )
 
 

@@ -297,6 +297,7 @@ def _from_scope(
             "uncached_layouts": scope.uncached_layouts,
             "hash_sized_layouts": scope.hash_sized_layouts,
             "fine_grained": scope.fine_grained,
+            "context_parallel": scope.context_parallel,
         },
     )
 

@@ -68,7 +68,7 @@ from kvpool.model.single_type import (
 )
 from kvpool.specs.protocol.codec import Json, encode_event, loads
 from kvpool.specs.request import target
-from kvpool.specs.request.target import ManagerSetup
+from kvpool.specs.request.target import ManagerSetup, geometry_arguments
 from kvpool.specs.teaching.scenarios import ScenarioError, Step
 
 LAYER = "request"
@@ -172,6 +172,7 @@ def new_world(setup: ManagerSetup) -> World:
         enable_events=setup.enable_events,
         profile=setup.profile,
         fine_grained_hits=setup.fine_grained_hits,
+        **geometry_arguments(setup),
     )
     return World(manager)
 
@@ -661,14 +662,19 @@ def encode_setup(setup: ManagerSetup) -> dict[str, Json]:
         "profile": setup.profile.name,
         # written only when on, so that files of earlier programs stay as they were
         **({"fine_grained_hits": True} if setup.fine_grained_hits else {}),
+        **geometry_arguments(setup),
     }
+
+
+GEOMETRY_FIELDS = ("scheduler_block_size", "dcp_world_size", "pcp_world_size")
+"""The block geometry's fields, written only when they differ from the defaults."""
 
 
 def decode_setup(value: Json) -> ManagerSetup:
     """The manager configuration from JSON, bounded; the model then checks the rest."""
     if not isinstance(value, dict):
         raise ScenarioError("config must be an object")
-    known = {*encode_setup(_EXAMPLE_SETUP), "fine_grained_hits"}
+    known = {*encode_setup(_EXAMPLE_SETUP), "fine_grained_hits", *GEOMETRY_FIELDS}
     unknown = sorted(set(value) - known)
     if unknown:
         raise ScenarioError(f"config: unknown field(s) {', '.join(unknown)}")
@@ -698,6 +704,13 @@ def decode_setup(value: Json) -> ManagerSetup:
         enable_events=_flag(value, "enable_events"),
         profile=PROFILES[str(profile)],
         fine_grained_hits=_flag(value, "fine_grained_hits"),
+        scheduler_block_size=(
+            _count(value["scheduler_block_size"], "scheduler_block_size")
+            if "scheduler_block_size" in value
+            else None
+        ),
+        dcp_world_size=_count(value.get("dcp_world_size", 1), "dcp_world_size"),
+        pcp_world_size=_count(value.get("pcp_world_size", 1), "pcp_world_size"),
     )
     try:
         new_world(chosen)

@@ -30,6 +30,9 @@ class ImplManagerTarget:
             enable_kv_cache_events=setup.enable_events,
             profile=setup.profile,
             fine_grained_hits=setup.fine_grained_hits,
+            scheduler_block_size=setup.scheduler_block_size,
+            dcp_world_size=setup.dcp_world_size,
+            pcp_world_size=setup.pcp_world_size,
         )
 
     def snapshot(self) -> KVCacheManagerState:
