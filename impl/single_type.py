@@ -199,7 +199,7 @@ class SingleTypeKVCacheManager:
         alignment: int = 0,
     ) -> tuple[list[KVCacheBlock], ...]:
         """The cached blocks a request may reuse, one list per group (no hit by default)."""
-        _verify_search(kv_cache_group_ids, max_length)
+        _verify_search(kv_cache_group_ids, max_length, alignment, kv_cache_spec.block_size)
         return tuple([] for _ in kv_cache_group_ids)
 
     def table(self) -> GroupTable:
@@ -229,7 +229,7 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         use_eagle: bool,
         alignment: int = 0,
     ) -> tuple[list[KVCacheBlock], ...]:
-        _verify_search(kv_cache_group_ids, max_length)
+        _verify_search(kv_cache_group_ids, max_length, alignment, kv_cache_spec.block_size)
         hashes = block_hashes_at(block_hashes, block_pool.hash_block_size, kv_cache_spec.block_size)
         stop = min(max_length // kv_cache_spec.block_size, len(hashes))
         computed: tuple[list[KVCacheBlock], ...] = tuple([] for _ in kv_cache_group_ids)
@@ -309,7 +309,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         use_eagle: bool,
         alignment: int = 0,
     ) -> tuple[list[KVCacheBlock], ...]:
-        _verify_search(kv_cache_group_ids, max_length)
+        _verify_search(kv_cache_group_ids, max_length, alignment, kv_cache_spec.block_size)
         size = kv_cache_spec.block_size
         hashes = block_hashes_at(block_hashes, block_pool.hash_block_size, size)
         needed = _cdiv(kv_cache_spec.sliding_window - 1, size) + (1 if use_eagle else 0)
@@ -382,7 +382,7 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
         use_eagle: bool,
         alignment: int = 0,
     ) -> tuple[list[KVCacheBlock], ...]:
-        _verify_search(kv_cache_group_ids, max_length)
+        _verify_search(kv_cache_group_ids, max_length, alignment, kv_cache_spec.block_size)
         size = kv_cache_spec.block_size
         chunk = kv_cache_spec.attention_chunk_size
         hashes = block_hashes_at(block_hashes, block_pool.hash_block_size, size)
@@ -446,13 +446,18 @@ def get_manager_for_kv_cache_spec(
     return MANAGERS[kv_cache_spec.attention](kv_cache_spec, block_pool, kv_cache_group_id)
 
 
-def _verify_search(group_ids: Sequence[int], max_length: int) -> None:
+def _verify_search(
+    group_ids: Sequence[int], max_length: int, alignment: int, block_size: int
+) -> None:
     # Verify that at least one group is searched and none is negative
     if not group_ids or min(group_ids) < 0:
         raise UnknownGroup(f"cannot search groups {list(group_ids)}")
     # Verify that the length is not negative
     if max_length < 0:
         raise InvalidTokenCount(f"max_length={max_length} is negative")
+    # Verify that the alignment, if any, is a whole number of blocks
+    if alignment < 0 or alignment % block_size:
+        raise InvalidTokenCount(f"alignment={alignment} is not a multiple of {block_size}")
 
 
 def verify_hash_block_size(request: Any, hash_block_size: int) -> None:

@@ -200,6 +200,11 @@ def find_longest_cache_hit(
     # Verify that the length is not negative
     if max_length < 0:
         raise InvalidTokenCount(f"max_length={max_length} is negative")
+    # Verify that the alignment, if any, is a whole number of blocks
+    if alignment < 0 or alignment % spec.block_size != 0:
+        raise InvalidTokenCount(
+            f"alignment={alignment} is not a multiple of the {spec.block_size}-token block"
+        )
 
     hashes = hashes_at_block_size(block_hashes, pool.config.hash_block_size, spec.block_size)
     max_blocks = min(max_length // spec.block_size, len(hashes))
@@ -412,6 +417,9 @@ def cache_blocks(
     _verify_request(table, rid)
     # Verify that the request is hashed in the pool's hash blocks
     verify_hash_block_size(request, state.pool.config.hash_block_size)
+    # Verify that the mask's alignment is not negative
+    if mask_alignment < 0:
+        raise InvalidTokenCount(f"mask_alignment={mask_alignment} is negative")
     if spec.attention is AttentionType.MAMBA:
         return state, None
     num_cached = table.num_cached_block[rid]
