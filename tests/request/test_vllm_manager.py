@@ -39,14 +39,38 @@ def test_vllm_manager_conforms_at_level_1() -> None:
 def test_vllm_hybrid_managers_conform_at_level_1() -> None:
     """Two or three groups through vLLM's hybrid coordinator: two groups of one spec, the
     window listed first, two windows that shorten each other's hit, chunked local beside
-    full attention; and full attention beside Mamba (caching off: its blocks are zeroed)."""
+    full attention; full attention beside Mamba (caching off: its blocks are zeroed); groups
+    of two block sizes."""
     from dataclasses import replace
 
     from kvpool.specs.targets.vllm.request import VLLM_SCOPE
 
     hybrids = tuple(layout for layout in VLLM_SCOPE.layouts if "+" in layout)
-    assert len(hybrids) == 6
+    assert len(hybrids) == 8
     scope = replace(VLLM_SCOPE, layouts=hybrids)
+    report = run_manager_conformance(scope, hypothesis_profile="ci", max_examples=100)
+    assert report.conforms, f"{report.failure}\n{report.program}"
+
+
+@pytest.mark.parametrize(
+    ("layouts", "context_parallel"),
+    [
+        (("wide_full+sliding_window", "full+wide_sliding_window"), ((1, 1),)),
+        (("full", "full+full"), ((2, 1), (1, 2), (2, 2))),
+    ],
+    ids=["two-block-sizes", "context-parallel"],
+)
+def test_vllm_block_geometry_conforms_at_level_1(
+    layouts: tuple[str, ...], context_parallel: tuple[tuple[int, int], ...]
+) -> None:
+    """Hits at multiples of the scheduler block size, sliding-window blocks cached only
+    where a hit can end, and sharded blocks of decode context parallelism (vLLM 0.33's
+    HybridKVCacheCoordinator and SingleTypeKVCacheManager; docs/semantics.md)."""
+    from dataclasses import replace
+
+    from kvpool.specs.targets.vllm.request import VLLM_SCOPE
+
+    scope = replace(VLLM_SCOPE, layouts=layouts, context_parallel=context_parallel)
     report = run_manager_conformance(scope, hypothesis_profile="ci", max_examples=100)
     assert report.conforms, f"{report.failure}\n{report.program}"
 
