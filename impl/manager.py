@@ -1103,13 +1103,6 @@ def _specs_of(kv_cache_config: Any) -> tuple[KVCacheSpec, ...]:
         kv_cache_config.num_blocks  # noqa: B018 (read now: a config without it is no config)
     except (AttributeError, TypeError) as error:
         raise InvalidManagerConfig(f"not a KV cache configuration: {error}") from None
-    # Verify that the configuration keeps every boundary state (sparse retention, vLLM 0.33's
-    # prefix_cache_retention_interval, changes which blocks are cached: not modelled)
-    retention = getattr(kv_cache_config, "prefix_cache_retention_interval", None)
-    if retention is not None:
-        raise InvalidManagerConfig(
-            f"prefix_cache_retention_interval={retention!r}: kvpool models only None (dense)"
-        )
     specs = []
     for group in groups:
         if isinstance(group, KVCacheSpec):

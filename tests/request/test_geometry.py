@@ -25,6 +25,7 @@ from kvpool.model.single_type import (
     chunked_local,
     full_attention,
     mamba,
+    mamba_align,
     sliding_window,
 )
 from kvpool.specs.request.machine import manager_machine
@@ -52,10 +53,12 @@ class Both:
         return new_request(rid, token_ids, self.hbs)
 
     def lookup(self, request: Request) -> tuple[tuple[tuple[int, ...], ...], int]:
-        self.model, (hit, length) = mm.get_computed_blocks(self.model, request)
-        blocks, impl_length = self.impl.get_computed_blocks(request)
+        self.model, (hit, length, boundary) = mm.get_computed_blocks_with_boundary(
+            self.model, request
+        )
+        blocks, impl_length, impl_boundary = self.impl.get_computed_blocks(request)
         assert tuple(tuple(g) for g in blocks.get_block_ids()) == hit
-        assert impl_length == length
+        assert (impl_length, impl_boundary) == (length, boundary)
         return hit, length
 
     def allocate(self, request: Request, num_new: int) -> tuple[tuple[int, ...], ...]:
@@ -222,6 +225,46 @@ def test_invalid_pcp_beside_mamba() -> None:
 
 def test_invalid_pcp_on_a_sharded_sliding_window() -> None:
     _rejected_by_both([sliding_window(4, 4)], pcp_world_size=2)
+
+
+def test_invalid_mamba_align_beside_another_block_size() -> None:
+    """Mamba "align" with blocks of several sizes: not modelled, refused by name."""
+    _rejected_by_both([full_attention(8), mamba_align(4)], hash_block_size=4)
+    # decode context parallelism widens the attention group but not the (replicated) Mamba
+    _rejected_by_both([full_attention(4), mamba_align(4)], dcp_world_size=2)
+
+
+def test_invalid_mamba_align_with_a_wider_scheduler_block() -> None:
+    _rejected_by_both([full_attention(4), mamba_align(4)], scheduler_block_size=8)
+
+
+def test_mamba_align_of_one_block_size_is_accepted() -> None:
+    Both([full_attention(4), mamba_align(4)], scheduler_block_size=4)
+
+
+def test_the_eagle_look_ahead_is_bounded_by_the_scheduler_block_not_the_smallest_block() -> None:
+    """vLLM 0.33.0 compares num_prefill_lookahead with scheduler_block_size
+    (KVCacheCoordinator.__init__): 8 tokens here, where the window's block is 4."""
+    specs = [FULL_WIDE, WINDOW]
+    Both(specs, hash_block_size=BLOCK, use_eagle=True, num_prefill_lookahead=2 * BLOCK)
+    _rejected_by_both(
+        specs, hash_block_size=BLOCK, use_eagle=True, num_prefill_lookahead=2 * BLOCK + 1
+    )
+
+
+def test_an_eagle_group_of_small_blocks_caches_the_block_past_each_boundary() -> None:
+    """get_num_cacheable_tokens in 0.33.0: 7 hash blocks computed, the scheduler block is 8
+    tokens; without EAGLE the window caches 6 blocks (3 scheduler blocks), with EAGLE one of
+    its own blocks more (the one its peek matches); full attention's block is 8 tokens, so
+    its count (one block past 24 is 32, beyond the 28 computed) stays 3."""
+    for eagle, window_blocks in ((False, 6), (True, 7)):
+        both = Both(
+            [FULL_WIDE, sliding_window(BLOCK, 5 * BLOCK)], hash_block_size=BLOCK, use_eagle=eagle
+        )
+        request = both.request("0", tokens(7))
+        both.allocate(request, 7 * BLOCK)
+        assert both.model.managers.tables[1].num_cached_block["0"] == window_blocks
+        assert both.model.managers.tables[0].num_cached_block["0"] == 3
 
 
 @pytest.mark.parametrize("size", [0, -1, True, 1.5])

@@ -119,6 +119,32 @@ def test_vllm_033_eagle_hybrid_search_peeks_past_the_candidate_as_the_model_does
 
 
 @pytest.mark.parametrize(
+    ("specs", "hit"),
+    [
+        # full attention of 8-token blocks: 32 tokens peeked, one block dropped, 24 aligned;
+        # the window's run ends on the block past 24 (its peek) and is dropped back to 24
+        ((full_attention(8), sliding_window(4, 5)), (((1, 2, 3), (0, 0, 0, 0, 0, 11)), 24)),
+        # the window of 8-token blocks beside full attention of 4: the same 24 tokens
+        ((full_attention(4), sliding_window(8, 5)), (((1, 2, 3, 4, 5, 6), (0, 0, 12)), 24)),
+    ],
+    ids=["wide-full", "wide-window"],
+)
+def test_vllm_033_eagle_on_two_block_sizes_hits_as_the_model_does(
+    specs: tuple[Any, ...], hit: tuple[Any, int]
+) -> None:
+    """EAGLE's peek of the group's own block, its drop and the cut back to the scheduler
+    block (8 tokens) together (HybridKVCacheCoordinator.find_longest_cache_hit in 0.33.0)."""
+    setup = ManagerSetup(24, specs, 64, 4, use_eagle=True)
+    first = new_request("a", tuple(range(1, 36)), 4)
+    later = new_request("b", tuple(range(1, 34)), 4)
+    hits = []
+    for target in both(setup):
+        target.allocate_slots(first, 35)  # type: ignore[attr-defined]
+        hits.append(target.get_computed_blocks(later))  # type: ignore[attr-defined]
+    assert hits == [hit, hit]
+
+
+@pytest.mark.parametrize(
     ("specs", "eagle", "hit"),
     [
         ((full_attention(4),), False, 4),  # one group: 8 computed, 2 re-prefillable
