@@ -869,7 +869,9 @@ class KVCacheManager:
         for manager in self.managers:
             blocks = manager.req_to_blocks.get(request_id, [])
             if manager.kv_cache_spec.attention is not AttentionType.MAMBA:
-                blocks = blocks[: _cdiv(num_computed_tokens, manager.block_size)]
+                # vLLM 0.33 cuts by the spec's block size: per decode rank when sharded
+                size = manager.block_size // manager.dcp_world_size
+                blocks = blocks[: _cdiv(num_computed_tokens, size)]
             out.append([b.block_id for b in blocks])
         return tuple(out)
 

@@ -353,7 +353,10 @@ def find_hit(
     type shortens it (one round for full attention and one other type), then
     trim full-attention hits to that length. With EAGLE each type's search
     peeks one block past the candidate and drops its last block, once per
-    candidate length (``kvpool.model.eagle``). With fine-grained hits a
+    candidate length (``kvpool.model.eagle``). With several groups every
+    search's hit is a multiple of the scheduler block size, and each group's
+    blocks are trimmed with its own block size (``kvpool.model.geometry``).
+    With fine-grained hits a
     full-attention search may end inside a block
     (``copy_on_write.extend_into_partial_block``).
 

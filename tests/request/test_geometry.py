@@ -175,6 +175,20 @@ def test_an_unsharded_group_keeps_its_block_size() -> None:
     assert both.model.config.scheduler_block_size == 64
 
 
+def test_blocks_for_computed_tokens_count_the_spec_block_under_decode_parallelism() -> None:
+    """vLLM 0.33.0's get_block_ids_for_computed_tokens cuts by kv_cache_spec.block_size (4),
+    not the manager's sharded block (8): 6 tokens keep 2 blocks of the request's 3."""
+    from kvpool.model import scheduler_calls
+
+    both = Both([full_attention(BLOCK)], dcp_world_size=2, hash_block_size=2 * BLOCK)
+    request = both.request("0", tokens(5))
+    new = both.allocate(request, 5 * BLOCK - 1)
+    assert len(new[0]) == 3
+    model = scheduler_calls.get_block_ids_for_computed_tokens(both.model, "0", 6)
+    impl = both.impl.get_block_ids_for_computed_tokens("0", 6)
+    assert model == tuple(tuple(g) for g in impl) == (new[0][:2],)
+
+
 def test_prefill_context_parallelism_changes_no_block() -> None:
     both = Both([full_attention(4), full_attention(4)], pcp_world_size=2)
     request = both.request("r", tokens(3))
@@ -304,6 +318,25 @@ MACHINES: dict[str, Callable[[], type]] = {
         ImplManagerTarget,
         layouts=["full", "full+full", "full+sliding_window"],
         context_parallel=((1, 1), (2, 1), (1, 2), (2, 2)),
+    ),
+    # the other branches' features on the geometry: EAGLE on hybrids, multi-module MTP's
+    # look-ahead, every scheduler call and the in-flight cap
+    "two-block-sizes-eagle-scheduler": lambda: manager_machine(
+        ImplManagerTarget,
+        layouts=["wide_full+sliding_window", "full+wide_sliding_window"],
+        eagle_hybrids=True,
+        prefill_lookaheads=(0, 1, 2, 3, 8),
+        scheduler_calls=True,
+        in_flight=(None, 3),
+    ),
+    "context-parallel-eagle-scheduler": lambda: manager_machine(
+        ImplManagerTarget,
+        layouts=["full", "full+full", "full+sliding_window"],
+        context_parallel=((1, 1), (2, 1), (1, 2), (2, 2)),
+        eagle_hybrids=True,
+        prefill_lookaheads=(0, 1, 2, 3),
+        scheduler_calls=True,
+        in_flight=(None, 3),
     ),
 }
 
