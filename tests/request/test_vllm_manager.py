@@ -118,6 +118,18 @@ def test_vllm_033_eagle_hybrid_search_peeks_past_the_candidate_as_the_model_does
     assert hits == [(((1, 2, 3, 4, 5), (0, 0, 0, 0, 12)), 20)] * 2
 
 
+def test_vllm_033_cuts_blocks_for_computed_tokens_by_the_spec_block_as_the_model_does() -> None:
+    """Decode context parallelism of 2: the manager's blocks hold 8 tokens, but 0.33.0's
+    get_block_ids_for_computed_tokens divides by the spec's 4, so 6 tokens keep 2 blocks."""
+    setup = ManagerSetup(8, (full_attention(4),), 64, 8, dcp_world_size=2)
+    request = new_request("a", tuple(range(1, 20)), 8)
+    answers = []
+    for target in both(setup):
+        assert target.allocate_slots(request, 19) == ((1, 2, 3),)  # type: ignore[attr-defined]
+        answers.append(target.get_block_ids_for_computed_tokens("a", 6))  # type: ignore[attr-defined]
+    assert answers == [((1, 2),)] * 2
+
+
 @pytest.mark.parametrize(
     ("specs", "hit"),
     [
