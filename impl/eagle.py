@@ -15,13 +15,17 @@ from kvpool.model.single_type import AttentionType, KVCacheSpec
 
 
 def check_eagle_config(
-    specs: Sequence[KVCacheSpec], enable_caching: bool, use_eagle: bool, num_prefill_lookahead: int
+    specs: Sequence[KVCacheSpec],
+    enable_caching: bool,
+    use_eagle: bool,
+    num_prefill_lookahead: int,
+    scheduler_block_size: int,
 ) -> int:
     """Raise InvalidManagerConfig as the model's ``verify_eagle_config`` does; return the
     number of re-prefillable tokens (``num_prefill_lookahead - 1``, at least 0).
 
     >>> from kvpool.model.single_type import full_attention
-    >>> check_eagle_config([full_attention(4)], True, True, 3)
+    >>> check_eagle_config([full_attention(4)], True, True, 3, 4)
     2
     """
     if type(num_prefill_lookahead) is not int:
@@ -36,33 +40,42 @@ def check_eagle_config(
                 raise InvalidManagerConfig(
                     "EAGLE with prefix caching cannot have a chunked-local group"
                 )
-        block_size = min(spec.block_size for spec in specs)
-        if block_size < num_prefill_lookahead:
+        if scheduler_block_size < num_prefill_lookahead:
             raise InvalidManagerConfig(
-                f"multi-module MTP with prefix caching needs scheduler_block_size={block_size} "
+                "multi-module MTP with prefix caching needs "
+                f"scheduler_block_size={scheduler_block_size} "
                 f">= num_prefill_lookahead={num_prefill_lookahead}"
             )
     return num_prefill_lookahead - 1 if num_prefill_lookahead > 1 else 0
 
 
 def cacheable(
-    hybrid: bool, block_size: int, eagle: bool, fine: bool, reprefillable: int, num_tokens: int
+    hybrid: bool,
+    block_size: int,
+    alignment: int,
+    eagle: bool,
+    fine: bool,
+    reprefillable: int,
+    num_tokens: int,
 ) -> int:
-    """The computed tokens a group caches of ``num_tokens`` (the model's ``cacheable_tokens``).
+    """The computed tokens a group of ``block_size``-token blocks caches of ``num_tokens``,
+    hits landing on multiples of ``alignment`` (the model's ``cacheable_tokens``).
 
-    >>> cacheable(True, 4, True, False, 0, 3), cacheable(True, 4, False, False, 0, 7)
+    >>> cacheable(True, 4, 4, True, False, 0, 3), cacheable(True, 4, 4, False, False, 0, 7)
     (0, 4)
+    >>> cacheable(True, 4, 8, True, False, 0, 15)
+    12
     """
     if not hybrid:
         final = num_tokens - reprefillable
         return final if final > 0 else 0
-    aligned = num_tokens if fine else num_tokens - num_tokens % block_size
+    aligned = num_tokens if fine else num_tokens - num_tokens % alignment
     if not eagle or aligned <= 0:
         return aligned
     final = num_tokens - reprefillable
     if final <= 0:
         return 0
-    bound = (final if fine else final - final % block_size) + block_size
+    bound = (final if fine else final - final % alignment) + block_size
     return final if final < bound else bound
 
 

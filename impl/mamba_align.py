@@ -59,13 +59,17 @@ class MambaAlignManager(MambaManager):
         block_pool: BlockPool,
         kv_cache_spec: KVCacheSpec,
         use_eagle: bool,
+        alignment: int = 0,
     ) -> tuple[list[KVCacheBlock], ...]:
-        _verify_search(kv_cache_group_ids, max_length)
         block_size = kv_cache_spec.block_size
+        _verify_search(kv_cache_group_ids, max_length, alignment, block_size)
         hashes = block_hashes_at(block_hashes, block_pool.hash_block_size, block_size)
         stop = min(max_length // block_size, len(hashes))
         ids = list(kv_cache_group_ids)
         for i in range(stop - 1, -1, -1):
+            # with several groups only a state on a scheduler-block boundary is a hit
+            if alignment and (i + 1) * block_size % alignment:
+                continue
             found = block_pool.get_cached_block(hashes[i], ids)
             if found is not None:
                 null = block_pool.null_block

@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 
 from mypy_extensions import mypyc_attr
 
+import kvpool.impl.geometry as geometry
 from kvpool.impl.block import KVCacheBlock
 from kvpool.impl.eagle import cacheable, check_eagle_config, check_eagle_flags
 from kvpool.impl.mamba_align import MambaAlignManager, take_boundary_state_offloads
@@ -33,6 +34,7 @@ from kvpool.model.errors import (
     CachingDisabled,
     HitOnRunningRequest,
     InvalidArgument,
+    InvalidBlockRange,
     InvalidHit,
     InvalidManagerConfig,
     InvalidTokenCount,
@@ -147,17 +149,17 @@ class KVCacheManager:
         vLLM's (its groups' specs are read by class name: full attention, MLA and hidden
         states, sliding window, chunked local attention, Mamba). Arguments kvpool does not
         model must keep vLLM's defaults (``InvalidManagerConfig`` otherwise):
-        ``max_in_flight_tokens``, context parallelism, ``watermark`` and the Mamba
-        shared-prefix checkpoint. EAGLE runs on every group (kvpool has no per-group flag) and
-        ``num_prefill_lookahead`` holds back multi-module MTP's re-prefilled tokens from
-        caching (``kvpool.model.eagle``). ``fine_grained_hits`` (not
-        vLLM's: there a Mamba "align" group turns it on) lets hits end inside a block when
-        every group is full attention with blocks larger than a hash block (vllm#51843).
+        ``watermark`` and the Mamba shared-prefix checkpoint, and
+        ``prefix_cache_retention_interval`` in the config. Groups may have different block
+        sizes, and decode context parallelism multiplies a sharded group's
+        (``kvpool.model.geometry``). EAGLE runs on every group (kvpool has no per-group flag)
+        and ``num_prefill_lookahead`` holds back multi-module MTP's re-prefilled tokens from
+        caching (``kvpool.model.eagle``). ``fine_grained_hits`` (not vLLM's: there a Mamba
+        "align" group turns it on) lets hits end inside a block when every group is full
+        attention with blocks larger than a hash block, all of one size (vllm#51843).
         """
         # Verify that the arguments kvpool does not model keep vLLM's defaults
         unmodelled = {
-            "dcp_world_size": (dcp_world_size, 1),
-            "pcp_world_size": (pcp_world_size, 1),
             "watermark": (watermark, 0.0),
             "enable_mamba_shared_prefix_checkpoint": (enable_mamba_shared_prefix_checkpoint, False),
         }
@@ -165,14 +167,8 @@ class KVCacheManager:
             if value != default:
                 raise InvalidManagerConfig(f"{name}={value!r}: kvpool models only {default!r}")
         specs = _specs_of(kv_cache_config)
-        # Verify that every group's block size divides the scheduler's
-        if scheduler_block_size is not None and any(
-            scheduler_block_size % s.block_size for s in specs
-        ):
-            raise InvalidManagerConfig(
-                f"scheduler_block_size={scheduler_block_size} is not a multiple of every "
-                "group's block size"
-            )
+        # Verify that the config asks for dense prefix-cache retention (the one kvpool models)
+        _verify_retention(kv_cache_config, specs)
         # Verify that requests can hold at least one token
         if max_model_len < 1:
             raise InvalidManagerConfig(f"max_model_len={max_model_len} must be positive")
@@ -185,10 +181,14 @@ class KVCacheManager:
             raise InvalidManagerConfig(
                 f"max_in_flight_tokens={max_in_flight_tokens!r} must be a positive int"
             )
-        # Verify that there is at least one group, all with one block size
-        if not specs or len({s.block_size for s in specs}) != 1:
-            raise InvalidManagerConfig("the groups must be at least one and share one block size")
-        hbs = specs[0].block_size if hash_block_size is None else hash_block_size
+        # Verify that there is at least one group
+        if not specs:
+            raise InvalidManagerConfig("a KV cache manager needs at least one group")
+        # Verify that context parallelism runs only on the groups vLLM runs it on
+        geometry.check_world_sizes(specs, dcp_world_size, pcp_world_size)
+        # the managers' block sizes: sharded groups' times the decode world size
+        specs = geometry.sharded(specs, dcp_world_size)
+        hbs = geometry.common_divisor(specs) if hash_block_size is None else hash_block_size
         # Verify that a Mamba block holds a whole request, or the group is in "align" mode
         for spec in specs:
             if (
@@ -205,11 +205,6 @@ class KVCacheManager:
                 f'Mamba "align" with hash blocks of {hbs} tokens in blocks of '
                 f"{specs[0].block_size} (hits inside a block) is not modelled"
             )
-        # Verify that EAGLE and the look-ahead are settings vLLM 0.33 runs
-        reprefillable = check_eagle_config(specs, enable_caching, use_eagle, num_prefill_lookahead)
-        check_eagle_flags(
-            kv_cache_config, use_eagle, enable_caching, num_prefill_lookahead, specs[0].block_size
-        )
         # Verify that EAGLE does not run beside a Mamba "align" group (not modelled)
         if use_eagle and any(s.mamba_align for s in specs):
             raise InvalidManagerConfig('EAGLE beside a Mamba "align" group is not modelled')
@@ -239,6 +234,25 @@ class KVCacheManager:
                 )
             if spec.mamba_align and spec.attention is not AttentionType.MAMBA:
                 raise InvalidManagerConfig(f"{spec.attention.value} groups have no align mode")
+        scheduler = (
+            geometry.common_multiple(specs)
+            if scheduler_block_size is None
+            else scheduler_block_size
+        )
+        # Verify that the scheduler block size is a multiple of every block size
+        geometry.check_scheduler_block_size(specs, hbs, scheduler)
+        # Verify that a Mamba "align" group's block is every group's and the scheduler's
+        geometry.check_align_geometry(specs, scheduler)
+        # Verify that EAGLE and the look-ahead are settings vLLM 0.33 runs
+        reprefillable = check_eagle_config(
+            specs, enable_caching, use_eagle, num_prefill_lookahead, scheduler
+        )
+        check_eagle_flags(
+            kv_cache_config, use_eagle, enable_caching, num_prefill_lookahead, scheduler
+        )
+        self.scheduler_block_size: int = scheduler
+        self.dcp_world_size = dcp_world_size
+        self.pcp_world_size = pcp_world_size
         self.kv_cache_config = kv_cache_config
         self.specs = specs
         self.kv_cache_event_metadata = _event_metadata(kv_cache_config, specs)
@@ -270,12 +284,18 @@ class KVCacheManager:
             manager.use_eagle = use_eagle
             if isinstance(manager, MambaAlignManager):
                 manager.hybrid = len(specs) > 1
+            # sliding-window groups cache only what hits at these multiples can use
+            manager.cache_hit_alignment_tokens = scheduler
+            sharded_group = manager.kv_cache_spec.dcp_sharded
+            manager.dcp_world_size = dcp_world_size if sharded_group else 1
+            manager.pcp_world_size = pcp_world_size if sharded_group else 1
         self.num_kv_cache_groups = len(specs)
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in specs))
         self.fine_grained_hits = (
             bool(fine_grained_hits)
             and not use_eagle
             and all(s.attention is AttentionType.FULL and s.block_size > hbs for s in specs)
+            and all(s.block_size == specs[0].block_size for s in specs)
         )
         for manager in self.managers:
             manager.fine_grained_hits = self.fine_grained_hits
@@ -339,6 +359,8 @@ class KVCacheManager:
         simple = len(kinds) == 2 and kinds[0][0].attention is AttentionType.FULL
         num_hashed = len(block_hashes) * self.block_pool.hash_block_size
         verified: set[int] = set()  # EAGLE kinds that dropped at this candidate length
+        # several groups hit where all can resume: multiples of the scheduler block size
+        alignment = 0 if self.fine_grained_hits else self.scheduler_block_size
         while True:
             candidate = length
             for k, (spec, ids) in enumerate(kinds):
@@ -352,7 +374,7 @@ class KVCacheManager:
                     # peek one block past the candidate, then drop back to it
                     reach = min(candidate + spec.block_size, num_hashed)
                 found = cls.find_longest_cache_hit(
-                    block_hashes, reach, ids, self.block_pool, spec, drop
+                    block_hashes, reach, ids, self.block_pool, spec, drop, alignment
                 )
                 found_length = self._extend(found, block_hashes, reach, ids, spec)
                 if drop:
@@ -370,8 +392,12 @@ class KVCacheManager:
             length = candidate
             if simple:
                 break
-        keep = -(-length // self.specs[0].block_size)
-        return tuple(hits[g][:keep] for g in range(len(managers))), length, longest - length
+        # every group's hit cut back to the reconciled length, in its own blocks
+        return (
+            tuple(hits[g][: -(-length // managers[g].block_size)] for g in range(len(managers))),
+            length,
+            longest - length,
+        )
 
     def _extend(
         self,
@@ -624,20 +650,37 @@ class KVCacheManager:
 
     def _cache(self, request: Any, num_tokens: int) -> None:
         """Cache every group's full blocks, and the prompt's tail where blocks hold several hash
-        blocks (the managers' ``cache_blocks``), each of the tokens ``cacheable`` allows."""
+        blocks (the managers' ``cache_blocks``), each of the tokens ``cacheable`` allows
+        (with several groups rounded to the scheduler block size, unrounded with fine-grained
+        hits)."""
         hybrid = len(self.managers) > 1
-        for manager in self.managers:
-            manager.cache_blocks(
-                request,
-                cacheable(
-                    hybrid,
-                    manager.block_size,
-                    self.use_eagle,
-                    self.fine_grained_hits,
-                    self._reprefillable,
-                    num_tokens,
-                ),
+        counts = [
+            cacheable(
+                hybrid,
+                manager.block_size,
+                self.scheduler_block_size,
+                self.use_eagle,
+                self.fine_grained_hits,
+                self._reprefillable,
+                num_tokens,
             )
+            for manager in self.managers
+        ]
+        # Verify that every group holds the blocks it would cache (checked before any group
+        # caches: with blocks of several sizes, a group of smaller blocks runs out first)
+        hashed = len(request.block_hashes) * self.block_pool.hash_block_size
+        for manager, count in zip(self.managers, counts, strict=True):
+            blocks = manager.req_to_blocks.get(request.request_id)
+            if blocks is None or manager.kv_cache_spec.attention is AttentionType.MAMBA:
+                continue
+            num_full = (count if count < hashed else hashed) // manager.block_size
+            if num_full > len(blocks) and num_full > manager.num_cached_block[request.request_id]:
+                raise InvalidBlockRange(
+                    f"cannot cache blocks [{manager.num_cached_block[request.request_id]}:"
+                    f"{num_full}] of a request with {len(blocks)} blocks"
+                )
+        for manager, count in zip(self.managers, counts, strict=True):
+            manager.cache_blocks(request, count)
 
     def _verify_hashes_to_cache(
         self, request: Any, hits: tuple[Sequence[KVCacheBlock], ...], num_tokens: int
@@ -848,7 +891,9 @@ class KVCacheManager:
         for manager in self.managers:
             blocks = manager.req_to_blocks.get(request_id, [])
             if manager.kv_cache_spec.attention is not AttentionType.MAMBA:
-                blocks = blocks[: _cdiv(num_computed_tokens, manager.block_size)]
+                # vLLM 0.33 cuts by the spec's block size: per decode rank when sharded
+                size = manager.block_size // manager.dcp_world_size
+                blocks = blocks[: _cdiv(num_computed_tokens, size)]
             out.append([b.block_id for b in blocks])
         return tuple(out)
 
@@ -943,6 +988,9 @@ class KVCacheManager:
                 self.fine_grained_hits,
                 self.max_in_flight_tokens,
                 self.num_prefill_lookahead,
+                self.scheduler_block_size,
+                self.dcp_world_size,
+                self.pcp_world_size,
             ),
             managers=ManagersState(
                 pool=self.block_pool.snapshot(),
@@ -953,6 +1001,26 @@ class KVCacheManager:
             pending_copies=tuple((s.block_id, d.block_id) for s, d in self.pending_copies),
             new_block_ids=tuple(self.new_block_ids),
         )
+
+
+def _verify_retention(kv_cache_config: Any, specs: Sequence[KVCacheSpec]) -> None:
+    """InvalidManagerConfig unless vLLM's ``prefix_cache_retention_interval`` is None (dense),
+    or 0 where no group is a sliding window or Mamba (vLLM 0.33 ignores it there).
+
+    Sparse retention (vllm/v1/core/kv_cache_coordinator.py in 0.33.0,
+    ``_validate_prefix_cache_retention_interval`` and the managers' ``reachable_block_mask``)
+    caches fewer sliding-window and Mamba blocks; kvpool does not model it, so it refuses
+    rather than cache what vLLM would not.
+    """
+    interval = getattr(kv_cache_config, "prefix_cache_retention_interval", None)
+    if interval is None:
+        return
+    sparse = any(s.attention in (AttentionType.SLIDING_WINDOW, AttentionType.MAMBA) for s in specs)
+    if interval == 0 and not sparse:
+        return
+    raise InvalidManagerConfig(
+        f"prefix_cache_retention_interval={interval!r}: kvpool models only None (dense)"
+    )
 
 
 def _verify_ints(**values: object) -> None:
@@ -1059,13 +1127,6 @@ def _specs_of(kv_cache_config: Any) -> tuple[KVCacheSpec, ...]:
         kv_cache_config.num_blocks  # noqa: B018 (read now: a config without it is no config)
     except (AttributeError, TypeError) as error:
         raise InvalidManagerConfig(f"not a KV cache configuration: {error}") from None
-    # Verify that the configuration keeps every boundary state (sparse retention, vLLM 0.33's
-    # prefix_cache_retention_interval, changes which blocks are cached: not modelled)
-    retention = getattr(kv_cache_config, "prefix_cache_retention_interval", None)
-    if retention is not None:
-        raise InvalidManagerConfig(
-            f"prefix_cache_retention_interval={retention!r}: kvpool models only None (dense)"
-        )
     specs = []
     for group in groups:
         if isinstance(group, KVCacheSpec):
@@ -1093,6 +1154,8 @@ def _specs_of(kv_cache_config: Any) -> tuple[KVCacheSpec, ...]:
                 if kind is AttentionType.CHUNKED_LOCAL
                 else 0,
                 mamba_align=align,
+                # vLLM 0.33's attention specs are sharded by default, its Mamba spec is not
+                dcp_sharded=bool(getattr(spec, "dcp_sharded", kind is not AttentionType.MAMBA)),
             )
         )
     return tuple(specs)

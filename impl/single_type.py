@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 from mypy_extensions import mypyc_attr
 
 from kvpool.impl.block import KVCacheBlock
+from kvpool.impl.geometry import window_mask
 from kvpool.impl.pool import BlockPool
 from kvpool.model.errors import (
     HashBlockSizeMismatch,
@@ -78,6 +79,12 @@ class SingleTypeKVCacheManager:
         self.fine_grained_hits = False
         """Hits may end inside a block, so the prompt's tail is cached without rounding (the
         manager sets it, as vLLM's coordinator sets ``cache_hit_alignment_tokens``)."""
+        self.cache_hit_alignment_tokens = kv_cache_spec.block_size
+        """What hits end on a multiple of: the scheduler block size (the manager sets it)."""
+        self.dcp_world_size = 1
+        self.pcp_world_size = 1
+        """The context-parallel world sizes this group sees (1 unless sharded; set by the
+        manager, whose specs already carry the sharded block size)."""
 
     # ------------------------------------------------------------------
 
@@ -140,8 +147,13 @@ class SingleTypeKVCacheManager:
             num_full,
             self.block_size,
             self.kv_cache_group_id,
+            self._cache_mask(num_cached, num_full),
         )
         self.num_cached_block[rid] = num_full
+
+    def _cache_mask(self, first: int, stop: int) -> list[bool] | None:
+        """Which of blocks ``first..stop`` to cache (None: all)."""
+        return None
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks, last first; unknown requests hold nothing."""
@@ -184,9 +196,10 @@ class SingleTypeKVCacheManager:
         block_pool: BlockPool,
         kv_cache_spec: KVCacheSpec,
         use_eagle: bool,
+        alignment: int = 0,
     ) -> tuple[list[KVCacheBlock], ...]:
         """The cached blocks a request may reuse, one list per group (no hit by default)."""
-        _verify_search(kv_cache_group_ids, max_length)
+        _verify_search(kv_cache_group_ids, max_length, alignment, kv_cache_spec.block_size)
         return tuple([] for _ in kv_cache_group_ids)
 
     def table(self) -> GroupTable:
@@ -214,8 +227,9 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         block_pool: BlockPool,
         kv_cache_spec: KVCacheSpec,
         use_eagle: bool,
+        alignment: int = 0,
     ) -> tuple[list[KVCacheBlock], ...]:
-        _verify_search(kv_cache_group_ids, max_length)
+        _verify_search(kv_cache_group_ids, max_length, alignment, kv_cache_spec.block_size)
         hashes = block_hashes_at(block_hashes, block_pool.hash_block_size, kv_cache_spec.block_size)
         stop = min(max_length // kv_cache_spec.block_size, len(hashes))
         computed: tuple[list[KVCacheBlock], ...] = tuple([] for _ in kv_cache_group_ids)
@@ -237,6 +251,12 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         if use_eagle and computed[0]:
             for blocks in computed:
                 blocks.pop()
+        size = kv_cache_spec.block_size
+        if alignment and alignment != size:
+            # hits of several groups end on multiples of the alignment: cut back to one
+            keep = len(computed[0]) * size // alignment * alignment // size
+            for blocks in computed:
+                del blocks[keep:]
         return computed
 
     def cache_blocks(self, request: Any, num_tokens: int) -> None:
@@ -287,20 +307,25 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         block_pool: BlockPool,
         kv_cache_spec: KVCacheSpec,
         use_eagle: bool,
+        alignment: int = 0,
     ) -> tuple[list[KVCacheBlock], ...]:
-        _verify_search(kv_cache_group_ids, max_length)
+        _verify_search(kv_cache_group_ids, max_length, alignment, kv_cache_spec.block_size)
         size = kv_cache_spec.block_size
         hashes = block_hashes_at(block_hashes, block_pool.hash_block_size, size)
         needed = _cdiv(kv_cache_spec.sliding_window - 1, size) + (1 if use_eagle else 0)
         stop = min(max_length // size, len(hashes))
         null = block_pool.null_block
         computed = tuple([null] * stop for _ in kv_cache_group_ids)
+        align = alignment or size
         run = 0
         end: int | None = None
         for i in range(stop - 1, -1, -1):
             found = block_pool.get_cached_block(hashes[i], kv_cache_group_ids)
             if found is None:
                 run = 0
+                continue
+            # a run must end where the hit (after EAGLE's drop) lands on the alignment
+            if run == 0 and align != size and ((i if use_eagle else i + 1) * size) % align:
                 continue
             for blocks, block in zip(computed, found, strict=True):
                 blocks[i] = block
@@ -309,12 +334,30 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
                 end = i + run
                 break
         keep = end if end is not None else run
+        if end is None and align != size:
+            keep = keep * size // align * align // size
         for blocks in computed:
             del blocks[keep:]
         if use_eagle and computed[0]:
+            keep = len(computed[0]) - 1
+            if align != size:
+                keep = keep * size // align * align // size
             for blocks in computed:
-                blocks.pop()
+                del blocks[keep:]
         return computed
+
+    def _cache_mask(self, first: int, stop: int) -> list[bool] | None:
+        alignment = self.cache_hit_alignment_tokens
+        if alignment == self.block_size:
+            return None
+        return window_mask(
+            first,
+            stop,
+            alignment,
+            self.block_size,
+            self.kv_cache_spec.sliding_window,
+            self.use_eagle,
+        )
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         first_useful_token = num_computed_tokens - self.kv_cache_spec.sliding_window + 1
@@ -337,8 +380,9 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
         block_pool: BlockPool,
         kv_cache_spec: KVCacheSpec,
         use_eagle: bool,
+        alignment: int = 0,
     ) -> tuple[list[KVCacheBlock], ...]:
-        _verify_search(kv_cache_group_ids, max_length)
+        _verify_search(kv_cache_group_ids, max_length, alignment, kv_cache_spec.block_size)
         size = kv_cache_spec.block_size
         chunk = kv_cache_spec.attention_chunk_size
         hashes = block_hashes_at(block_hashes, block_pool.hash_block_size, size)
@@ -402,13 +446,18 @@ def get_manager_for_kv_cache_spec(
     return MANAGERS[kv_cache_spec.attention](kv_cache_spec, block_pool, kv_cache_group_id)
 
 
-def _verify_search(group_ids: Sequence[int], max_length: int) -> None:
+def _verify_search(
+    group_ids: Sequence[int], max_length: int, alignment: int, block_size: int
+) -> None:
     # Verify that at least one group is searched and none is negative
     if not group_ids or min(group_ids) < 0:
         raise UnknownGroup(f"cannot search groups {list(group_ids)}")
     # Verify that the length is not negative
     if max_length < 0:
         raise InvalidTokenCount(f"max_length={max_length} is negative")
+    # Verify that the alignment, if any, is a whole number of blocks
+    if alignment < 0 or alignment % block_size:
+        raise InvalidTokenCount(f"alignment={alignment} is not a multiple of {block_size}")
 
 
 def verify_hash_block_size(request: Any, hash_block_size: int) -> None:

@@ -41,6 +41,7 @@ def verify_eagle_config(
     enable_caching: bool,
     use_eagle: bool,
     num_prefill_lookahead: int,
+    scheduler_block_size: int,
 ) -> None:
     """Raise InvalidManagerConfig for an EAGLE or look-ahead setting vLLM 0.33 cannot run.
 
@@ -48,12 +49,13 @@ def verify_eagle_config(
       as 0; kvpool names it);
     * EAGLE with a chunked-local group and prefix caching: vLLM 0.33's
       chunked-local finder asserts it is never asked to drop a block;
-    * EAGLE with prefix caching and a look-ahead longer than a scheduler
-      block (kvpool's scheduler block is the groups' one block size): the
-      dropped block must hold every re-prefilled token.
+    * EAGLE with prefix caching and a look-ahead longer than
+      ``scheduler_block_size`` (``kvpool.model.geometry``): hits land on
+      scheduler-block boundaries, so the dropped tail is a scheduler block and
+      must hold every re-prefilled token.
 
     >>> from kvpool.model.single_type import full_attention
-    >>> verify_eagle_config([full_attention(2)], True, True, 2) is None
+    >>> verify_eagle_config([full_attention(2)], True, True, 2, 2) is None
     True
     """
     # Verify that the look-ahead is a count, not negative
@@ -69,10 +71,10 @@ def verify_eagle_config(
     if any(s.attention is AttentionType.CHUNKED_LOCAL for s in specs):
         raise InvalidManagerConfig("EAGLE with prefix caching cannot have a chunked-local group")
     # Verify that a scheduler block holds the tokens multi-module MTP prefills again
-    block_size = min(s.block_size for s in specs)
-    if block_size < num_prefill_lookahead:
+    if scheduler_block_size < num_prefill_lookahead:
         raise InvalidManagerConfig(
-            f"multi-module MTP with prefix caching needs scheduler_block_size={block_size} "
+            "multi-module MTP with prefix caching needs "
+            f"scheduler_block_size={scheduler_block_size} "
             f">= num_prefill_lookahead={num_prefill_lookahead}"
         )
 
@@ -96,6 +98,7 @@ def peek(spec: KVCacheSpec, max_length: int, num_hashed_tokens: int) -> int:
 def cacheable_tokens(
     num_groups: int,
     block_size: int,
+    alignment: int,
     use_eagle: bool,
     fine_grained: bool,
     reprefillable: int,
@@ -104,23 +107,29 @@ def cacheable_tokens(
     """How many of ``num_tokens`` computed tokens a group may cache.
 
     One group (vLLM's unitary coordinator): all but the ``reprefillable``
-    last. Several (the hybrid one): rounded down to the block size, which
-    a hit always lands on (not rounded with fine-grained hits); an EAGLE
-    group instead takes all but the ``reprefillable`` last once a whole block
-    is computed, since it matches one block past the boundary and drops it.
-    Only the prompt's partial tail and the full blocks within the count
-    depend on it.
+    last. Several (the hybrid one): rounded down to ``alignment`` (the
+    scheduler block size, ``kvpool.model.geometry``), which a hit always
+    lands on (not rounded with fine-grained hits); an EAGLE group of
+    ``block_size``-token blocks instead takes all but the ``reprefillable``
+    last, up to one of its blocks past the last aligned boundary within them,
+    once an aligned boundary is computed: it matches one block past the
+    boundary and drops it. Only the prompt's partial tail and the full blocks
+    within the count depend on it.
 
-    >>> cacheable_tokens(1, 4, True, False, 2, 9), cacheable_tokens(2, 4, False, False, 2, 9)
+    >>> cacheable_tokens(1, 4, 4, True, False, 2, 9), cacheable_tokens(2, 4, 4, False, False, 2, 9)
     (7, 8)
-    >>> cacheable_tokens(2, 4, True, False, 2, 9), cacheable_tokens(2, 4, True, False, 2, 3)
+    >>> cacheable_tokens(2, 4, 4, True, False, 2, 9), cacheable_tokens(2, 4, 4, True, False, 2, 3)
     (7, 0)
+    >>> cacheable_tokens(2, 4, 8, False, False, 0, 15)
+    8
+    >>> cacheable_tokens(2, 4, 8, True, False, 0, 15)
+    12
     """
     if num_groups == 1:
         return max(0, num_tokens - reprefillable)
-    aligned = num_tokens if fine_grained else num_tokens // block_size * block_size
+    aligned = num_tokens if fine_grained else num_tokens // alignment * alignment
     if use_eagle and aligned > 0:
         final = max(0, num_tokens - reprefillable)
-        final_aligned = final if fine_grained else final // block_size * block_size
+        final_aligned = final if fine_grained else final // alignment * alignment
         return min(final, final_aligned + block_size)
     return aligned

@@ -71,11 +71,14 @@ def find_hit(
     hashes: Sequence[BlockHash],
     max_length: int,
     group_ids: Sequence[int],
+    alignment: int = 0,
 ) -> tuple[tuple[int, ...], ...]:
     """The last block within ``max_length`` tokens every group has cached, nulls before it.
 
     ``hashes`` are at ``block_size``. One tuple per group of ``group_ids``;
-    all empty when no boundary is cached.
+    all empty when no boundary is cached. With an ``alignment`` (a multiple of
+    ``block_size``: the scheduler block of several groups) only a block ending
+    on a multiple of it is a hit, as in vLLM 0.33.0's ``MambaManager.find_longest_cache_hit``.
 
     Complexity: O(max_length / block_size * len(group_ids)).
 
@@ -87,6 +90,8 @@ def find_hit(
     if max_length < 0:
         raise InvalidTokenCount(f"max_length={max_length} is negative")
     for i in range(min(max_length // block_size, len(hashes)) - 1, -1, -1):
+        if alignment and (i + 1) * block_size % alignment:
+            continue
         found = get_cached_block(pool, hashes[i], group_ids)
         if found is not None:
             return tuple((NULL_BLOCK_ID,) * i + (b,) for b in found)

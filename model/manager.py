@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 import kvpool.model.admission as admission
 import kvpool.model.copy_on_write as cow
 import kvpool.model.eagle as eagle_ops
+import kvpool.model.geometry as geometry
 import kvpool.model.mamba_align as mamba_align
 import kvpool.model.pool as pool_ops
 import kvpool.model.single_type as single
@@ -170,6 +171,13 @@ class ManagerConfig:
     num_prefill_lookahead: int = 0
     """Multi-module MTP's speculative tokens; the last ``num_prefill_lookahead - 1``
     computed tokens are not cached yet (``kvpool.model.eagle``)."""
+    scheduler_block_size: int = 0
+    """What hits of several groups are a multiple of (``kvpool.model.geometry``); 0 for
+    a state built before kvpool modelled it, read as the first group's block size."""
+    dcp_world_size: int = 1
+    """Decode context parallelism: sharded groups' blocks hold this many times their tokens."""
+    pcp_world_size: int = 1
+    """Prefill context parallelism (checked at construction; blocks keep their size)."""
 
 
 @dataclass(frozen=True)
@@ -203,16 +211,25 @@ def new_kv_cache_manager(
     fine_grained_hits: bool = False,
     max_in_flight_tokens: int | None = None,
     num_prefill_lookahead: int = 0,
+    scheduler_block_size: int | None = None,
+    dcp_world_size: int = 1,
+    pcp_world_size: int = 1,
 ) -> KVCacheManagerState:
     """A manager over a fresh pool of ``num_blocks``, one group per spec.
 
-    ``hash_block_size`` defaults to the first group's block size. Groups
-    must share one block size; a Mamba group's block must hold a whole
-    request (``block_size >= max_model_len``); EAGLE and multi-module MTP's
+    Groups may have different block sizes (``kvpool.model.geometry``): each a
+    multiple of ``hash_block_size`` (by default their greatest common divisor),
+    all dividing ``scheduler_block_size`` (by default their least common
+    multiple), which hits of several groups are a multiple of. With
+    ``dcp_world_size`` > 1 a sharded group's blocks hold that many times its
+    ``block_size`` tokens; the state keeps those effective sizes. A Mamba
+    group's block must hold a whole request (``block_size >= max_model_len``)
+    unless it is in "align" mode, which needs every group's block, the hash
+    block and the scheduler block to be one size. EAGLE and multi-module MTP's
     ``num_prefill_lookahead`` as ``kvpool.model.eagle.verify_eagle_config``
-    allows. ``fine_grained_hits`` asks for
-    hits ending inside a block; it takes effect only where
-    ``copy_on_write.fine_grained_hits_enabled`` allows it (vllm#51843).
+    allows. ``fine_grained_hits`` asks for hits ending inside a block; it takes
+    effect only where ``copy_on_write.fine_grained_hits_enabled`` allows it
+    (vllm#51843) and the groups share one block size.
 
     Complexity: O(num_blocks + len(specs)).
 
@@ -227,10 +244,13 @@ def new_kv_cache_manager(
     # Verify that at least one token may be in flight
     if max_in_flight_tokens is not None and max_in_flight_tokens < 1:
         raise InvalidManagerConfig(f"max_in_flight_tokens={max_in_flight_tokens} must be positive")
-    # Verify that there is at least one group, all with one block size
-    if not specs or len({s.block_size for s in specs}) != 1:
-        raise InvalidManagerConfig("the groups must be at least one and share one block size")
-    hbs = specs[0].block_size if hash_block_size is None else hash_block_size
+    # Verify that there is at least one group
+    if not specs:
+        raise InvalidManagerConfig("a KV cache manager needs at least one group")
+    # Verify that context parallelism runs only on the groups vLLM runs it on
+    geometry.verify_context_parallel(specs, dcp_world_size, pcp_world_size)
+    specs = geometry.effective_specs(specs, dcp_world_size)
+    hbs = geometry.default_hash_block_size(specs) if hash_block_size is None else hash_block_size
     # Verify that a Mamba block holds a whole request, or the group is in "align" mode
     for spec in specs:
         if (
@@ -247,8 +267,6 @@ def new_kv_cache_manager(
             f'Mamba "align" with hash blocks of {hbs} tokens in blocks of '
             f"{specs[0].block_size} (hits inside a block) is not modelled"
         )
-    # Verify that EAGLE and the look-ahead are settings vLLM 0.33 runs
-    eagle_ops.verify_eagle_config(specs, enable_caching, use_eagle, num_prefill_lookahead)
     # Verify that EAGLE does not run beside a Mamba "align" group (not modelled)
     if use_eagle and any(s.mamba_align for s in specs):
         raise InvalidManagerConfig('EAGLE beside a Mamba "align" group is not modelled')
@@ -256,14 +274,68 @@ def new_kv_cache_manager(
         pool = pool_ops.new_pool(num_blocks, enable_caching, hbs, enable_events, profile)
     except ValueError as error:
         raise InvalidManagerConfig(str(error)) from error
-    fine = cow.fine_grained_hits_enabled(specs, hbs, fine_grained_hits, use_eagle)
+    managers = single.new_managers(pool, specs)
+    scheduler = (
+        geometry.default_scheduler_block_size(specs)
+        if scheduler_block_size is None
+        else scheduler_block_size
+    )
+    # Verify that the scheduler block size is a multiple of every block size
+    geometry.verify_scheduler_block_size(specs, hbs, scheduler)
+    # Verify that a Mamba "align" group's block is every group's and the scheduler's (not
+    # modelled otherwise: its checkpoints and tail keys follow the scheduler block in vLLM)
+    verify_align_geometry(specs, scheduler)
+    # Verify that EAGLE and the look-ahead are settings vLLM 0.33 runs
+    eagle_ops.verify_eagle_config(
+        specs, enable_caching, use_eagle, num_prefill_lookahead, scheduler
+    )
+    fine = cow.fine_grained_hits_enabled(specs, hbs, fine_grained_hits, use_eagle) and (
+        len({s.block_size for s in specs}) == 1
+    )
+    config = ManagerConfig(
+        max_model_len,
+        use_eagle,
+        log_stats,
+        fine,
+        max_in_flight_tokens,
+        num_prefill_lookahead,
+        scheduler,
+        dcp_world_size,
+        pcp_world_size,
+    )
     return KVCacheManagerState(
-        config=ManagerConfig(
-            max_model_len, use_eagle, log_stats, fine, max_in_flight_tokens, num_prefill_lookahead
-        ),
-        managers=single.new_managers(pool, specs),
+        config=config,
+        managers=managers,
         stats=PrefixCacheStats() if log_stats else None,
     )
+
+
+def verify_align_geometry(specs: Sequence[KVCacheSpec], scheduler_block_size: int) -> None:
+    """Raise InvalidManagerConfig where a Mamba "align" group meets a block geometry kvpool
+    does not model: groups of different (effective) block sizes, or a scheduler block
+    larger than the blocks.
+
+    vLLM 0.33.0 places an "align" group's prefill checkpoints and partial-tail keys on
+    ``cache_hit_alignment_tokens`` (the scheduler block; ``MambaManager``'s
+    ``get_num_blocks_to_allocate`` and ``_cache_partial_tail_block`` in
+    ``vllm/v1/core/single_type_kv_cache_manager.py``); ``kvpool.model.mamba_align``
+    models the subset where that is the group's own block. docs/limits.md.
+
+    >>> from kvpool.model.single_type import full_attention, mamba_align
+    >>> verify_align_geometry([full_attention(4), mamba_align(4)], 4)
+    >>> verify_align_geometry([full_attention(8), mamba_align(4)], 8)
+    Traceback (most recent call last):
+    ...
+    kvpool.model.errors.InvalidManagerConfig: Mamba "align" beside blocks of sizes [8, 4] ...
+    """
+    if not any(s.mamba_align for s in specs):
+        return
+    sizes = [s.block_size for s in specs]
+    if len(set(sizes)) != 1 or scheduler_block_size != sizes[0]:
+        raise InvalidManagerConfig(
+            f'Mamba "align" beside blocks of sizes {sizes} with '
+            f"scheduler_block_size={scheduler_block_size} is not modelled (one size only)"
+        )
 
 
 # --------------------------------------------------------------------------
@@ -281,7 +353,10 @@ def find_hit(
     type shortens it (one round for full attention and one other type), then
     trim full-attention hits to that length. With EAGLE each type's search
     peeks one block past the candidate and drops its last block, once per
-    candidate length (``kvpool.model.eagle``). With fine-grained hits a
+    candidate length (``kvpool.model.eagle``). With several groups every
+    search's hit is a multiple of the scheduler block size, and each group's
+    blocks are trimmed with its own block size (``kvpool.model.geometry``).
+    With fine-grained hits a
     full-attention search may end inside a block
     (``copy_on_write.extend_into_partial_block``).
 
@@ -315,6 +390,8 @@ def find_hit_with_boundary(
     if len(specs) == 1:
         (hit,), length = _search(m.pool, specs[0], block_hashes, max_length, [0], eagle, fine)
         return (hit,), length, 0
+    # hits of several groups end where every group can resume (kvpool.model.geometry)
+    alignment = 0 if fine else _scheduler_block_size(state)
 
     kinds: list[tuple[KVCacheSpec, list[int]]] = []
     for g, spec in enumerate(specs):
@@ -344,7 +421,9 @@ def find_hit_with_boundary(
                 continue
             drop = eagle and k not in verified
             reach = eagle_ops.peek(spec, candidate, num_hashed) if drop else candidate
-            found, found_length = _search(m.pool, spec, block_hashes, reach, ids, drop, fine)
+            found, found_length = _search(
+                m.pool, spec, block_hashes, reach, ids, drop, fine, alignment
+            )
             if drop:
                 verified.add(k)
             elif found_length < candidate:
@@ -359,9 +438,13 @@ def find_hit_with_boundary(
         length = candidate
         if simple:
             break
-    block_size = specs[0].block_size
-    trimmed = tuple(hits[g][: -(-length // block_size)] for g in range(len(specs)))
+    # every group's hit cut back to the reconciled length, in its own blocks
+    trimmed = tuple(hits[g][: -(-length // specs[g].block_size)] for g in range(len(specs)))
     return trimmed, length, longest - length
+
+
+def _scheduler_block_size(state: KVCacheManagerState) -> int:
+    return state.config.scheduler_block_size or state.managers.specs[0].block_size
 
 
 def _search(
@@ -372,9 +455,13 @@ def _search(
     ids: Sequence[int],
     eagle: bool,
     fine: bool,
+    alignment: int = 0,
 ) -> tuple[tuple[tuple[int, ...], ...], int]:
-    """One attention type's hit for groups ``ids`` and its length in tokens."""
-    found = single.find_longest_cache_hit(pool, spec, block_hashes, max_length, ids, eagle)
+    """One attention type's hit for groups ``ids`` and its length in tokens, a multiple of
+    ``alignment`` when one is given."""
+    found = single.find_longest_cache_hit(
+        pool, spec, block_hashes, max_length, ids, eagle, alignment
+    )
     if fine and spec.attention is AttentionType.FULL:
         return cow.extend_into_partial_block(pool, spec, block_hashes, max_length, ids, found)
     return found, len(found[0]) * spec.block_size
@@ -586,23 +673,27 @@ def _cache(
     """Cache every group's full blocks, and the prompt's tail where blocks hold several hash blocks.
 
     Each group caches what ``eagle.cacheable_tokens`` allows of ``num_tokens``
-    (rounded to blocks with several groups; without the tokens multi-module
-    MTP may prefill again). With fine-grained hits the tail is cached without
-    rounding the cacheable tokens down to the block size (``single.cache_blocks``).
+    (with several groups rounded to the scheduler block size, where every group
+    can resume, and an EAGLE group one of its blocks further; without the
+    tokens multi-module MTP may prefill again), a sliding-window group only the
+    blocks a hit at those boundaries can use. With fine-grained hits the tail
+    is cached without rounding the cacheable tokens down (``single.cache_blocks``).
     """
     config = state.config
     reprefillable = eagle_ops.num_reprefillable_tokens(config.num_prefill_lookahead)
+    scheduler = _scheduler_block_size(state)
     for g, spec in enumerate(m.specs):
         cacheable = eagle_ops.cacheable_tokens(
             len(m.specs),
             spec.block_size,
+            scheduler,
             config.use_eagle,
             config.fine_grained_hits,
             reprefillable,
             num_tokens,
         )
         m, _ = single.cache_blocks(
-            m, g, request, cacheable, config.use_eagle, config.fine_grained_hits
+            m, g, request, cacheable, config.use_eagle, config.fine_grained_hits, scheduler
         )
     return m
 

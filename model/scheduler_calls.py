@@ -131,6 +131,12 @@ def get_block_ids_for_computed_tokens(
     ``num_computed_tokens`` tokens; a Mamba group's table whole (its block is a state, not
     positions). Pure.
 
+    The cut counts the spec's own block size, as vLLM 0.33.0's
+    ``KVCacheManager.get_block_ids_for_computed_tokens`` reads ``kv_cache_spec.block_size``:
+    with decode context parallelism a sharded group's blocks hold ``dcp_world_size`` times
+    that in the manager (``kvpool.model.geometry``), so the cut keeps more blocks than the
+    tokens fill (docs/semantics.md, "Block geometry").
+
     >>> from kvpool.model.manager import new_kv_cache_manager
     >>> from kvpool.model.single_type import full_attention
     >>> get_block_ids_for_computed_tokens(new_kv_cache_manager(4, [full_attention(2)], 8), "r", 2)
@@ -139,11 +145,14 @@ def get_block_ids_for_computed_tokens(
     # Verify that the count is not negative
     if num_computed_tokens < 0:
         raise InvalidTokenCount(f"num_computed_tokens={num_computed_tokens} is negative")
+    dcp = state.config.dcp_world_size
     out: list[tuple[int, ...]] = []
     for spec, table in zip(state.managers.specs, state.managers.tables, strict=True):
         blocks = table.req_to_blocks.get(request_id, ())
         if spec.attention is not AttentionType.MAMBA:
-            blocks = blocks[: -(-num_computed_tokens // spec.block_size)]
+            # the spec's block size: a sharded group's manager block over the decode ranks
+            size = spec.block_size // dcp if spec.dcp_sharded else spec.block_size
+            blocks = blocks[: -(-num_computed_tokens // size)]
         out.append(blocks)
     return tuple(out)
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 
 import kvpool.model.mamba_align as align_mode
+from kvpool.model.alignment import aligned_length, ends_aligned, sliding_window_cache_mask
 from kvpool.model.errors import (
     HitOnRunningRequest,
     InvalidManagerConfig,
@@ -74,6 +75,10 @@ class KVCacheSpec:
     mamba_align: bool = False
     """Mamba in vLLM's "align" cache mode: blocks as small as the others', states cached at
     block boundaries (``kvpool.model.mamba_align``). Mamba only."""
+    dcp_sharded: bool = True
+    """Decode context parallelism shards the group's tokens across ranks, so the manager's
+    blocks hold ``block_size * dcp_world_size`` tokens (``kvpool.model.geometry``). vLLM
+    0.33's attention specs default to True, its Mamba spec to False."""
 
 
 def full_attention(block_size: int) -> KVCacheSpec:
@@ -109,7 +114,7 @@ def mamba(block_size: int) -> KVCacheSpec:
     >>> mamba(64).attention.value
     'mamba'
     """
-    return KVCacheSpec(AttentionType.MAMBA, block_size)
+    return KVCacheSpec(AttentionType.MAMBA, block_size, dcp_sharded=False)
 
 
 def mamba_align(block_size: int) -> KVCacheSpec:
@@ -118,7 +123,7 @@ def mamba_align(block_size: int) -> KVCacheSpec:
     >>> mamba_align(16).mamba_align
     True
     """
-    return KVCacheSpec(AttentionType.MAMBA, block_size, mamba_align=True)
+    return KVCacheSpec(AttentionType.MAMBA, block_size, mamba_align=True, dcp_sharded=False)
 
 
 @dataclass(frozen=True)
@@ -190,13 +195,17 @@ def find_longest_cache_hit(
     max_length: int,
     group_ids: Sequence[int],
     use_eagle: bool = False,
+    alignment: int = 0,
 ) -> tuple[tuple[int, ...], ...]:
     """The cached blocks a request may reuse, one tuple per group of ``group_ids``.
 
     The hit covers at most ``max_length`` tokens and is common to every
     group listed (they share ``spec``). Skipped positions (outside a sliding
     window or before the current chunk) hold the null block. With EAGLE the
-    last matched block is dropped, so the drafter recomputes it.
+    last matched block is dropped, so the drafter recomputes it. With an
+    ``alignment`` (several groups of different block sizes,
+    ``kvpool.model.geometry``) the hit's length is a multiple of it: a
+    full-attention hit is cut back to one, a sliding-window run must end on one.
 
     Complexity: O(max_length / block_size * len(group_ids)).
 
@@ -210,18 +219,25 @@ def find_longest_cache_hit(
     # Verify that the length is not negative
     if max_length < 0:
         raise InvalidTokenCount(f"max_length={max_length} is negative")
+    # Verify that the alignment, if any, is a whole number of blocks
+    if alignment < 0 or alignment % spec.block_size != 0:
+        raise InvalidTokenCount(
+            f"alignment={alignment} is not a multiple of the {spec.block_size}-token block"
+        )
 
     hashes = hashes_at_block_size(block_hashes, pool.config.hash_block_size, spec.block_size)
     max_blocks = min(max_length // spec.block_size, len(hashes))
     kind = spec.attention
+    alignment = alignment or spec.block_size
     if spec.mamba_align:
-        return align_mode.find_hit(pool, spec.block_size, hashes, max_length, group_ids)
+        return align_mode.find_hit(pool, spec.block_size, hashes, max_length, group_ids, alignment)
     if kind is AttentionType.FULL:
         hit = _prefix_hit(pool, hashes, 0, max_blocks, group_ids)
         if use_eagle and hit:
             hit.pop()
+        hit = hit[: aligned_length(len(hit) * spec.block_size, alignment) // spec.block_size]
     elif kind is AttentionType.SLIDING_WINDOW:
-        hit = _sliding_window_hit(pool, spec, hashes, max_blocks, group_ids, use_eagle)
+        hit = _sliding_window_hit(pool, spec, hashes, max_blocks, group_ids, use_eagle, alignment)
     elif kind is AttentionType.CHUNKED_LOCAL:
         chunk = spec.attention_chunk_size
         first = min(max_length // chunk * chunk // spec.block_size, max_blocks)
@@ -256,13 +272,16 @@ def _sliding_window_hit(
     max_blocks: int,
     group_ids: Sequence[int],
     use_eagle: bool,
+    alignment: int,
 ) -> list[tuple[int, ...]]:
     """Right to left: the last run of ``needed`` contiguous cached blocks, nulls before it.
 
     Without such a run, the run of cached blocks from the start (shorter than
-    the window) is the hit.
+    the window) is the hit. A run starts only where the hit would end on a
+    multiple of ``alignment`` (after EAGLE's drop); the hit is cut back to one.
     """
-    needed = _cdiv(spec.sliding_window - 1, spec.block_size) + (1 if use_eagle else 0)
+    size = spec.block_size
+    needed = _cdiv(spec.sliding_window - 1, size) + (1 if use_eagle else 0)
     null = tuple(NULL_BLOCK_ID for _ in group_ids)
     hit = [null] * max_blocks
     run = 0
@@ -272,14 +291,19 @@ def _sliding_window_hit(
         if found is None:
             run = 0
             continue
+        if run == 0 and not ends_aligned(i if use_eagle else i + 1, size, alignment):
+            continue
         hit[i] = found
         run += 1
         if run >= needed:
             end = i + run
             break
     hit = hit[:end] if end is not None else hit[:run]
+    if end is None:
+        hit = hit[: aligned_length(len(hit) * size, alignment) // size]
     if use_eagle and hit:
         hit.pop()
+        hit = hit[: aligned_length(len(hit) * size, alignment) // size]
     return hit
 
 
@@ -395,6 +419,7 @@ def cache_blocks(
     num_tokens: int,
     use_eagle: bool = False,
     fine_grained: bool = False,
+    mask_alignment: int = 0,
 ) -> tuple[ManagersState, None]:
     """Put the request's blocks that are full within its first ``num_tokens`` tokens in the map.
 
@@ -406,6 +431,9 @@ def cache_blocks(
     partial tail (``_cache_prompt_tail``), whether or not hits may end
     inside a block; ``fine_grained`` says they may (the manager's
     ``fine_grained_hits``), which changes what counts as cacheable there.
+    A sliding-window group caches only the blocks a hit ending on a multiple of
+    ``mask_alignment`` (the scheduler block size) can use
+    (``alignment.sliding_window_cache_mask``).
 
     Complexity: O(number of blocks newly cached).
 
@@ -424,12 +452,25 @@ def cache_blocks(
     _verify_request(table, rid)
     # Verify that the request is hashed in the pool's hash blocks
     verify_hash_block_size(request, state.pool.config.hash_block_size)
+    # Verify that the mask's alignment is not negative
+    if mask_alignment < 0:
+        raise InvalidTokenCount(f"mask_alignment={mask_alignment} is negative")
     if spec.attention is AttentionType.MAMBA and not spec.mamba_align:
         return state, None
     num_cached = table.num_cached_block[rid]
     num_hashed = len(request.block_hashes) * state.pool.config.hash_block_size
     num_full = min(num_tokens, num_hashed) // spec.block_size
     if num_cached < num_full:
+        mask = None
+        if spec.attention is AttentionType.SLIDING_WINDOW and mask_alignment:
+            mask = sliding_window_cache_mask(
+                num_cached,
+                num_full,
+                mask_alignment,
+                spec.block_size,
+                spec.sliding_window,
+                use_eagle,
+            )
         pool, _ = cache_full_blocks(
             state.pool,
             cache_request(request),
@@ -438,6 +479,7 @@ def cache_blocks(
             num_full,
             spec.block_size,
             group,
+            mask,
         )
         table = replace(table, num_cached_block={**table.num_cached_block, rid: num_full})
         if spec.mamba_align:

@@ -106,15 +106,20 @@ function blockHashes(request) {
 // ------------------------------------------------------------------ manager
 
 const cdiv = (a, b) => -Math.floor(-a / b);
+const gcd = (a, b) => (b === 0 ? a : gcd(b, a % b));
+// The longest multiple of `alignment` within `n` tokens (hits of several groups end there).
+const alignDown = (n, alignment) => n - (n % alignment);
 
 class KVCacheManager {
   constructor(setup) {
     const { specs, max_model_len, use_eagle } = setup;
     // Verify that requests can hold at least one token
     if (!(max_model_len >= 1)) throw new PoolError("InvalidManagerConfig", "max_model_len");
-    // Verify that there is at least one group, all with one block size
-    if (specs.length === 0 || new Set(specs.map((s) => s.block_size)).size !== 1) {
-      throw new PoolError("InvalidManagerConfig", "groups must share one block size");
+    // Verify that there is at least one group
+    if (specs.length === 0) throw new PoolError("InvalidManagerConfig", "no group");
+    // Verify that context parallelism is not asked for (this example does not model it)
+    if ((setup.dcp_world_size ?? 1) !== 1 || (setup.pcp_world_size ?? 1) !== 1) {
+      throw new PoolError("InvalidManagerConfig", "context parallelism is not modelled here");
     }
     // Verify that a Mamba block holds a whole request
     for (const spec of specs) {
@@ -146,6 +151,19 @@ class KVCacheManager {
         throw new PoolError("InvalidManagerConfig", "attention_chunk_size must be positive");
       }
     }
+    // Hits of several groups end on multiples of the scheduler block size (by default the
+    // least common multiple of the block sizes; kvpool.model.geometry)
+    const scheduler =
+      setup.scheduler_block_size ?? specs.reduce((m, s) => (m * s.block_size) / gcd(m, s.block_size), 1);
+    // Verify that it is a multiple of the hash block size and of every block size
+    if (!(scheduler >= 1) || scheduler % hbs !== 0 || specs.some((s) => scheduler % s.block_size !== 0)) {
+      throw new PoolError("InvalidManagerConfig", `scheduler_block_size ${scheduler}`);
+    }
+    // Verify that a chunked-local group beside others has blocks of exactly that size
+    if (specs.length > 1 && specs.some((s) => s.attention === "chunked_local" && s.block_size !== scheduler)) {
+      throw new PoolError("InvalidManagerConfig", "chunked-local blocks must be the scheduler block");
+    }
+    this.scheduler = scheduler;
     this.specs = specs;
     this.maxModelLen = max_model_len;
     this.eagle = use_eagle;
@@ -234,8 +252,9 @@ class KVCacheManager {
     return hit;
   }
 
-  slidingWindowHit(spec, hashes, maxBlocks, groups, eagle) {
-    const needed = cdiv(spec.sliding_window - 1, spec.block_size) + (eagle ? 1 : 0);
+  slidingWindowHit(spec, hashes, maxBlocks, groups, eagle, alignment) {
+    const size = spec.block_size;
+    const needed = cdiv(spec.sliding_window - 1, size) + (eagle ? 1 : 0);
     const nulls = groups.map(() => NULL_BLOCK_ID);
     let hit = new Array(maxBlocks).fill(nulls);
     let run = 0;
@@ -246,6 +265,8 @@ class KVCacheManager {
         run = 0;
         continue;
       }
+      // a run starts only where the hit (after EAGLE's drop) ends on the alignment
+      if (run === 0 && ((eagle ? i : i + 1) * size) % alignment !== 0) continue;
       hit[i] = found;
       run += 1;
       if (run >= needed) {
@@ -253,21 +274,26 @@ class KVCacheManager {
         break;
       }
     }
-    hit = end !== null ? hit.slice(0, end) : hit.slice(0, run);
-    if (eagle && hit.length > 0) hit.pop();
+    hit = end !== null ? hit.slice(0, end) : hit.slice(0, alignDown(run * size, alignment) / size);
+    if (eagle && hit.length > 0) {
+      hit.pop();
+      hit = hit.slice(0, alignDown(hit.length * size, alignment) / size);
+    }
     return hit;
   }
 
-  // One hit per group of `groups` (which share `spec`), of at most maxLength tokens.
-  longestHit(spec, hashes, maxLength, groups, eagle) {
+  // One hit per group of `groups` (which share `spec`), of at most maxLength tokens, its
+  // length a multiple of `alignment` (default: the block size).
+  longestHit(spec, hashes, maxLength, groups, eagle, alignment = spec.block_size) {
     const own = this.hashesAt(hashes, spec.block_size);
     const maxBlocks = Math.min(Math.floor(maxLength / spec.block_size), own.length);
     let hit = [];
     if (spec.attention === "full") {
       hit = this.prefixHit(own, 0, maxBlocks, groups);
       if (eagle && hit.length > 0) hit.pop();
+      hit = hit.slice(0, alignDown(hit.length * spec.block_size, alignment) / spec.block_size);
     } else if (spec.attention === "sliding_window") {
-      hit = this.slidingWindowHit(spec, own, maxBlocks, groups, eagle);
+      hit = this.slidingWindowHit(spec, own, maxBlocks, groups, eagle, alignment);
     } else if (spec.attention === "chunked_local") {
       const chunk = spec.attention_chunk_size;
       const first = Math.min(
@@ -303,15 +329,14 @@ class KVCacheManager {
           candidate = Math.min(candidate, hits.get(ids[0]).length * spec.block_size);
           continue;
         }
-        const found = this.longestHit(spec, hashes, candidate, ids, false);
+        const found = this.longestHit(spec, hashes, candidate, ids, false, this.scheduler);
         ids.forEach((g, i) => hits.set(g, found[i]));
         candidate = found[0].length * spec.block_size;
       }
       if (candidate >= length) break;
       length = candidate;
     }
-    const blockSize = specs[0].block_size;
-    const trimmed = specs.map((_, g) => hits.get(g).slice(0, cdiv(length, blockSize)));
+    const trimmed = specs.map((s, g) => hits.get(g).slice(0, cdiv(length, s.block_size)));
     return [trimmed, length];
   }
 
@@ -368,7 +393,7 @@ class KVCacheManager {
       for (const g of groups) this.saveNewComputedBlocks(g, rid, hits[g]);
       const newBlocks = groups.map((g) => this.allocateNewBlocks(g, rid, numSlots));
       if (this.caching && !args.delay_cache_blocks) {
-        const numToCache = Math.min(numComputed + numNew, r.tokens.length);
+        const numToCache = this.cacheable(Math.min(numComputed + numNew, r.tokens.length));
         for (const g of groups) this.cacheGroup(g, r, numToCache);
       }
       return newBlocks;
@@ -387,7 +412,7 @@ class KVCacheManager {
     return this.atomically(() => {
       this.specs.forEach((_, g) => {
         this.verifyRequest(g, request.request_id);
-        this.cacheGroup(g, this.prepare(request), num_computed_tokens);
+        this.cacheGroup(g, this.prepare(request), this.cacheable(num_computed_tokens));
       });
       return null;
     });
@@ -488,6 +513,24 @@ class KVCacheManager {
     return fresh;
   }
 
+  // With several groups no hit ends past the last multiple of the scheduler block size.
+  cacheable(numTokens) {
+    return this.specs.length > 1 ? alignDown(numTokens, this.scheduler) : numTokens;
+  }
+
+  // Which of blocks first..stop a sliding-window group caches: within each scheduler-block
+  // segment only the run of blocks before its end can serve a hit (null: every block).
+  windowMask(spec, first, stop) {
+    if (spec.attention !== "sliding_window" || this.scheduler % spec.block_size !== 0) return null;
+    const perSegment = this.scheduler / spec.block_size;
+    const need = Math.max(1, cdiv(spec.sliding_window - 1, spec.block_size)) + (this.eagle ? 1 : 0);
+    if (need >= perSegment) return null;
+    const shift = this.eagle ? 1 : 0;
+    const mask = [];
+    for (let i = first; i < stop; i++) mask.push(i >= shift && (i - shift) % perSegment >= perSegment - need);
+    return mask;
+  }
+
   cacheGroup(g, r, numTokens) {
     const spec = this.specs[g];
     const table = this.tables[g];
@@ -509,7 +552,7 @@ class KVCacheManager {
         num_full_blocks: numFull,
         block_size: spec.block_size,
         kv_cache_group_id: g,
-        block_mask: null,
+        block_mask: this.windowMask(spec, numCached, numFull),
       });
       table.cached.set(r.request_id, numFull);
     }

@@ -21,6 +21,7 @@ from typing import Any
 
 from kvpool.model import PROFILES, PoolConfig, PoolError
 from kvpool.model import errors as model_errors
+from kvpool.model.geometry import default_scheduler_block_size, effective_specs
 from kvpool.model.hashing import NONE_HASH, LoraAdapter, MultiModalInput, none_hash
 from kvpool.model.manager import (
     Blocks,
@@ -56,6 +57,7 @@ from kvpool.specs.request.target import (
     ManagerSetup,
     ManagerSnapshottable,
     ManagerTarget,
+    geometry_arguments,
 )
 
 REQUEST_PROTOCOL_VERSION = 1
@@ -116,7 +118,7 @@ def encode_spec(spec: KVCacheSpec) -> Json:
     >>> encode_spec(sliding_window(2, 4))
     {'attention': 'sliding_window', 'block_size': 2, 'sliding_window': 4, 'attention_chunk_size': 0}
     """
-    encoded: Json = {
+    encoded: dict[str, Json] = {
         "attention": ATTENTION_NAMES[spec.attention],
         "block_size": spec.block_size,
         "sliding_window": spec.sliding_window,
@@ -124,7 +126,15 @@ def encode_spec(spec: KVCacheSpec) -> Json:
     }
     if spec.mamba_align:  # only when set: every other group's JSON is what it always was
         encoded["mamba_align"] = True
+    # only when it is not the attention type's default, so older files keep their shape
+    if spec.dcp_sharded != _default_dcp_sharded(spec.attention):
+        encoded["dcp_sharded"] = spec.dcp_sharded
     return encoded
+
+
+def _default_dcp_sharded(attention: AttentionType) -> bool:
+    """vLLM 0.33's default: attention groups are sharded across decode ranks, Mamba is not."""
+    return attention is not AttentionType.MAMBA
 
 
 def decode_spec(value: Json) -> KVCacheSpec:
@@ -142,6 +152,9 @@ def decode_spec(value: Json) -> KVCacheSpec:
             obj.get("attention_chunk_size", 0), "attention_chunk_size", MAX_TOKENS
         ),
         mamba_align=_mamba_align(obj.get("mamba_align", False)),
+        dcp_sharded=_bool(
+            obj.get("dcp_sharded", _default_dcp_sharded(names[attention])), "dcp_sharded"
+        ),
     )
 
 
@@ -188,6 +201,8 @@ def encode_setup(setup: ManagerSetup) -> Json:
             if setup.num_prefill_lookahead
             else {}
         ),
+        # the block geometry, written only where it is not the default
+        **geometry_arguments(setup),
     }
 
 
@@ -221,6 +236,13 @@ def decode_setup(value: Json) -> ManagerSetup:
         num_prefill_lookahead=_bounded(
             obj.get("num_prefill_lookahead", 0), "num_prefill_lookahead", MAX_TOKENS
         ),
+        scheduler_block_size=(
+            _bounded(obj["scheduler_block_size"], "scheduler_block_size", MAX_TOKENS)
+            if "scheduler_block_size" in obj
+            else None
+        ),
+        dcp_world_size=_bounded(obj.get("dcp_world_size", 1), "dcp_world_size", MAX_GROUPS),
+        pcp_world_size=_bounded(obj.get("pcp_world_size", 1), "pcp_world_size", MAX_GROUPS),
     )
 
 
@@ -414,15 +436,23 @@ def decode_manager_state(value: Json, setup: ManagerSetup) -> KVCacheManagerStat
     zero = [_ints(p, "pair") for p in _list(obj.get("new_block_ids", []), "new_block_ids")]
     if any(len(p) != 2 for p in (*pairs, *zero)):
         raise ProtocolError("pending_copies and new_block_ids hold pairs")
+    # the groups as the manager holds them: sharded blocks times the decode world size
+    specs = effective_specs(setup.specs, setup.dcp_world_size)
+    scheduler = setup.scheduler_block_size or default_scheduler_block_size(specs)
     return KVCacheManagerState(
+        # by keyword: the config's fields grew on several branches
         config=ManagerConfig(
-            setup.max_model_len,
-            setup.use_eagle,
-            setup.log_stats,
-            _bool(obj.get("fine_grained_hits", False), "fine_grained_hits"),
-            setup.num_prefill_lookahead,
+            max_model_len=setup.max_model_len,
+            use_eagle=setup.use_eagle,
+            log_stats=setup.log_stats,
+            fine_grained_hits=_bool(obj.get("fine_grained_hits", False), "fine_grained_hits"),
+            max_in_flight_tokens=setup.max_in_flight_tokens,
+            num_prefill_lookahead=setup.num_prefill_lookahead,
+            scheduler_block_size=scheduler,
+            dcp_world_size=setup.dcp_world_size,
+            pcp_world_size=setup.pcp_world_size,
         ),
-        managers=ManagersState(pool, setup.specs, tuple(tables)),
+        managers=ManagersState(pool, specs, tuple(tables)),
         stats=decode_stats(obj.get("stats")),
         pending_copies=tuple((p[0], p[1]) for p in pairs),
         new_block_ids=tuple((p[0], p[1]) for p in zero),

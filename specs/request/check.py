@@ -76,6 +76,7 @@ def run_request_conformance(
         scheduler_calls=target.scheduler_calls,
         prefill_lookaheads=target.prefill_lookaheads,
         eagle_hybrids=target.eagle_hybrids,
+        context_parallel=target.context_parallel,
     )
 
     def stop() -> None:

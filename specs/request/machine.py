@@ -36,11 +36,13 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kvpool.model import PROFILES, KVCacheEvent, PoolState, Profile, scheduler_calls
 from kvpool.model import manager as model_manager
 from kvpool.model.errors import PoolError
+from kvpool.model.geometry import default_scheduler_block_size, effective_specs
 from kvpool.model.hashing import LoraAdapter, MultiModalInput
 from kvpool.model.manager import Blocks, KVCacheManagerState
 from kvpool.model.profiles import profile_named
 from kvpool.model.request import Request, append_tokens, new_request, preempted, with_computed
 from kvpool.model.single_type import (
+    AttentionType,
     KVCacheSpec,
     chunked_local,
     full_attention,
@@ -72,6 +74,7 @@ from kvpool.specs.request.target import (
     ManagerTarget,
     ManagerTarget033,
     ManagerTargetScheduler,
+    geometry_arguments,
 )
 from kvpool.specs.runner.lockstep import LockStep
 from kvpool.specs.runner.swarm import gentle_swarm
@@ -147,6 +150,11 @@ def layout_specs(
         return (full_attention(size), mamba(size))
     if layout == "full+chunked_local":
         return (full_attention(block_size), chunked_local(block_size, block_size * chunk_blocks))
+    if layout == "wide_full+sliding_window":
+        # blocks of two sizes (vLLM's test_different_block_size): hits at multiples of both
+        return (full_attention(2 * block_size), sliding_window(block_size, window))
+    if layout == "full+wide_sliding_window":
+        return (full_attention(block_size), sliding_window(2 * block_size, window))
     raise ValueError(f"unknown layout {layout!r}")
 
 
@@ -167,11 +175,13 @@ def _start_rule(
     in_flight: Sequence[int | None] = (None,),
     prefill_lookaheads: Sequence[int] = (0,),
     eagle_hybrids: bool = False,
+    context_parallel: Sequence[tuple[int, int]] = ((1, 1),),
 ) -> Callable[..., None]:
     """The machine's first step, drawing only from the configurations given.
 
     A layout in ``uncached_layouts`` is drawn with prefix caching off; one in
     ``hash_sized_layouts`` with blocks of one hash block when caching is on.
+    ``context_parallel`` lists the (decode, prefill) world sizes to draw.
     """
     # drawn only when it can be True, so that other programs draw what they always did
     extra: dict[str, st.SearchStrategy[Any]] = (
@@ -181,6 +191,8 @@ def _start_rule(
         extra["in_flight"] = st.sampled_from(list(in_flight))
     if any(prefill_lookaheads):  # likewise
         extra["lookahead"] = st.sampled_from(list(prefill_lookaheads))
+    if any(cp != (1, 1) for cp in context_parallel):
+        extra["cp"] = st.sampled_from(list(context_parallel))
 
     decorate = cast(
         Callable[[Callable[..., None]], Callable[..., None]],
@@ -295,17 +307,27 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
         in_flight: int | None = None,
         lookahead: int = 0,
         eagle_hybrids: bool = False,
+        cp: tuple[int, int] = (1, 1),
     ) -> None:
-        """Build the model and the target; the first requests arrive."""
+        """Build the model and the target; the first requests arrive.
+
+        With context parallelism (``cp``: decode and prefill world sizes; full-attention
+        layouts only) requests are hashed in blocks of ``hbs`` times the decode world
+        size, so that one hash block is a sharded block of ``hbs`` tokens per rank.
+        """
         chosen = profile_named(profile)
-        specs = layout_specs(layout, hbs * factor, window, chunk_blocks, MAX_MODEL_LEN, hbs)
+        dcp, pcp = cp
+        if any(s.attention is not AttentionType.FULL for s in layout_specs(layout, 1, 1, 1, 1, 1)):
+            dcp, pcp = 1, 1
+        hbs *= dcp
+        specs = layout_specs(layout, hbs // dcp * factor, window, chunk_blocks, MAX_MODEL_LEN, hbs)
         if eagle_hybrids:
             # vLLM 0.33's chunked-local finder cannot drop EAGLE's block (kvpool.model.eagle)
             eagle = eagle and not (caching and "chunked_local" in layout)
         else:
             eagle = eagle and layout in ("full", "sliding_window")
-        if eagle and caching:  # EAGLE's dropped block holds every re-prefilled token
-            lookahead = min(lookahead, specs[0].block_size)
+        if eagle and caching:  # the dropped tail (a scheduler block) holds every re-prefilled token
+            lookahead = min(lookahead, default_scheduler_block_size(effective_specs(specs, dcp)))
         self.setup = ManagerSetup(
             num_blocks=num_blocks,
             specs=specs,
@@ -319,8 +341,9 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
             fine_grained_hits=fine,
             max_in_flight_tokens=in_flight,
             num_prefill_lookahead=lookahead,
+            dcp_world_size=dcp,
+            pcp_world_size=pcp,
         )
-        self.block_sizes = [s.block_size for s in specs]
         self.states = [s.mamba_align for s in specs]
         """Groups holding a recurrent state per block (Mamba "align"), not a token's KV per slot."""
         self.model = model_manager.new_kv_cache_manager(
@@ -336,7 +359,10 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
             fine_grained_hits=fine,
             max_in_flight_tokens=in_flight,
             num_prefill_lookahead=lookahead,
+            **geometry_arguments(self.setup),
         )
+        # the groups' blocks as the manager holds them (sharded ones times the world size)
+        self.block_sizes = [s.block_size for s in self.model.managers.specs]
         self.target = type(self).make_target(self.setup)
         for prompt in prompts:
             self.add_request(prompt, "plain")
@@ -522,7 +548,7 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
                 )
             )
             if self.lockstep and self.model is not None and self.target is not None:
-                size = self.block_sizes[0]
+                size = math.lcm(*self.block_sizes)  # a whole number of every group's blocks
                 n = num_hit // size * size - cut * size
                 if n >= 0:
                     self._record(
@@ -1216,6 +1242,7 @@ def manager_machine(
     scheduler_calls: bool = False,
     prefill_lookaheads: Sequence[int] = (0,),
     eagle_hybrids: bool = False,
+    context_parallel: Sequence[tuple[int, int]] = ((1, 1),),
 ) -> type[ManagerMachine]:
     """A state machine class that checks ``make_target`` on the given layouts and profiles.
 
@@ -1248,6 +1275,7 @@ def manager_machine(
             in_flight,
             prefill_lookaheads,
             eagle_hybrids,
+            context_parallel,
         ),
         "make_target": staticmethod(make_target),
         "lockstep": lockstep,

@@ -30,6 +30,7 @@ from kvpool.specs.request.target import (
     ManagerSetup,
     ManagerSnapshottable,
     ManagerTarget,
+    geometry_arguments,
 )
 
 QUERIES = ("get_block_ids", "usage", "num_free_blocks", "snapshot", "block_hashes")
@@ -130,6 +131,7 @@ def _model_manager(setup: ManagerSetup) -> KVCacheManagerState:
         fine_grained_hits=setup.fine_grained_hits,
         max_in_flight_tokens=setup.max_in_flight_tokens,
         num_prefill_lookahead=setup.num_prefill_lookahead,
+        **geometry_arguments(setup),
     )
 
 

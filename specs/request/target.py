@@ -70,10 +70,13 @@ HYBRID_LAYOUTS = (
     "sliding_window+full",
     "full+sliding_window+sliding_window",
     "full+chunked_local",
+    "wide_full+sliding_window",
+    "full+wide_sliding_window",
 )
 """Level 2's extra hybrids: two groups of one spec searched together, the
 sliding-window group listed first, two windows that shorten each other's hit
-in turns, and chunked local attention beside full attention."""
+in turns, chunked local attention beside full attention, and groups of two
+block sizes (full attention's blocks twice the window's, or half)."""
 
 MAMBA_ALIGN_LAYOUTS = ("mamba_align", "full+mamba_align", "sliding_window+mamba_align")
 """Mamba in vLLM's "align" mode (``kvpool.model.mamba_align``), alone and beside full
@@ -103,6 +106,32 @@ class ManagerSetup:
     num_prefill_lookahead: int = 0
     """Multi-module MTP's speculative tokens (vLLM 0.33's constructor argument;
     ``kvpool.model.eagle``)."""
+    scheduler_block_size: int | None = None
+    """What hits of several groups are a multiple of (None: the least common multiple of
+    the groups' block sizes; ``kvpool.model.geometry``)."""
+    dcp_world_size: int = 1
+    """Decode context parallelism: a sharded group's blocks hold this many times its
+    ``block_size`` tokens."""
+    pcp_world_size: int = 1
+    """Prefill context parallelism (full attention and replicated groups only)."""
+
+
+def geometry_arguments(setup: ManagerSetup) -> dict[str, int]:
+    """The constructor keywords of ``setup``'s block geometry that differ from the defaults
+    (the model's ``new_kv_cache_manager`` and vLLM's ``KVCacheManager`` take the same names).
+
+    >>> from kvpool.model.single_type import full_attention
+    >>> geometry_arguments(ManagerSetup(4, (full_attention(2),), 8, 2, dcp_world_size=2))
+    {'dcp_world_size': 2}
+    """
+    chosen: dict[str, int] = {}
+    if setup.scheduler_block_size is not None:
+        chosen["scheduler_block_size"] = setup.scheduler_block_size
+    if setup.dcp_world_size != 1:
+        chosen["dcp_world_size"] = setup.dcp_world_size
+    if setup.pcp_world_size != 1:
+        chosen["pcp_world_size"] = setup.pcp_world_size
+    return chosen
 
 
 class ManagerTarget(Protocol):
@@ -241,3 +270,6 @@ class ManagerTargetSpec:
     """EAGLE is drawn on every layout vLLM 0.33 runs it on, hybrids included (else on one
     full-attention or sliding-window group only, as before EAGLE on several groups was
     modelled: a ``cmd:`` program need not implement it)."""
+    context_parallel: tuple[tuple[int, int], ...] = ((1, 1),)
+    """The (decode, prefill) context-parallel world sizes programs draw (full-attention
+    layouts only; the others run with (1, 1))."""

@@ -319,6 +319,7 @@ def _from_scope(
             "scheduler_calls": scope.scheduler_calls,
             "prefill_lookaheads": scope.prefill_lookaheads,
             "eagle_hybrids": scope.eagle_hybrids,
+            "context_parallel": scope.context_parallel,
         },
     )
 

@@ -69,7 +69,7 @@ from kvpool.model.single_type import (
 )
 from kvpool.specs.protocol.codec import Json, encode_event, loads
 from kvpool.specs.request import target
-from kvpool.specs.request.target import ManagerSetup
+from kvpool.specs.request.target import ManagerSetup, geometry_arguments
 from kvpool.specs.teaching.scenarios import ScenarioError, Step
 
 LAYER = "request"
@@ -175,6 +175,7 @@ def new_world(setup: ManagerSetup) -> World:
         fine_grained_hits=setup.fine_grained_hits,
         max_in_flight_tokens=setup.max_in_flight_tokens,
         num_prefill_lookahead=setup.num_prefill_lookahead,
+        **geometry_arguments(setup),
     )
     return World(manager)
 
@@ -727,7 +728,12 @@ def encode_setup(setup: ManagerSetup) -> dict[str, Json]:
             if setup.num_prefill_lookahead
             else {}
         ),
+        **geometry_arguments(setup),
     }
+
+
+GEOMETRY_FIELDS = ("scheduler_block_size", "dcp_world_size", "pcp_world_size")
+"""The block geometry's fields, written only when they differ from the defaults."""
 
 
 def decode_setup(value: Json) -> ManagerSetup:
@@ -739,6 +745,7 @@ def decode_setup(value: Json) -> ManagerSetup:
         "fine_grained_hits",
         "max_in_flight_tokens",
         "num_prefill_lookahead",
+        *GEOMETRY_FIELDS,
     }
     unknown = sorted(set(value) - known)
     if unknown:
@@ -777,6 +784,13 @@ def decode_setup(value: Json) -> ManagerSetup:
         num_prefill_lookahead=_count(
             value.get("num_prefill_lookahead", 0), "num_prefill_lookahead"
         ),
+        scheduler_block_size=(
+            _count(value["scheduler_block_size"], "scheduler_block_size")
+            if "scheduler_block_size" in value
+            else None
+        ),
+        dcp_world_size=_count(value.get("dcp_world_size", 1), "dcp_world_size"),
+        pcp_world_size=_count(value.get("pcp_world_size", 1), "pcp_world_size"),
     )
     try:
         new_world(chosen)

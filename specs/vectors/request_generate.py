@@ -52,7 +52,7 @@ from kvpool.specs.vectors.format import (
     sha256,
 )
 
-REQUEST_GENERATOR_VERSION = 2
+REQUEST_GENERATOR_VERSION = 3
 """Bumped whenever generate_request_corpus() produces a different corpus."""
 
 QUERIES = ("get_block_ids", "usage", "num_free_blocks")

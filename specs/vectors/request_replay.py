@@ -55,14 +55,20 @@ class ModelHasher:
 
 
 def layout_of(setup: ManagerSetup) -> str:
-    """The layout name of a setup's groups (``full+sliding_window``, ...)."""
+    """The layout name of a setup's groups (``full+sliding_window``, ...); a group of
+    larger blocks than the others is ``wide_`` (``wide_full+sliding_window``)."""
     names = {
         AttentionType.FULL: "full",
         AttentionType.SLIDING_WINDOW: "sliding_window",
         AttentionType.CHUNKED_LOCAL: "chunked_local",
         AttentionType.MAMBA: "mamba",
     }
-    return "+".join(names[s.attention] for s in setup.specs)
+    if any(s.attention is AttentionType.MAMBA for s in setup.specs):
+        return "+".join(names[s.attention] for s in setup.specs)
+    narrowest = min(s.block_size for s in setup.specs)
+    return "+".join(
+        ("wide_" if s.block_size > narrowest else "") + names[s.attention] for s in setup.specs
+    )
 
 
 def in_scope(setup: ManagerSetup, scope: Mapping[str, Any]) -> bool:
@@ -72,7 +78,12 @@ def in_scope(setup: ManagerSetup, scope: Mapping[str, Any]) -> bool:
         return False
     if "events" in scope and setup.enable_events not in scope["events"]:
         return False
-    factors = {s.block_size // setup.hash_block_size for s in setup.specs}
+    # the narrowest group's blocks, as the manager holds them, in hash blocks
+    sizes = [s.block_size * (setup.dcp_world_size if s.dcp_sharded else 1) for s in setup.specs]
+    factors = {min(sizes) // setup.hash_block_size}
+    cp = [setup.dcp_world_size, setup.pcp_world_size]
+    if cp != [1, 1] and cp not in [list(c) for c in scope.get("context_parallel", [])]:
+        return False
     if "block_factors" in scope and not factors <= set(scope["block_factors"]):
         return False
     if setup.enable_caching and layout in scope.get("uncached_layouts", ()):

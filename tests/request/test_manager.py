@@ -227,7 +227,9 @@ def test_preconditions_of_allocate_slots() -> None:
     [
         lambda: new_kv_cache_manager(4, [full_attention(2)], 0),
         lambda: new_kv_cache_manager(4, [], 8),
-        lambda: new_kv_cache_manager(4, [full_attention(2), sliding_window(4, 2)], 8),
+        lambda: new_kv_cache_manager(
+            4, [full_attention(2), sliding_window(4, 2)], 8, scheduler_block_size=6
+        ),
         lambda: new_kv_cache_manager(4, [mamba(4)], 8),
         lambda: new_kv_cache_manager(4, [chunked_local(2, 4)], 8, use_eagle=True),
         lambda: new_kv_cache_manager(
@@ -244,7 +246,7 @@ def test_preconditions_of_allocate_slots() -> None:
     ids=[
         "max-model-len",
         "no-group",
-        "two-block-sizes",
+        "scheduler-not-a-multiple",
         "mamba-too-small",
         "eagle-chunked",
         "eagle-hybrid-chunked",

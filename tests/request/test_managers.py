@@ -128,6 +128,20 @@ def test_mamba_never_hits() -> None:
     assert find_longest_cache_hit(m.pool, mamba(16), a.block_hashes, 16, [0]) == ((),)
 
 
+def test_invalid_alignment_not_a_whole_number_of_blocks() -> None:
+    pool = new_pool(4)
+    for alignment in (-2, 3):
+        with pytest.raises(InvalidTokenCount):
+            find_longest_cache_hit(pool, full_attention(2), [], 1, [0], False, alignment)
+
+
+def test_invalid_mask_alignment_negative() -> None:
+    m = new_managers(new_pool(4), [sliding_window(1, 1)])
+    m, _ = save_new_computed_blocks(m, 0, "r", [])
+    with pytest.raises(InvalidTokenCount):
+        cache_blocks(m, 0, new_request("r", [1], 1), 1, mask_alignment=-1)
+
+
 def test_search_preconditions() -> None:
     pool = new_pool(4)
     with pytest.raises(UnknownGroup):

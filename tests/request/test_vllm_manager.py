@@ -39,14 +39,38 @@ def test_vllm_manager_conforms_at_level_1() -> None:
 def test_vllm_hybrid_managers_conform_at_level_1() -> None:
     """Two or three groups through vLLM's hybrid coordinator: two groups of one spec, the
     window listed first, two windows that shorten each other's hit, chunked local beside
-    full attention; and full attention beside Mamba (caching off: its blocks are zeroed)."""
+    full attention; full attention beside Mamba (caching off: its blocks are zeroed); groups
+    of two block sizes."""
     from dataclasses import replace
 
     from kvpool.specs.targets.vllm.request import VLLM_SCOPE
 
     hybrids = tuple(layout for layout in VLLM_SCOPE.layouts if "+" in layout)
-    assert len(hybrids) == 6
+    assert len(hybrids) == 8
     scope = replace(VLLM_SCOPE, layouts=hybrids)
+    report = run_manager_conformance(scope, hypothesis_profile="ci", max_examples=100)
+    assert report.conforms, f"{report.failure}\n{report.program}"
+
+
+@pytest.mark.parametrize(
+    ("layouts", "context_parallel"),
+    [
+        (("wide_full+sliding_window", "full+wide_sliding_window"), ((1, 1),)),
+        (("full", "full+full"), ((2, 1), (1, 2), (2, 2))),
+    ],
+    ids=["two-block-sizes", "context-parallel"],
+)
+def test_vllm_block_geometry_conforms_at_level_1(
+    layouts: tuple[str, ...], context_parallel: tuple[tuple[int, int], ...]
+) -> None:
+    """Hits at multiples of the scheduler block size, sliding-window blocks cached only
+    where a hit can end, and sharded blocks of decode context parallelism (vLLM 0.33's
+    HybridKVCacheCoordinator and SingleTypeKVCacheManager; docs/semantics.md)."""
+    from dataclasses import replace
+
+    from kvpool.specs.targets.vllm.request import VLLM_SCOPE
+
+    scope = replace(VLLM_SCOPE, layouts=layouts, context_parallel=context_parallel)
     report = run_manager_conformance(scope, hypothesis_profile="ci", max_examples=100)
     assert report.conforms, f"{report.failure}\n{report.program}"
 
@@ -92,6 +116,44 @@ def test_vllm_033_eagle_hybrid_search_peeks_past_the_candidate_as_the_model_does
         target.allocate_slots(first, 27)  # type: ignore[attr-defined]
         hits.append(target.get_computed_blocks(later))  # type: ignore[attr-defined]
     assert hits == [(((1, 2, 3, 4, 5), (0, 0, 0, 0, 12)), 20)] * 2
+
+
+def test_vllm_033_cuts_blocks_for_computed_tokens_by_the_spec_block_as_the_model_does() -> None:
+    """Decode context parallelism of 2: the manager's blocks hold 8 tokens, but 0.33.0's
+    get_block_ids_for_computed_tokens divides by the spec's 4, so 6 tokens keep 2 blocks."""
+    setup = ManagerSetup(8, (full_attention(4),), 64, 8, dcp_world_size=2)
+    request = new_request("a", tuple(range(1, 20)), 8)
+    answers = []
+    for target in both(setup):
+        assert target.allocate_slots(request, 19) == ((1, 2, 3),)  # type: ignore[attr-defined]
+        answers.append(target.get_block_ids_for_computed_tokens("a", 6))  # type: ignore[attr-defined]
+    assert answers == [((1, 2),)] * 2
+
+
+@pytest.mark.parametrize(
+    ("specs", "hit"),
+    [
+        # full attention of 8-token blocks: 32 tokens peeked, one block dropped, 24 aligned;
+        # the window's run ends on the block past 24 (its peek) and is dropped back to 24
+        ((full_attention(8), sliding_window(4, 5)), (((1, 2, 3), (0, 0, 0, 0, 0, 11)), 24)),
+        # the window of 8-token blocks beside full attention of 4: the same 24 tokens
+        ((full_attention(4), sliding_window(8, 5)), (((1, 2, 3, 4, 5, 6), (0, 0, 12)), 24)),
+    ],
+    ids=["wide-full", "wide-window"],
+)
+def test_vllm_033_eagle_on_two_block_sizes_hits_as_the_model_does(
+    specs: tuple[Any, ...], hit: tuple[Any, int]
+) -> None:
+    """EAGLE's peek of the group's own block, its drop and the cut back to the scheduler
+    block (8 tokens) together (HybridKVCacheCoordinator.find_longest_cache_hit in 0.33.0)."""
+    setup = ManagerSetup(24, specs, 64, 4, use_eagle=True)
+    first = new_request("a", tuple(range(1, 36)), 4)
+    later = new_request("b", tuple(range(1, 34)), 4)
+    hits = []
+    for target in both(setup):
+        target.allocate_slots(first, 35)  # type: ignore[attr-defined]
+        hits.append(target.get_computed_blocks(later))  # type: ignore[attr-defined]
+    assert hits == [hit, hit]
 
 
 @pytest.mark.parametrize(

@@ -59,11 +59,20 @@ def test_positional_arguments_are_vllms() -> None:
 
 
 @pytest.mark.parametrize(
-    "argument", [{"watermark": 0.1}, {"dcp_world_size": 2}, {"pcp_world_size": 2}]
+    "argument", [{"watermark": 0.1}, {"enable_mamba_shared_prefix_checkpoint": True}]
 )
 def test_an_unmodelled_argument_is_refused_by_name(argument: dict[str, object]) -> None:
     with pytest.raises(InvalidManagerConfig):
         KVCacheManager(vllm_config(full(4)), 64, 4, 4, **argument)  # type: ignore[arg-type]
+
+
+def test_context_parallel_world_sizes_are_taken_as_vllms() -> None:
+    """Modelled since the block geometry (docs/semantics.md): a sharded full-attention group's
+    blocks hold dcp_world_size times its tokens, so the scheduler block must cover them."""
+    manager = KVCacheManager(vllm_config(full(4)), 64, 8, 4, dcp_world_size=2, pcp_world_size=2)
+    assert [s.block_size for s in manager.specs] == [8]
+    with pytest.raises(InvalidManagerConfig):
+        KVCacheManager(vllm_config(full(4)), 64, 4, 4, dcp_world_size=2)
 
 
 def test_an_unmodelled_attention_type_is_refused_by_name() -> None:

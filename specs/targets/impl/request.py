@@ -33,6 +33,9 @@ class ImplManagerTarget:
             fine_grained_hits=setup.fine_grained_hits,
             max_in_flight_tokens=setup.max_in_flight_tokens,
             num_prefill_lookahead=setup.num_prefill_lookahead,
+            scheduler_block_size=setup.scheduler_block_size,
+            dcp_world_size=setup.dcp_world_size,
+            pcp_world_size=setup.pcp_world_size,
         )
 
     def snapshot(self) -> KVCacheManagerState:

@@ -54,6 +54,7 @@ What is compared, and what is not (docs/semantics.md, "The request layer"):
 
 import importlib
 import logging
+import math
 import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -171,10 +172,12 @@ class VllmManagerTarget:
         if refused is not None:
             raise TargetError(f"vLLM {self.api.version} refuses this configuration: {refused}")
         fine = setup.fine_grained_hits
+        # the blocks the manager holds: sharded groups' times the decode world size
+        sizes = [s.block_size * (setup.dcp_world_size if s.dcp_sharded else 1) for s in specs]
         if fine and (
             len(specs) < 2
             or any(s.attention is not AttentionType.FULL for s in specs)
-            or specs[0].block_size <= setup.hash_block_size
+            or sizes[0] <= setup.hash_block_size
         ):
             raise TargetError(
                 "the vLLM adapter runs fine-grained hits on two or more full-attention groups "
@@ -206,6 +209,9 @@ class VllmManagerTarget:
         groups = []
         for g, spec in enumerate(specs):
             vllm_spec: Any
+            if not spec.dcp_sharded and spec.attention is not AttentionType.MAMBA:
+                # a replicated attention group (vLLM's default is sharded)
+                shape = {**shape, "dcp_sharded": False}
             if spec.attention is AttentionType.SLIDING_WINDOW:
                 vllm_spec = interface.SlidingWindowSpec(
                     block_size=spec.block_size, sliding_window=spec.sliding_window, **shape
@@ -239,7 +245,8 @@ class VllmManagerTarget:
             "enable_kv_cache_events": setup.enable_events,
         }
         if self.api.scheduler_block_size_arg:
-            kwargs["scheduler_block_size"] = specs[0].block_size
+            # the scheduler works in the least common multiple of the groups' blocks
+            kwargs["scheduler_block_size"] = setup.scheduler_block_size or math.lcm(*sizes)
         if self.api.hash_block_size_arg:
             kwargs["hash_block_size"] = setup.hash_block_size
         if setup.max_in_flight_tokens is not None and self.api.scheduler_calls:
@@ -250,6 +257,10 @@ class VllmManagerTarget:
                     f"vLLM {self.api.version}'s manager takes no num_prefill_lookahead"
                 )
             kwargs["num_prefill_lookahead"] = setup.num_prefill_lookahead
+        if setup.dcp_world_size != 1:
+            kwargs["dcp_world_size"] = setup.dcp_world_size
+        if setup.pcp_world_size != 1:
+            kwargs["pcp_world_size"] = setup.pcp_world_size
         cls = self.api.manager_class
         try:
             self.manager = Translating(cls(config, **kwargs), self.api.version)
@@ -477,7 +488,8 @@ def vllm_refuses(setup: ManagerSetup) -> str | None:
         return None
     if any(s.attention is AttentionType.MAMBA and not s.mamba_align for s in specs):
         return "Mamba with prefix caching needs mamba_cache_mode='align'"
-    if len(specs) == 1 and specs[0].block_size != setup.hash_block_size:
+    sharded = specs[0].block_size * (setup.dcp_world_size if specs[0].dcp_sharded else 1)
+    if len(specs) == 1 and sharded != setup.hash_block_size:
         return "one group with prefix caching needs block_size == hash_block_size"
     return None
 
@@ -731,6 +743,8 @@ def scope(factory: VllmManagerFactory | None = None) -> ManagerTargetSpec:
             "full+sliding_window+sliding_window",
             "full+chunked_local",
             "full+mamba",
+            "wide_full+sliding_window",
+            "full+wide_sliding_window",
         ),
         profiles=(DEFAULT_PROFILE,),
         events=(False, True),
@@ -742,6 +756,8 @@ def scope(factory: VllmManagerFactory | None = None) -> ManagerTargetSpec:
         scheduler_calls=True,
         prefill_lookaheads=(0, 0, 1, 2, 3),
         eagle_hybrids=True,
+        # decode and prefill context parallelism on the full-attention layouts
+        context_parallel=((1, 1), (2, 1), (1, 2), (2, 2)),
     )
 
 
