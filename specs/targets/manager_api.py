@@ -5,12 +5,13 @@ its forks: both request-layer adapters read block objects and copy records
 through these, as the pool adapters share ``block_pool_api``.
 """
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
 from kvpool.model.events import BlockStored, KVCacheEvent
 from kvpool.model.manager import Blocks
+from kvpool.model.request import Request
 from kvpool.model.single_type import AttentionType, KVCacheSpec
 
 
@@ -57,3 +58,52 @@ def offload_ids(offloads: Any) -> dict[str, tuple[tuple[int, int, int], ...]]:
         str(rid): tuple((int(g), int(b), int(n)) for g, b, n in entries)
         for rid, entries in offloads.items()
     }
+
+
+class SchedulerCalls:
+    """The rest of vLLM 0.33's scheduler calls (``OPERATIONS_SCHEDULER``) on ``self.manager``,
+    answered as the protocol's ids.
+
+    An adapter turns the protocol's request into what its manager reads
+    (``caller_request``) and may note each lookup (``looked_up``: vLLM records hit
+    statistics apart from the lookup).
+    """
+
+    manager: Any
+
+    def caller_request(self, request: Request) -> Any:
+        return request
+
+    def looked_up(self, request: Any, num_tokens: int) -> None:
+        """A lookup for ``request`` found ``num_tokens``; nothing to note by default."""
+
+    def pop_blocks_for_free(self, request: Request) -> Sequence[int]:
+        popped = self.manager.pop_blocks_for_free(self.caller_request(request))
+        return tuple(b.block_id for b in popped)
+
+    def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int) -> None:
+        self.manager.remove_skipped_blocks(request_id, processed_computed_tokens)
+
+    def get_block_ids_for_computed_tokens(
+        self, request_id: str, num_computed_tokens: int
+    ) -> Blocks:
+        ids = self.manager.get_block_ids_for_computed_tokens(request_id, num_computed_tokens)
+        return tuple(tuple(g) for g in ids)
+
+    def get_computed_blocks_for_connector(self, request: Request) -> tuple[Blocks, int, int, bool]:
+        caller = self.caller_request(request)
+        blocks, num_tokens, boundary, diverged = self.manager.get_computed_blocks_for_connector(
+            caller
+        )
+        self.looked_up(caller, num_tokens)
+        return block_ids(blocks), num_tokens, int(boundary), bool(diverged)
+
+    def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
+        self.manager.record_blocks_for_zeroing(request_id, start_token)
+
+    def take_boundary_state_offloads(self) -> Mapping[str, Sequence[tuple[int, int, int]]]:
+        return offload_ids(self.manager.take_boundary_state_offloads())
+
+    def finalize_partial_tail_offloads(self, request: Request) -> Sequence[tuple[int, int, int]]:
+        tails = self.manager.finalize_partial_tail_offloads(self.caller_request(request))
+        return tuple((int(g), int(b), int(n)) for g, b, n in tails)

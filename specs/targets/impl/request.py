@@ -1,6 +1,6 @@
 """kvpool's own fast KV cache manager as a manager target."""
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 
 from kvpool.impl.block import KVCacheBlock
 from kvpool.impl.manager import KVCacheBlocks, KVCacheConfig, KVCacheManager
@@ -8,16 +8,22 @@ from kvpool.model.events import KVCacheEvent
 from kvpool.model.manager import Blocks, KVCacheManagerState, PrefixCacheStats
 from kvpool.model.request import Request
 from kvpool.specs.request.target import ManagerSetup
-from kvpool.specs.targets.manager_api import block_ids, copy_ids, offload_ids, without_annotation
+from kvpool.specs.targets.manager_api import (
+    SchedulerCalls,
+    block_ids,
+    copy_ids,
+    without_annotation,
+)
 
 
-class ImplManagerTarget:
+class ImplManagerTarget(SchedulerCalls):
     """``kvpool.impl.manager.KVCacheManager`` behind the manager protocol, with its snapshot.
 
     ``manager_class`` lets tests check a modified copy of the impl.
     """
 
     manager_class: type[KVCacheManager] = KVCacheManager
+    manager: KVCacheManager
 
     def __init__(self, setup: ManagerSetup) -> None:
         self.specs = setup.specs
@@ -136,33 +142,3 @@ class ImplManagerTarget:
 
     def new_step_starts(self) -> None:
         self.manager.new_step_starts()
-
-    # the rest of vLLM 0.33's scheduler calls
-
-    def pop_blocks_for_free(self, request: Request) -> Sequence[int]:
-        return tuple(b.block_id for b in self.manager.pop_blocks_for_free(request))
-
-    def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int) -> None:
-        self.manager.remove_skipped_blocks(request_id, processed_computed_tokens)
-
-    def get_block_ids_for_computed_tokens(
-        self, request_id: str, num_computed_tokens: int
-    ) -> Blocks:
-        ids = self.manager.get_block_ids_for_computed_tokens(request_id, num_computed_tokens)
-        return tuple(tuple(g) for g in ids)
-
-    def get_computed_blocks_for_connector(self, request: Request) -> tuple[Blocks, int, int, bool]:
-        blocks, num_tokens, boundary, diverged = self.manager.get_computed_blocks_for_connector(
-            request
-        )
-        return block_ids(blocks), num_tokens, boundary, diverged
-
-    def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
-        self.manager.record_blocks_for_zeroing(request_id, start_token)
-
-    def take_boundary_state_offloads(self) -> Mapping[str, Sequence[tuple[int, int, int]]]:
-        return offload_ids(self.manager.take_boundary_state_offloads())
-
-    def finalize_partial_tail_offloads(self, request: Request) -> Sequence[tuple[int, int, int]]:
-        tails = self.manager.finalize_partial_tail_offloads(request)
-        return tuple((int(g), int(b), int(n)) for g, b, n in tails)

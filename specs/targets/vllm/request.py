@@ -68,7 +68,7 @@ from kvpool.model.single_type import AttentionType, KVCacheSpec
 from kvpool.specs.errors import TargetError
 from kvpool.specs.request.target import ManagerSetup, ManagerTargetSpec
 from kvpool.specs.targets.importing import import_from_here
-from kvpool.specs.targets.manager_api import block_ids, copy_ids, offload_ids
+from kvpool.specs.targets.manager_api import SchedulerCalls, block_ids, copy_ids
 from kvpool.specs.targets.vllm import eras
 from kvpool.specs.targets.vllm.event_shape import UnmappedEvent, model_event
 from kvpool.specs.targets.vllm.hasher import VllmRequests, find_hasher
@@ -148,7 +148,7 @@ def load_manager_api(manager_class: Any = None) -> ManagerApi:
     )
 
 
-class VllmManagerTarget:
+class VllmManagerTarget(SchedulerCalls):
     """vLLM's ``KVCacheManager`` (or ``manager_class``) behind the manager protocol."""
 
     def __init__(
@@ -419,38 +419,15 @@ class VllmManagerTarget:
     def new_step_starts(self) -> None:
         self.manager.new_step_starts()
 
-    # the rest of vLLM 0.33's scheduler calls
+    # the rest of vLLM 0.33's scheduler calls (``SchedulerCalls``), on vLLM's requests
 
-    def pop_blocks_for_free(self, request: Request) -> Sequence[int]:
-        return tuple(b.block_id for b in self.manager.pop_blocks_for_free(self._request(request)))
+    def caller_request(self, request: Request) -> Any:
+        return self._request(request)
 
-    def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int) -> None:
-        self.manager.remove_skipped_blocks(request_id, processed_computed_tokens)
-
-    def get_block_ids_for_computed_tokens(
-        self, request_id: str, num_computed_tokens: int
-    ) -> Blocks:
-        ids = self.manager.get_block_ids_for_computed_tokens(request_id, num_computed_tokens)
-        return tuple(tuple(g) for g in ids)
-
-    def get_computed_blocks_for_connector(self, request: Request) -> tuple[Blocks, int, int, bool]:
-        duck = self._request(request)
-        blocks, num_tokens, boundary, diverged = self.manager.get_computed_blocks_for_connector(
-            duck
-        )
+    def looked_up(self, request: Any, num_tokens: int) -> None:
         # stats at the lookup, as for get_computed_blocks
-        self.manager.record_prefix_cache_stats(duck, num_tokens)
-        return block_ids(blocks), num_tokens, int(boundary), bool(diverged)
-
-    def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
-        self.manager.record_blocks_for_zeroing(request_id, start_token)
-
-    def take_boundary_state_offloads(self) -> dict[str, tuple[tuple[int, int, int], ...]]:
-        return offload_ids(self.manager.take_boundary_state_offloads())
-
-    def finalize_partial_tail_offloads(self, request: Request) -> Sequence[tuple[int, int, int]]:
-        tails = self.manager.finalize_partial_tail_offloads(self._request(request))
-        return tuple((int(g), int(b), int(n)) for g, b, n in tails)
+        if self.api.records_stats_apart:
+            self.manager.record_prefix_cache_stats(request, num_tokens)
 
 
 def enable_fine_grained_hits(coordinator: Any, hash_block_size: int) -> None:
