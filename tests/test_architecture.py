@@ -57,7 +57,8 @@ def test_the_contract_catches_a_planted_wrong_way_import(
     """A copy of the installed package with one import pointing the wrong way is refused."""
     installed = Path(next(iter(kvpool.model.__path__))).parent  # the kvpool/ directory
     copy = tmp_path / "site" / "kvpool"
-    shutil.copytree(installed, copy, symlinks=False)
+    # Without bytecode caches: other test workers write them while the tree is copied.
+    shutil.copytree(installed, copy, symlinks=False, ignore=shutil.ignore_patterns("__pycache__"))
     # A regular package first on the path hides the installed namespace package;
     # two portions of one namespace would let either copy of a module win.
     (copy / "__init__.py").touch()

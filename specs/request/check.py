@@ -129,4 +129,11 @@ def narrowed(target: ManagerTargetSpec, claimed: dict[str, Any]) -> ManagerTarge
         fine_grained=fine,
         prefill_lookaheads=lookaheads,
         eagle_hybrids=bool(claimed.get("eagle_hybrids", target.eagle_hybrids)),
+        # and context parallelism: only the world sizes both allow, else none
+        context_parallel=tuple(
+            cp
+            for cp in target.context_parallel
+            if cp in claimed.get("context_parallel", target.context_parallel)
+        )
+        or ((1, 1),),
     )

@@ -612,10 +612,17 @@ class VllmManagerFactory:
         return SteppingOver(target, setup, self.suppress) if self.suppress else target
 
     def declared_scope(self) -> dict[str, Any]:
-        """Multi-module MTP's look-ahead only where the constructor takes it (vLLM 0.33)."""
-        if load_manager_api(self.manager_class()).prefill_lookahead_arg:
-            return {}
-        return {"prefill_lookaheads": (0,)}
+        """Multi-module MTP's look-ahead only where the constructor takes it (vLLM 0.33);
+        EAGLE on hybrids and context parallelism only on the release they were compared
+        with (0.33: earlier releases size and check sharded blocks otherwise)."""
+        api = load_manager_api(self.manager_class())
+        claimed: dict[str, Any] = {}
+        if not api.prefill_lookahead_arg:
+            claimed["prefill_lookaheads"] = (0,)
+        if not api.version.startswith("0.33"):
+            claimed["eagle_hybrids"] = False
+            claimed["context_parallel"] = ((1, 1),)
+        return claimed
 
     def preflight(self, level: int, profiles: Sequence[str]) -> None:
         """Fail fast, before any program runs, if this manager cannot be checked here."""
