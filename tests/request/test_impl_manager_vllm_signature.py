@@ -13,22 +13,11 @@ from kvpool.impl import KVCacheConfig, KVCacheManager
 from kvpool.model import InvalidArgument
 from kvpool.model.request import new_request
 from kvpool.model.single_type import full_attention
+from kvpool.specs.targets.vllm.recorder import MANAGER
 
-VLLM_033_ORDER = [
-    "request",
-    "num_new_tokens",
-    "num_new_computed_tokens",
-    "new_computed_blocks",
-    "num_lookahead_tokens",
-    "num_external_computed_tokens",
-    "delay_cache_blocks",
-    "num_encoder_tokens",
-    "full_sequence_must_fit",
-    "reserved_blocks",
-    "has_scheduled_reqs",
-    "skip_zeroing_group_ids",
-]
-"""``KVCacheManager.allocate_slots`` in vllm/v1/core/kv_cache_manager.py, vLLM 0.33.0."""
+VLLM_033_ORDER = list(MANAGER["allocate_slots"][1])
+"""``KVCacheManager.allocate_slots``' parameters in vLLM's order, as the history recorder
+already lists them for vLLM's manager."""
 
 
 def manager() -> KVCacheManager:
