@@ -24,6 +24,7 @@ from kvpool.impl.block import KVCacheBlock
 from kvpool.impl.eagle import cacheable, check_eagle_config, check_eagle_flags
 from kvpool.impl.mamba_align import MambaAlignManager, take_boundary_state_offloads
 from kvpool.impl.pool import BlockPool, Unchecked
+from kvpool.impl.retention import check_retention, shared_prefix_boundary
 from kvpool.impl.single_type import (
     SingleTypeKVCacheManager,
     get_manager_for_kv_cache_spec,
@@ -58,6 +59,9 @@ class KVCacheConfig:
 
     num_blocks: int
     kv_cache_groups: tuple[KVCacheSpec, ...]
+    prefix_cache_retention_interval: int | None = None
+    """None: dense caching; 0 or a multiple of the scheduler block size: sparse
+    (``kvpool.impl.retention``)."""
 
 
 class KVCacheBlocks:
@@ -151,9 +155,10 @@ class KVCacheManager:
         vLLM's (its groups' specs are read by class name: full attention, MLA and hidden
         states, sliding window, chunked local attention, Mamba). Arguments kvpool does not
         model must keep vLLM's defaults (``InvalidManagerConfig`` otherwise):
-        ``watermark`` and the Mamba shared-prefix checkpoint, and
-        ``prefix_cache_retention_interval`` in the config. Groups may have different block
-        sizes, and decode context parallelism multiplies a sharded group's
+        ``watermark`` and the Mamba shared-prefix checkpoint. The config's
+        ``prefix_cache_retention_interval`` thins sliding-window groups' caching
+        (``kvpool.impl.retention``; not beside a Mamba "align" group). Groups may have
+        different block sizes, and decode context parallelism multiplies a sharded group's
         (``kvpool.model.geometry``). EAGLE runs on every group (kvpool has no per-group flag)
         and ``num_prefill_lookahead`` holds back multi-module MTP's re-prefilled tokens from
         caching (``kvpool.model.eagle``). ``fine_grained_hits`` (not vLLM's: there a Mamba
@@ -169,8 +174,6 @@ class KVCacheManager:
             if value != default:
                 raise InvalidManagerConfig(f"{name}={value!r}: kvpool models only {default!r}")
         specs = _specs_of(kv_cache_config)
-        # Verify that the config asks for dense prefix-cache retention (the one kvpool models)
-        _verify_retention(kv_cache_config, specs)
         # Verify that requests can hold at least one token
         if max_model_len < 1:
             raise InvalidManagerConfig(f"max_model_len={max_model_len} must be positive")
@@ -245,6 +248,9 @@ class KVCacheManager:
         geometry.check_scheduler_block_size(specs, hbs, scheduler)
         # Verify that a Mamba "align" group's block is every group's and the scheduler's
         geometry.check_align_geometry(specs, scheduler)
+        # Verify that the retention interval is one vLLM 0.33 takes for these groups
+        retention = getattr(kv_cache_config, "prefix_cache_retention_interval", None)
+        check_retention(retention, specs, scheduler)
         # Verify that EAGLE and the look-ahead are settings vLLM 0.33 runs
         reprefillable = check_eagle_config(
             specs, enable_caching, use_eagle, num_prefill_lookahead, scheduler
@@ -282,8 +288,13 @@ class KVCacheManager:
             else get_manager_for_kv_cache_spec(spec, self.block_pool, g)
             for g, spec in enumerate(specs)
         ]
+        self.retention_interval: int | None = retention
+        self._retains_sparsely = retention is not None and any(
+            s.attention is AttentionType.SLIDING_WINDOW for s in specs
+        )
         for manager in self.managers:
             manager.use_eagle = use_eagle
+            manager.retention_interval = retention
             if isinstance(manager, MambaAlignManager):
                 manager.hybrid = len(specs) > 1
             # sliding-window groups cache only what hits at these multiples can use
@@ -518,6 +529,9 @@ class KVCacheManager:
             raise InvalidArgument("has_scheduled_reqs must be a bool")
         if not isinstance(full_sequence_must_fit, bool):
             raise InvalidArgument("full_sequence_must_fit must be a bool")
+        # Verify that a sparse-retention manager can read the request's shared-prefix boundary
+        if self._retains_sparsely:
+            shared_prefix_boundary(request)
         if new_computed_blocks is not None and not isinstance(new_computed_blocks, KVCacheBlocks):
             raise InvalidArgument("new_computed_blocks must be KVCacheBlocks or None")
         rid = request.request_id
@@ -711,6 +725,9 @@ class KVCacheManager:
         # Verify that the arguments have the operation's types
         _verify_request(request)
         _verify_ints(num_computed_tokens=num_computed_tokens)
+        # Verify that a sparse-retention manager can read the request's shared-prefix boundary
+        if self._retains_sparsely:
+            shared_prefix_boundary(request)
         if self.enable_caching:
             self._verify_hashes_to_cache(
                 request, self.empty_kv_cache_blocks.blocks, num_computed_tokens
@@ -993,6 +1010,7 @@ class KVCacheManager:
                 self.scheduler_block_size,
                 self.dcp_world_size,
                 self.pcp_world_size,
+                self.retention_interval,
             ),
             managers=ManagersState(
                 pool=self.block_pool.snapshot(),
@@ -1003,26 +1021,6 @@ class KVCacheManager:
             pending_copies=tuple((s.block_id, d.block_id) for s, d in self.pending_copies),
             new_block_ids=tuple(self.new_block_ids),
         )
-
-
-def _verify_retention(kv_cache_config: Any, specs: Sequence[KVCacheSpec]) -> None:
-    """InvalidManagerConfig unless vLLM's ``prefix_cache_retention_interval`` is None (dense),
-    or 0 where no group is a sliding window or Mamba (vLLM 0.33 ignores it there).
-
-    Sparse retention (vllm/v1/core/kv_cache_coordinator.py in 0.33.0,
-    ``_validate_prefix_cache_retention_interval`` and the managers' ``reachable_block_mask``)
-    caches fewer sliding-window and Mamba blocks; kvpool does not model it, so it refuses
-    rather than cache what vLLM would not.
-    """
-    interval = getattr(kv_cache_config, "prefix_cache_retention_interval", None)
-    if interval is None:
-        return
-    sparse = any(s.attention in (AttentionType.SLIDING_WINDOW, AttentionType.MAMBA) for s in specs)
-    if interval == 0 and not sparse:
-        return
-    raise InvalidManagerConfig(
-        f"prefix_cache_retention_interval={interval!r}: kvpool models only None (dense)"
-    )
 
 
 def _verify_ints(**values: object) -> None:

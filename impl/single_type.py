@@ -17,6 +17,7 @@ from mypy_extensions import mypyc_attr
 from kvpool.impl.block import KVCacheBlock
 from kvpool.impl.geometry import window_mask
 from kvpool.impl.pool import BlockPool
+from kvpool.impl.retention import boundaries, retention_mask, shared_prefix_boundary
 from kvpool.model.errors import (
     HashBlockSizeMismatch,
     HitOnRunningRequest,
@@ -85,6 +86,9 @@ class SingleTypeKVCacheManager:
         self.pcp_world_size = 1
         """The context-parallel world sizes this group sees (1 unless sharded; set by the
         manager, whose specs already carry the sharded block size)."""
+        self.retention_interval: int | None = None
+        """vLLM 0.33's ``prefix_cache_retention_interval`` (None: dense; the manager sets it;
+        only sliding-window groups act on it: ``kvpool.impl.retention``)."""
 
     # ------------------------------------------------------------------
 
@@ -147,12 +151,12 @@ class SingleTypeKVCacheManager:
             num_full,
             self.block_size,
             self.kv_cache_group_id,
-            self._cache_mask(num_cached, num_full),
+            self._cache_mask(request, num_cached, num_full),
         )
         self.num_cached_block[rid] = num_full
 
-    def _cache_mask(self, first: int, stop: int) -> list[bool] | None:
-        """Which of blocks ``first..stop`` to cache (None: all)."""
+    def _cache_mask(self, request: Any, first: int, stop: int) -> list[bool] | None:
+        """Which of the request's blocks ``first..stop`` to cache (None: all)."""
         return None
 
     def free(self, request_id: str) -> None:
@@ -346,8 +350,26 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
                 del blocks[keep:]
         return computed
 
-    def _cache_mask(self, first: int, stop: int) -> list[bool] | None:
+    def _cache_mask(self, request: Any, first: int, stop: int) -> list[bool] | None:
         alignment = self.cache_hit_alignment_tokens
+        interval = self.retention_interval
+        if interval is not None:
+            return retention_mask(
+                first,
+                stop,
+                alignment,
+                self.block_size,
+                self.kv_cache_spec.sliding_window,
+                self.use_eagle,
+                interval,
+                boundaries(
+                    num_prompt_tokens(request),
+                    alignment,
+                    self.use_eagle,
+                    shared_prefix_boundary(request),
+                    self.block_size,
+                ),
+            )
         if alignment == self.block_size:
             return None
         return window_mask(

@@ -30,6 +30,7 @@ import kvpool.model.eagle as eagle_ops
 import kvpool.model.geometry as geometry
 import kvpool.model.mamba_align as mamba_align
 import kvpool.model.pool as pool_ops
+import kvpool.model.retention as retention
 import kvpool.model.single_type as single
 from kvpool.model.errors import (
     CachingDisabled,
@@ -43,6 +44,7 @@ from kvpool.model.errors import (
 from kvpool.model.events import KVCacheEvent
 from kvpool.model.profiles import DEFAULT_PROFILE, Profile
 from kvpool.model.request import Request, verify_hash_block_size
+from kvpool.model.retention_config import verify_retention_interval
 from kvpool.model.single_type import AttentionType, KVCacheSpec
 from kvpool.model.state import BlockHash, PoolState
 
@@ -178,6 +180,10 @@ class ManagerConfig:
     """Decode context parallelism: sharded groups' blocks hold this many times their tokens."""
     pcp_world_size: int = 1
     """Prefill context parallelism (checked at construction; blocks keep their size)."""
+    retention_interval: int | None = None
+    """vLLM 0.33's ``prefix_cache_retention_interval``: None caches densely; 0 or a
+    multiple of the scheduler block size thins sliding-window groups
+    (``kvpool.model.retention``)."""
 
 
 @dataclass(frozen=True)
@@ -214,6 +220,7 @@ def new_kv_cache_manager(
     scheduler_block_size: int | None = None,
     dcp_world_size: int = 1,
     pcp_world_size: int = 1,
+    retention_interval: int | None = None,
 ) -> KVCacheManagerState:
     """A manager over a fresh pool of ``num_blocks``, one group per spec.
 
@@ -229,7 +236,9 @@ def new_kv_cache_manager(
     ``num_prefill_lookahead`` as ``kvpool.model.eagle.verify_eagle_config``
     allows. ``fine_grained_hits`` asks for hits ending inside a block; it takes
     effect only where ``copy_on_write.fine_grained_hits_enabled`` allows it
-    (vllm#51843) and the groups share one block size.
+    (vllm#51843) and the groups share one block size. ``retention_interval`` is vLLM
+    0.33's ``prefix_cache_retention_interval`` (``kvpool.model.retention``), checked by
+    ``retention_config.verify_retention_interval``.
 
     Complexity: O(num_blocks + len(specs)).
 
@@ -285,6 +294,8 @@ def new_kv_cache_manager(
     # Verify that a Mamba "align" group's block is every group's and the scheduler's (not
     # modelled otherwise: its checkpoints and tail keys follow the scheduler block in vLLM)
     verify_align_geometry(specs, scheduler)
+    # Verify that the retention interval is one vLLM 0.33 takes for these groups
+    verify_retention_interval(retention_interval, specs, scheduler)
     # Verify that EAGLE and the look-ahead are settings vLLM 0.33 runs
     eagle_ops.verify_eagle_config(
         specs, enable_caching, use_eagle, num_prefill_lookahead, scheduler
@@ -302,6 +313,7 @@ def new_kv_cache_manager(
         scheduler,
         dcp_world_size,
         pcp_world_size,
+        retention_interval,
     )
     return KVCacheManagerState(
         config=config,
@@ -676,12 +688,20 @@ def _cache(
     (with several groups rounded to the scheduler block size, where every group
     can resume, and an EAGLE group one of its blocks further; without the
     tokens multi-module MTP may prefill again), a sliding-window group only the
-    blocks a hit at those boundaries can use. With fine-grained hits the tail
-    is cached without rounding the cacheable tokens down (``single.cache_blocks``).
+    blocks a hit at those boundaries can use (under sparse retention only those a
+    replay of the prompt can use, and the retention segments' tails:
+    ``kvpool.model.retention``). With fine-grained hits the tail is cached without
+    rounding the cacheable tokens down (``single.cache_blocks``).
     """
     config = state.config
     reprefillable = eagle_ops.num_reprefillable_tokens(config.num_prefill_lookahead)
     scheduler = _scheduler_block_size(state)
+    # sparse retention keeps the windows a replay of the prompt can resume from
+    boundaries = (
+        retention.replay_boundaries(request.num_prompt_tokens, scheduler, config.use_eagle)
+        if config.retention_interval is not None
+        else ()
+    )
     for g, spec in enumerate(m.specs):
         cacheable = eagle_ops.cacheable_tokens(
             len(m.specs),
@@ -693,7 +713,15 @@ def _cache(
             num_tokens,
         )
         m, _ = single.cache_blocks(
-            m, g, request, cacheable, config.use_eagle, config.fine_grained_hits, scheduler
+            m,
+            g,
+            request,
+            cacheable,
+            config.use_eagle,
+            config.fine_grained_hits,
+            scheduler,
+            config.retention_interval,
+            boundaries,
         )
     return m
 

@@ -51,6 +51,10 @@ class Request:
     prompt_embeds: tuple[bytes, ...] = ()
     """Empty, or one opaque value (the embedding's bytes) per prompt token: a prompt
     sent as embeddings, whose KV depends on them rather than on the token ids."""
+    shared_prefix_boundary: int = 0
+    """Where the scheduler last saw this request's prefix shared past its hit (the third
+    value of vLLM 0.33's ``get_computed_blocks``; 0: none). Sparse retention keeps the
+    sliding window ending there (``kvpool.model.retention``)."""
 
     @property
     def all_token_ids(self) -> tuple[int, ...]:

@@ -46,6 +46,7 @@ from kvpool.model.pool import (
     hashes_at_block_size,
 )
 from kvpool.model.request import Request, cache_request, verify_hash_block_size
+from kvpool.model.retention import reachable_boundaries, sliding_window_retention_mask
 from kvpool.model.state import NULL_BLOCK_ID, BlockHash, PoolState
 
 # --------------------------------------------------------------------------
@@ -420,6 +421,8 @@ def cache_blocks(
     use_eagle: bool = False,
     fine_grained: bool = False,
     mask_alignment: int = 0,
+    retention_interval: int | None = None,
+    replay: Sequence[int] = (),
 ) -> tuple[ManagersState, None]:
     """Put the request's blocks that are full within its first ``num_tokens`` tokens in the map.
 
@@ -433,7 +436,11 @@ def cache_blocks(
     ``fine_grained_hits``), which changes what counts as cacheable there.
     A sliding-window group caches only the blocks a hit ending on a multiple of
     ``mask_alignment`` (the scheduler block size) can use
-    (``alignment.sliding_window_cache_mask``).
+    (``alignment.sliding_window_cache_mask``). Under sparse retention
+    (``retention_interval`` not None) it caches only the blocks
+    ``retention.sliding_window_retention_mask`` keeps: the segments' tails and
+    the windows ending at the ``replay`` boundaries and at the request's
+    ``shared_prefix_boundary``.
 
     Complexity: O(number of blocks newly cached).
 
@@ -455,6 +462,14 @@ def cache_blocks(
     # Verify that the mask's alignment is not negative
     if mask_alignment < 0:
         raise InvalidTokenCount(f"mask_alignment={mask_alignment} is negative")
+    # Verify that the retention interval, if any, is not negative
+    if retention_interval is not None and retention_interval < 0:
+        raise InvalidTokenCount(f"retention_interval={retention_interval} is negative")
+    # Verify that the request's shared-prefix boundary is not negative
+    if request.shared_prefix_boundary < 0:
+        raise InvalidTokenCount(
+            f"shared_prefix_boundary={request.shared_prefix_boundary} is negative"
+        )
     if spec.attention is AttentionType.MAMBA and not spec.mamba_align:
         return state, None
     num_cached = table.num_cached_block[rid]
@@ -462,7 +477,20 @@ def cache_blocks(
     num_full = min(num_tokens, num_hashed) // spec.block_size
     if num_cached < num_full:
         mask = None
-        if spec.attention is AttentionType.SLIDING_WINDOW and mask_alignment:
+        if spec.attention is AttentionType.SLIDING_WINDOW and retention_interval is not None:
+            mask = sliding_window_retention_mask(
+                num_cached,
+                num_full,
+                mask_alignment or spec.block_size,
+                spec.block_size,
+                spec.sliding_window,
+                use_eagle,
+                retention_interval,
+                reachable_boundaries(
+                    replay, request.shared_prefix_boundary, spec.block_size, use_eagle
+                ),
+            )
+        elif spec.attention is AttentionType.SLIDING_WINDOW and mask_alignment:
             mask = sliding_window_cache_mask(
                 num_cached,
                 num_full,

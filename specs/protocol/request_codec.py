@@ -58,6 +58,7 @@ from kvpool.specs.request.target import (
     ManagerSnapshottable,
     ManagerTarget,
     geometry_arguments,
+    retention_arguments,
 )
 
 REQUEST_PROTOCOL_VERSION = 1
@@ -203,6 +204,7 @@ def encode_setup(setup: ManagerSetup) -> Json:
         ),
         # the block geometry, written only where it is not the default
         **geometry_arguments(setup),
+        **retention_arguments(setup),
     }
 
 
@@ -243,6 +245,11 @@ def decode_setup(value: Json) -> ManagerSetup:
         ),
         dcp_world_size=_bounded(obj.get("dcp_world_size", 1), "dcp_world_size", MAX_GROUPS),
         pcp_world_size=_bounded(obj.get("pcp_world_size", 1), "pcp_world_size", MAX_GROUPS),
+        retention_interval=(
+            None
+            if obj.get("retention_interval") is None
+            else _int(obj.get("retention_interval"), "retention_interval")
+        ),
     )
 
 
@@ -451,6 +458,7 @@ def decode_manager_state(value: Json, setup: ManagerSetup) -> KVCacheManagerStat
             scheduler_block_size=scheduler,
             dcp_world_size=setup.dcp_world_size,
             pcp_world_size=setup.pcp_world_size,
+            retention_interval=setup.retention_interval,
         ),
         managers=ManagersState(pool, specs, tuple(tables)),
         stats=decode_stats(obj.get("stats")),

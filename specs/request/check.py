@@ -77,6 +77,7 @@ def run_request_conformance(
         prefill_lookaheads=target.prefill_lookaheads,
         eagle_hybrids=target.eagle_hybrids,
         context_parallel=target.context_parallel,
+        retentions=target.retentions,
     )
 
     def stop() -> None:
@@ -136,4 +137,9 @@ def narrowed(target: ManagerTargetSpec, claimed: dict[str, Any]) -> ManagerTarge
             if cp in claimed.get("context_parallel", target.context_parallel)
         )
         or ((1, 1),),
+        # and sparse retention (a field of vLLM 0.33's KVCacheConfig): both must allow it
+        retentions=tuple(
+            r for r in target.retentions if r in claimed.get("retentions", target.retentions)
+        )
+        or (None,),
     )

@@ -28,6 +28,7 @@ step (``kvpool explain``) or turned into a vector.
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any, ClassVar, TypeVar, cast
 
 from hypothesis import strategies as st
@@ -75,6 +76,7 @@ from kvpool.specs.request.target import (
     ManagerTarget033,
     ManagerTargetScheduler,
     geometry_arguments,
+    retention_arguments,
 )
 from kvpool.specs.runner.lockstep import LockStep
 from kvpool.specs.runner.swarm import gentle_swarm
@@ -176,12 +178,14 @@ def _start_rule(
     prefill_lookaheads: Sequence[int] = (0,),
     eagle_hybrids: bool = False,
     context_parallel: Sequence[tuple[int, int]] = ((1, 1),),
+    retentions: Sequence[int | None] = (None,),
 ) -> Callable[..., None]:
     """The machine's first step, drawing only from the configurations given.
 
     A layout in ``uncached_layouts`` is drawn with prefix caching off; one in
     ``hash_sized_layouts`` with blocks of one hash block when caching is on.
-    ``context_parallel`` lists the (decode, prefill) world sizes to draw.
+    ``context_parallel`` lists the (decode, prefill) world sizes to draw, ``retentions``
+    the retention intervals (in scheduler blocks; ``ManagerTargetSpec.retentions``).
     """
     # drawn only when it can be True, so that other programs draw what they always did
     extra: dict[str, st.SearchStrategy[Any]] = (
@@ -193,6 +197,8 @@ def _start_rule(
         extra["lookahead"] = st.sampled_from(list(prefill_lookaheads))
     if any(cp != (1, 1) for cp in context_parallel):
         extra["cp"] = st.sampled_from(list(context_parallel))
+    if any(r is not None for r in retentions):
+        extra["retention"] = st.sampled_from(list(retentions))
 
     decorate = cast(
         Callable[[Callable[..., None]], Callable[..., None]],
@@ -308,12 +314,15 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
         lookahead: int = 0,
         eagle_hybrids: bool = False,
         cp: tuple[int, int] = (1, 1),
+        retention: int | None = None,
     ) -> None:
         """Build the model and the target; the first requests arrive.
 
         With context parallelism (``cp``: decode and prefill world sizes; full-attention
         layouts only) requests are hashed in blocks of ``hbs`` times the decode world
         size, so that one hash block is a sharded block of ``hbs`` tokens per rank.
+        ``retention`` (in scheduler blocks: ``ManagerTargetSpec.retentions``) applies to
+        layouts with a sliding-window group and no Mamba group; the others run dense.
         """
         chosen = profile_named(profile)
         dcp, pcp = cp
@@ -328,6 +337,14 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
             eagle = eagle and layout in ("full", "sliding_window")
         if eagle and caching:  # the dropped tail (a scheduler block) holds every re-prefilled token
             lookahead = min(lookahead, default_scheduler_block_size(effective_specs(specs, dcp)))
+        kinds = {s.attention for s in specs}
+        if AttentionType.SLIDING_WINDOW not in kinds or AttentionType.MAMBA in kinds:
+            retention = None
+        interval = (
+            None
+            if retention is None
+            else retention * default_scheduler_block_size(effective_specs(specs, dcp))
+        )
         self.setup = ManagerSetup(
             num_blocks=num_blocks,
             specs=specs,
@@ -343,6 +360,7 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
             num_prefill_lookahead=lookahead,
             dcp_world_size=dcp,
             pcp_world_size=pcp,
+            retention_interval=interval,
         )
         self.states = [s.mamba_align for s in specs]
         """Groups holding a recurrent state per block (Mamba "align"), not a token's KV per slot."""
@@ -360,6 +378,7 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
             max_in_flight_tokens=in_flight,
             num_prefill_lookahead=lookahead,
             **geometry_arguments(self.setup),
+            **retention_arguments(self.setup),
         )
         # the groups' blocks as the manager holds them (sharded ones times the world size)
         self.block_sizes = [s.block_size for s in self.model.managers.specs]
@@ -404,11 +423,25 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
         num_hit = 0
         if self.setup.enable_caching and connector:
             self._record("get_computed_blocks_for_connector", request_id=rid)
-            hit, num_hit, _, _ = self._do(
+            hit, num_hit, boundary, _ = self._do(
                 f"get_computed_blocks_for_connector({rid})",
                 lambda s: scheduler_calls.get_computed_blocks_for_connector(s, request),
                 lambda t: _connector_hit(_sched(t).get_computed_blocks_for_connector(request)),
             )
+            if self.setup.retention_interval is not None:
+                request = replace(request, shared_prefix_boundary=boundary)
+                self.requests[rid] = request
+        elif self.setup.enable_caching and self.setup.retention_interval is not None:
+            # vLLM 0.33's scheduler keeps the lookup's shared-prefix boundary on the request,
+            # where sparse retention reads it when caching (kvpool.model.retention)
+            self._record("get_computed_blocks_with_boundary", request_id=rid)
+            hit, num_hit, boundary = self._do(
+                f"get_computed_blocks_with_boundary({rid})",
+                lambda s: model_manager.get_computed_blocks_with_boundary(s, request),
+                lambda t: _with_boundary(_033(t).get_computed_blocks_with_boundary(request)),
+            )
+            request = replace(request, shared_prefix_boundary=boundary)
+            self.requests[rid] = request
         elif self.setup.enable_caching:
             self._record("get_computed_blocks", request_id=rid)
             hit, num_hit = self._do(
@@ -1243,6 +1276,7 @@ def manager_machine(
     prefill_lookaheads: Sequence[int] = (0,),
     eagle_hybrids: bool = False,
     context_parallel: Sequence[tuple[int, int]] = ((1, 1),),
+    retentions: Sequence[int | None] = (None,),
 ) -> type[ManagerMachine]:
     """A state machine class that checks ``make_target`` on the given layouts and profiles.
 
@@ -1253,7 +1287,8 @@ def manager_machine(
     target supports) the hybrid layouts of ``HYBRID_LAYOUTS``. ``scheduler_calls``
     adds ``SchedulerCallsMachine``'s rule (the target must answer
     ``ManagerTargetScheduler``); ``in_flight`` are the ``max_in_flight_tokens``
-    managers are built with.
+    managers are built with; ``retentions`` the retention intervals, in scheduler blocks
+    (``ManagerTargetSpec.retentions``).
     """
     if level not in (1, 2):
         raise ValueError(f"level must be 1 or 2, got {level}")
@@ -1276,6 +1311,7 @@ def manager_machine(
             prefill_lookaheads,
             eagle_hybrids,
             context_parallel,
+            retentions,
         ),
         "make_target": staticmethod(make_target),
         "lockstep": lockstep,

@@ -7,7 +7,7 @@ from kvpool.model import scheduler_calls
 from kvpool.model.events import KVCacheEvent
 from kvpool.model.manager import Blocks, KVCacheManagerState, PrefixCacheStats
 from kvpool.model.request import Request
-from kvpool.specs.request.target import ManagerSetup, geometry_arguments
+from kvpool.specs.request.target import ManagerSetup, geometry_arguments, retention_arguments
 
 
 class ModelManagerTarget:
@@ -28,6 +28,7 @@ class ModelManagerTarget:
             max_in_flight_tokens=setup.max_in_flight_tokens,
             num_prefill_lookahead=setup.num_prefill_lookahead,
             **geometry_arguments(setup),
+            **retention_arguments(setup),
         )
 
     def snapshot(self) -> KVCacheManagerState:

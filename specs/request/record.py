@@ -31,6 +31,7 @@ from kvpool.specs.request.target import (
     ManagerSnapshottable,
     ManagerTarget,
     geometry_arguments,
+    retention_arguments,
 )
 
 QUERIES = ("get_block_ids", "usage", "num_free_blocks", "snapshot", "block_hashes")
@@ -132,6 +133,7 @@ def _model_manager(setup: ManagerSetup) -> KVCacheManagerState:
         max_in_flight_tokens=setup.max_in_flight_tokens,
         num_prefill_lookahead=setup.num_prefill_lookahead,
         **geometry_arguments(setup),
+        **retention_arguments(setup),
     )
 
 

@@ -114,6 +114,10 @@ class ManagerSetup:
     ``block_size`` tokens."""
     pcp_world_size: int = 1
     """Prefill context parallelism (full attention and replicated groups only)."""
+    retention_interval: int | None = None
+    """vLLM 0.33's ``prefix_cache_retention_interval`` (a field of its ``KVCacheConfig``):
+    None caches densely; 0 or a multiple of the scheduler block size thins the
+    sliding-window groups' caching (``kvpool.model.retention``)."""
 
 
 def geometry_arguments(setup: ManagerSetup) -> dict[str, int]:
@@ -132,6 +136,19 @@ def geometry_arguments(setup: ManagerSetup) -> dict[str, int]:
     if setup.pcp_world_size != 1:
         chosen["pcp_world_size"] = setup.pcp_world_size
     return chosen
+
+
+def retention_arguments(setup: ManagerSetup) -> dict[str, int]:
+    """The model constructor's ``retention_interval`` keyword, where ``setup`` asks for sparse
+    retention (vLLM takes it in its ``KVCacheConfig``, not as a keyword).
+
+    >>> from kvpool.model.single_type import sliding_window
+    >>> retention_arguments(ManagerSetup(4, (sliding_window(2, 2),), 8, 2, retention_interval=0))
+    {'retention_interval': 0}
+    """
+    if setup.retention_interval is None:
+        return {}
+    return {"retention_interval": setup.retention_interval}
 
 
 class ManagerTarget(Protocol):
@@ -273,3 +290,8 @@ class ManagerTargetSpec:
     context_parallel: tuple[tuple[int, int], ...] = ((1, 1),)
     """The (decode, prefill) context-parallel world sizes programs draw (full-attention
     layouts only; the others run with (1, 1))."""
+    retentions: tuple[int | None, ...] = (None,)
+    """The retention intervals programs draw, in scheduler blocks: None dense, 0 only the
+    replay boundaries, k one segment tail every k scheduler blocks (vLLM 0.33's
+    ``prefix_cache_retention_interval``; drawn on layouts with a sliding-window group and
+    no Mamba group, the others run dense)."""

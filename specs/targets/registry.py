@@ -234,6 +234,10 @@ def _in_release_child(release: str) -> bool:
 PREFILL_LOOKAHEADS = (0, 0, 1, 2, 3)
 """The ``num_prefill_lookahead`` values drawn where a target takes them (0 most often)."""
 
+RETENTIONS = (None, None, 0, 1, 2)
+"""The retention intervals drawn where a target takes them, in scheduler blocks (None, dense,
+most often; ``ManagerTargetSpec.retentions``)."""
+
 
 def _request(spec: str) -> TargetDescriptor:
     if spec == "impl":
@@ -247,6 +251,7 @@ def _request(spec: str) -> TargetDescriptor:
                 "fine_grained": (False, True),
                 "prefill_lookaheads": PREFILL_LOOKAHEADS,
                 "eagle_hybrids": True,
+                "retentions": RETENTIONS,
             },
         )
     if spec == "model":
@@ -260,6 +265,7 @@ def _request(spec: str) -> TargetDescriptor:
                 "fine_grained": (False, True),
                 "prefill_lookaheads": PREFILL_LOOKAHEADS,
                 "eagle_hybrids": True,
+                "retentions": RETENTIONS,
             },
         )
     if spec.startswith("cmd:"):
@@ -320,6 +326,7 @@ def _from_scope(
             "prefill_lookaheads": scope.prefill_lookaheads,
             "eagle_hybrids": scope.eagle_hybrids,
             "context_parallel": scope.context_parallel,
+            "retentions": scope.retentions,
         },
     )
 

@@ -69,7 +69,7 @@ from kvpool.model.single_type import (
 )
 from kvpool.specs.protocol.codec import Json, encode_event, loads
 from kvpool.specs.request import target
-from kvpool.specs.request.target import ManagerSetup, geometry_arguments
+from kvpool.specs.request.target import ManagerSetup, geometry_arguments, retention_arguments
 from kvpool.specs.teaching.scenarios import ScenarioError, Step
 
 LAYER = "request"
@@ -176,6 +176,7 @@ def new_world(setup: ManagerSetup) -> World:
         max_in_flight_tokens=setup.max_in_flight_tokens,
         num_prefill_lookahead=setup.num_prefill_lookahead,
         **geometry_arguments(setup),
+        **retention_arguments(setup),
     )
     return World(manager)
 
@@ -729,6 +730,7 @@ def encode_setup(setup: ManagerSetup) -> dict[str, Json]:
             else {}
         ),
         **geometry_arguments(setup),
+        **retention_arguments(setup),
     }
 
 
@@ -745,6 +747,7 @@ def decode_setup(value: Json) -> ManagerSetup:
         "fine_grained_hits",
         "max_in_flight_tokens",
         "num_prefill_lookahead",
+        "retention_interval",
         *GEOMETRY_FIELDS,
     }
     unknown = sorted(set(value) - known)
@@ -791,6 +794,12 @@ def decode_setup(value: Json) -> ManagerSetup:
         ),
         dcp_world_size=_count(value.get("dcp_world_size", 1), "dcp_world_size"),
         pcp_world_size=_count(value.get("pcp_world_size", 1), "pcp_world_size"),
+        # the model names a negative or misplaced interval (InvalidManagerConfig) below
+        retention_interval=(
+            _count(value["retention_interval"], "retention_interval")
+            if value.get("retention_interval") is not None
+            else None
+        ),
     )
     try:
         new_world(chosen)

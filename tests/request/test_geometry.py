@@ -355,14 +355,18 @@ class _RetainingConfig:
         self.prefix_cache_retention_interval = interval
 
 
-def test_invalid_sparse_retention_is_refused_not_ignored() -> None:
+def test_invalid_retention_interval_is_refused_not_ignored() -> None:
+    """Sparse retention is modelled (tests/request/test_retention.py); an interval off the
+    scheduler block (8 tokens here), or where no group is sparse, is refused."""
     specs = (FULL_WIDE, WINDOW)
     with pytest.raises(InvalidManagerConfig):
-        KVCacheManager(_RetainingConfig(specs, 8), 64, hash_block_size=BLOCK)
-    with pytest.raises(InvalidManagerConfig):
-        KVCacheManager(_RetainingConfig(specs, 0), 64, hash_block_size=BLOCK)
+        KVCacheManager(_RetainingConfig(specs, 4), 64, hash_block_size=BLOCK)
     with pytest.raises(InvalidManagerConfig):
         KVCacheManager(_RetainingConfig((full_attention(4),), 8), 64)
+    assert KVCacheManager(_RetainingConfig(specs, 8), 64, hash_block_size=BLOCK).snapshot() == (
+        mm.new_kv_cache_manager(8, specs, 64, hash_block_size=BLOCK, retention_interval=8)
+    )
+    KVCacheManager(_RetainingConfig(specs, 0), 64, hash_block_size=BLOCK)
     # vLLM ignores 0 where no group is sparse, and None is dense
     KVCacheManager(_RetainingConfig((full_attention(4),), 0), 64)
     KVCacheManager(_RetainingConfig(specs, None), 64, hash_block_size=BLOCK)

@@ -28,7 +28,7 @@ class ImplManagerTarget(SchedulerCalls):
     def __init__(self, setup: ManagerSetup) -> None:
         self.specs = setup.specs
         self.manager = self.manager_class(
-            KVCacheConfig(setup.num_blocks, setup.specs),
+            KVCacheConfig(setup.num_blocks, setup.specs, setup.retention_interval),
             setup.max_model_len,
             hash_block_size=setup.hash_block_size,
             enable_caching=setup.enable_caching,

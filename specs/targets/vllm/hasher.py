@@ -135,6 +135,8 @@ class VllmRequests:
             vllm_request = self._build(request)
         vllm_request.num_computed_tokens = request.num_computed_tokens
         vllm_request.num_preemptions = request.num_preemptions
+        if hasattr(vllm_request, "shared_prefix_boundary"):  # 0.33 (the scheduler sets it)
+            vllm_request.shared_prefix_boundary = request.shared_prefix_boundary
         vllm_request.status = self.status
         self._by_id[request.request_id] = (request, vllm_request)
         return vllm_request

@@ -92,7 +92,7 @@ class VllmRequest:
         self.num_preemptions = request.num_preemptions
         self.skip_reading_prefix_cache = request.skip_reading_prefix_cache
         self.num_in_flight_tokens = 0
-        self.shared_prefix_boundary = 0
+        self.shared_prefix_boundary = request.shared_prefix_boundary
         self.status = status
         self.lora_request = None
         self.mm_features: list[Any] = []
@@ -234,8 +234,17 @@ class VllmManagerTarget(SchedulerCalls):
             else:
                 vllm_spec = interface.FullAttentionSpec(block_size=spec.block_size, **shape)
             groups.append(interface.KVCacheGroupSpec([f"layer.{g}"], vllm_spec))
+        retention: dict[str, Any] = {}
+        if setup.retention_interval is not None:
+            fields = getattr(interface.KVCacheConfig, "__dataclass_fields__", {})
+            if "prefix_cache_retention_interval" not in fields:
+                raise TargetError(
+                    f"vLLM {self.api.version}'s KVCacheConfig has no "
+                    "prefix_cache_retention_interval"
+                )
+            retention["prefix_cache_retention_interval"] = setup.retention_interval
         config = interface.KVCacheConfig(
-            num_blocks=setup.num_blocks, kv_cache_tensors=[], kv_cache_groups=groups
+            num_blocks=setup.num_blocks, kv_cache_tensors=[], kv_cache_groups=groups, **retention
         )
         kwargs: dict[str, Any] = {
             "max_model_len": setup.max_model_len,
@@ -613,8 +622,9 @@ class VllmManagerFactory:
 
     def declared_scope(self) -> dict[str, Any]:
         """Multi-module MTP's look-ahead only where the constructor takes it (vLLM 0.33);
-        EAGLE on hybrids and context parallelism only on the release they were compared
-        with (0.33: earlier releases size and check sharded blocks otherwise)."""
+        EAGLE on hybrids, context parallelism and sparse retention only on the release they
+        were compared with (0.33: earlier releases size and check sharded blocks otherwise,
+        and their ``KVCacheConfig`` has no ``prefix_cache_retention_interval``)."""
         api = load_manager_api(self.manager_class())
         claimed: dict[str, Any] = {}
         if not api.prefill_lookahead_arg:
@@ -622,6 +632,7 @@ class VllmManagerFactory:
         if not api.version.startswith("0.33"):
             claimed["eagle_hybrids"] = False
             claimed["context_parallel"] = ((1, 1),)
+            claimed["retentions"] = (None,)
         return claimed
 
     def preflight(self, level: int, profiles: Sequence[str]) -> None:
@@ -710,6 +721,11 @@ def vllm_manager_factory(spec: str, hasher: str | None = None) -> VllmManagerFac
     )
 
 
+RETENTIONS: tuple[int | None, ...] = (None, None, 0, 1, 2)
+"""The retention intervals drawn (in scheduler blocks; ``ManagerTargetSpec.retentions``):
+dense most often, latest-only, and one segment tail every one or two scheduler blocks."""
+
+
 def scope(factory: VllmManagerFactory | None = None) -> ManagerTargetSpec:
     """Where vLLM's manager (or a subclass, through ``factory``) is compared: ``VLLM_SCOPE``."""
     from kvpool.model import DEFAULT_PROFILE
@@ -742,6 +758,7 @@ def scope(factory: VllmManagerFactory | None = None) -> ManagerTargetSpec:
         eagle_hybrids=True,
         # decode and prefill context parallelism on the full-attention layouts
         context_parallel=((1, 1), (2, 1), (1, 2), (2, 2)),
+        retentions=RETENTIONS,
     )
 
 
@@ -779,6 +796,41 @@ def mamba_align_scope(factory: VllmManagerFactory | None = None) -> ManagerTarge
         min_window=2,
         hash_sized_layouts=MAMBA_ALIGN_LAYOUTS,
     )
+
+
+def retention_scope(factory: VllmManagerFactory | None = None) -> ManagerTargetSpec:
+    """Where vLLM 0.33's sparse retention (``prefix_cache_retention_interval``) is compared
+    (``kvpool.model.retention``): the sliding-window layouts of ``VLLM_SCOPE`` under every
+    interval drawn sparse (latest-only, one to three scheduler blocks), EAGLE on hybrids,
+    the scheduler's calls and multi-module MTP's look-ahead, events on and off."""
+    from kvpool.model import DEFAULT_PROFILE
+
+    return ManagerTargetSpec(
+        factory or VllmManagerFactory(),
+        layouts=RETENTION_LAYOUTS,
+        profiles=(DEFAULT_PROFILE,),
+        events=(False, True),
+        block_factors=(1, 2),
+        min_window=2,
+        hash_sized_layouts=("sliding_window",),
+        in_flight=(None, 3),
+        scheduler_calls=True,
+        prefill_lookaheads=(0, 0, 1, 2),
+        eagle_hybrids=True,
+        retentions=(0, 0, 1, 2, 3),
+    )
+
+
+RETENTION_LAYOUTS = (
+    "sliding_window",
+    "full+sliding_window",
+    "full+full+sliding_window",
+    "sliding_window+full",
+    "full+sliding_window+sliding_window",
+    "wide_full+sliding_window",
+    "full+wide_sliding_window",
+)
+"""The layouts of ``VLLM_SCOPE`` with a sliding-window group: where retention thins caching."""
 
 
 VLLM_SCOPE = scope()
