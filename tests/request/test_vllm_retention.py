@@ -17,8 +17,8 @@ from kvpool.specs.request.check import run_request_conformance
 from kvpool.specs.request.model_target import ModelManagerTarget
 from kvpool.specs.request.target import ManagerSetup
 
-DEEP = int(os.environ.get("KVPOOL_RETENTION_EXAMPLES", "0"))
-"""More programs on request (a deep run); the default run draws 300."""
+EXAMPLES = 3000 if os.environ.get("KVPOOL_HYPOTHESIS") == "deep" else 300
+"""Programs drawn: 300 by default, ten times more in a deep run (tests/conftest.py)."""
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -35,12 +35,11 @@ def require_vllm() -> None:
 def test_vllm_sparse_retention_conforms_at_level_1() -> None:
     from kvpool.specs.targets.vllm.request import retention_scope
 
-    examples = DEEP or 300
     report = run_request_conformance(
-        retention_scope(), hypothesis_profile="ci", max_examples=examples
+        retention_scope(), hypothesis_profile="ci", max_examples=EXAMPLES
     )
     assert report.conforms, f"{report.failure}\n{report.program}"
-    assert report.examples_run >= examples
+    assert report.examples_run >= EXAMPLES
 
 
 def test_vllm_033_declares_sparse_retention_and_older_releases_do_not() -> None:
