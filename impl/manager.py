@@ -289,9 +289,7 @@ class KVCacheManager:
             for g, spec in enumerate(specs)
         ]
         self.retention_interval: int | None = retention
-        self._retains_sparsely = retention is not None and any(
-            s.attention is AttentionType.SLIDING_WINDOW for s in specs
-        )
+        self._retains_sparsely = retention is not None
         for manager in self.managers:
             manager.use_eagle = use_eagle
             manager.retention_interval = retention

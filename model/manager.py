@@ -568,6 +568,8 @@ def allocate_slots(
     hits: Blocks = tuple(() for _ in groups) if new_computed_blocks is None else new_computed_blocks
     # Verify that the request is hashed in the pool's hash blocks
     verify_hash_block_size(request, m.pool.config.hash_block_size)
+    # Verify that sparse retention can read the request's shared-prefix boundary
+    _verify_shared_prefix_boundary(state, request)
     # Verify that at least one new token is asked for
     if num_new_tokens <= 0:
         raise NoNewTokens(f"num_new_tokens must be positive, got {num_new_tokens}")
@@ -757,9 +759,20 @@ def cache_blocks(
     True
     """
     m = state.managers
+    # Verify that sparse retention can read the request's shared-prefix boundary
+    _verify_shared_prefix_boundary(state, request)
     if not m.pool.config.enable_caching:
         return state, None
     return replace(state, managers=_cache(state, m, request, num_computed_tokens)), None
+
+
+def _verify_shared_prefix_boundary(state: KVCacheManagerState, request: Request) -> None:
+    """InvalidTokenCount if the manager retains sparsely and the request's
+    ``shared_prefix_boundary`` (``kvpool.model.retention``) is negative."""
+    if state.config.retention_interval is not None and request.shared_prefix_boundary < 0:
+        raise InvalidTokenCount(
+            f"shared_prefix_boundary={request.shared_prefix_boundary} is negative"
+        )
 
 
 def evict_blocks(

@@ -465,8 +465,8 @@ def cache_blocks(
     # Verify that the retention interval, if any, is not negative
     if retention_interval is not None and retention_interval < 0:
         raise InvalidTokenCount(f"retention_interval={retention_interval} is negative")
-    # Verify that the request's shared-prefix boundary is not negative
-    if request.shared_prefix_boundary < 0:
+    # Verify that the request's shared-prefix boundary is not negative (sparse retention reads it)
+    if retention_interval is not None and request.shared_prefix_boundary < 0:
         raise InvalidTokenCount(
             f"shared_prefix_boundary={request.shared_prefix_boundary} is negative"
         )

@@ -244,11 +244,27 @@ def test_invalid_shared_prefix_boundary_negative() -> None:
     with pytest.raises(InvalidTokenCount):
         mm.allocate_slots(both.model, request, 16)
     with pytest.raises(InvalidTokenCount):
+        mm.cache_blocks(both.model, request, 32)
+    with pytest.raises(InvalidTokenCount):
         both.impl.allocate_slots(request, 16)
     with pytest.raises(InvalidTokenCount):
         both.impl.cache_blocks(request, 32)
     assert both.model == before_model
     assert both.impl.snapshot() == before_impl == before_model
+
+
+def test_a_dense_manager_does_not_read_the_shared_prefix_boundary() -> None:
+    """Under dense retention (None) nothing reads the boundary, so nothing checks it; any
+    interval checks it, even where no group is sparse (0 beside full attention only)."""
+    request = replace(new_request("0", tokens(4, 16), 16), shared_prefix_boundary=-16)
+    dense = Both(PURE, None, hash_block_size=16)
+    dense.allocate(request, 16)
+    full_only = Both([full_attention(16)], 0, hash_block_size=16)
+    with pytest.raises(InvalidTokenCount):
+        mm.allocate_slots(full_only.model, request, 16)
+    with pytest.raises(InvalidTokenCount):
+        full_only.impl.allocate_slots(request, 16)
+    assert full_only.impl.snapshot() == full_only.model
 
 
 @pytest.mark.parametrize("value", [16.0, None, "16", True])
@@ -320,3 +336,12 @@ MACHINES: dict[str, Callable[[], type]] = {
 @pytest.mark.parametrize("name", sorted(MACHINES))
 def test_impl_conforms_in_lock_step_under_sparse_retention(name: str) -> None:
     _run(MACHINES[name](), max_examples=60)
+
+
+def test_invalid_cache_blocks_shared_prefix_boundary_negative() -> None:
+    managers = _started().model.managers
+    request = replace(new_request("0", tokens(4, 16), 16), shared_prefix_boundary=-1)
+    with pytest.raises(InvalidTokenCount):
+        single.cache_blocks(managers, 0, request, 16, retention_interval=0)
+    # dense retention does not read it
+    single.cache_blocks(managers, 0, request, 16)
