@@ -567,11 +567,14 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
             request = self.requests[self.waiting[which % len(self.waiting)]]
             rid = request.request_id
             self._record("get_computed_blocks_with_boundary", request_id=rid)
-            hit, num_hit, _ = self._do(
+            hit, num_hit, boundary = self._do(
                 f"get_computed_blocks_with_boundary({rid})",
                 lambda s: model_manager.get_computed_blocks_with_boundary(s, request),
                 lambda t: _with_boundary(_033(t).get_computed_blocks_with_boundary(request)),
             )
+            if self.setup.retention_interval is not None:  # as at admission
+                request = replace(request, shared_prefix_boundary=boundary)
+                self.requests[rid] = request
             check(
                 (
                     "hit_matches_request",

@@ -271,6 +271,7 @@ def apply(world: World, op: str, args: Mapping[str, Json]) -> tuple[World, Json]
     if op == "get_computed_blocks_with_boundary":
         kv, (blocks, num, boundary) = mm.get_computed_blocks_with_boundary(kv, request)
         lookups = {**world.lookups, request.request_id: (blocks, num)}
+        world = _noting_boundary(world, request, boundary)
         return replace(world, manager=kv, lookups=lookups), {
             "blocks": _blocks_json(blocks),
             "num_tokens": num,
@@ -329,6 +330,7 @@ def apply(world: World, op: str, args: Mapping[str, Json]) -> tuple[World, Json]
     if op == "get_computed_blocks_for_connector":
         kv, (blocks, num, boundary, diverged) = sc.get_computed_blocks_for_connector(kv, request)
         lookups = {**world.lookups, request.request_id: (blocks, num)}
+        world = _noting_boundary(world, request, boundary)
         return replace(world, manager=kv, lookups=lookups), {
             "blocks": _blocks_json(blocks),
             "num_tokens": num,
@@ -410,6 +412,15 @@ def tokens_text(tokens: Sequence[int], width: int = 12) -> str:
     else:
         text = " ".join(str(t) for t in tokens)
     return text if len(text) <= width else "…" + text[-(width - 1) :]
+
+
+def _noting_boundary(world: World, request: Request, boundary: int) -> World:
+    """Under sparse retention the scheduler keeps a lookup's shared-prefix boundary on the
+    request, where caching reads it (``kvpool.model.retention``), as the request machine
+    does; under dense retention nothing reads it."""
+    if world.manager.config.retention_interval is None:
+        return world
+    return _with_request(world, replace(request, shared_prefix_boundary=boundary))
 
 
 def _with_request(world: World, request: Request) -> World:

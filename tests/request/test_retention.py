@@ -9,6 +9,7 @@ test_positive_retention_rejects_full_attention), told again on the model and on 
 impl, which must agree call by call; then the machine draws retention intervals.
 """
 
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -36,6 +37,7 @@ from kvpool.model.single_type import (
 from kvpool.specs.request.machine import manager_machine
 from kvpool.specs.request.model_target import ModelManagerTarget
 from kvpool.specs.targets.impl.request import ImplManagerTarget
+from kvpool.specs.teaching import request_scenarios
 
 
 def tokens(num_blocks: int, block: int) -> list[int]:
@@ -345,3 +347,36 @@ def test_invalid_cache_blocks_shared_prefix_boundary_negative() -> None:
         single.cache_blocks(managers, 0, request, 16, retention_interval=0)
     # dense retention does not read it
     single.cache_blocks(managers, 0, request, 16)
+
+
+def test_machine_programs_under_sparse_retention_replay_through_the_scenario_format() -> None:
+    """The interval travels in the scenario's config and each lookup's boundary lands on the
+    request, so a program replays to exactly the machine's state (``kvpool explain``)."""
+    base = manager_machine(
+        ModelManagerTarget, layouts=SPARSE_LAYOUTS, retentions=(0, 1, 2), scheduler_calls=True
+    )
+
+    class Checked(base):  # type: ignore[misc,valid-type]
+        def teardown(self) -> None:
+            if self.model is not None:
+                line = request_scenarios.record(self.setup, self.script, "machine/program")
+                story = request_scenarios.decode(json.loads(line))
+                world = request_scenarios.final_state(story)
+                assert world.manager == self.model
+                live = {r: q for r, q in world.requests.items() if not r.startswith("stranger-")}
+                assert live == self.requests
+            super().teardown()
+
+    _run(Checked, max_examples=60)
+
+
+def test_the_interval_round_trips_through_both_setup_codecs() -> None:
+    from kvpool.specs.protocol import request_codec
+    from kvpool.specs.request.target import ManagerSetup
+
+    for interval in (None, 0, 32):
+        setup = ManagerSetup(8, tuple(HYBRID), 64, 8, retention_interval=interval)
+        assert request_codec.decode_setup(request_codec.encode_setup(setup)) == setup
+        encoded = request_scenarios.encode_setup(setup)
+        assert ("retention_interval" in encoded) == (interval is not None)
+        assert request_scenarios.decode_setup(encoded) == setup
