@@ -59,7 +59,8 @@ class KVCacheConfig:
 
     num_blocks: int
     kv_cache_groups: tuple[KVCacheSpec, ...]
-    prefix_cache_retention_interval: int | None = None
+    # Unchecked: the constructor names a bad interval itself (InvalidManagerConfig)
+    prefix_cache_retention_interval: Unchecked = None
     """None: dense caching; 0 or a multiple of the scheduler block size: sparse
     (``kvpool.impl.retention``)."""
 
