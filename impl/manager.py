@@ -202,11 +202,12 @@ class KVCacheManager:
                     f"a Mamba block of {spec.block_size} tokens cannot hold {max_model_len} tokens"
                 )
         # Verify that Mamba "align" hits, if any, end on whole blocks (hash block = block)
-        if enable_caching and any(s.mamba_align for s in specs) and hbs != specs[0].block_size:
-            raise InvalidManagerConfig(
-                f'Mamba "align" with hash blocks of {hbs} tokens in blocks of '
-                f"{specs[0].block_size} (hits inside a block) is not modelled"
-            )
+        for spec in specs:
+            if enable_caching and spec.mamba_align and hbs != spec.block_size:
+                raise InvalidManagerConfig(
+                    f'Mamba "align" with hash blocks of {hbs} tokens in blocks of '
+                    f"{spec.block_size} (hits inside a block) is not modelled"
+                )
         # Verify that EAGLE does not run beside a Mamba "align" group (not modelled)
         if use_eagle and any(s.mamba_align for s in specs):
             raise InvalidManagerConfig('EAGLE beside a Mamba "align" group is not modelled')
@@ -243,8 +244,9 @@ class KVCacheManager:
         )
         # Verify that the scheduler block size is a multiple of every block size
         geometry.check_scheduler_block_size(specs, hbs, scheduler)
-        # Verify that a Mamba "align" group's block is every group's and the scheduler's
-        geometry.check_align_geometry(specs, scheduler)
+        # Verify that a Mamba "align" group's block is every group's and the scheduler's, or
+        # one hash block beside larger blocks without decode context parallelism
+        geometry.check_align_geometry(specs, scheduler, hbs, dcp_world_size)
         # Verify that EAGLE and the look-ahead are settings vLLM 0.33 runs
         reprefillable = check_eagle_config(
             specs, enable_caching, use_eagle, num_prefill_lookahead, scheduler
