@@ -103,9 +103,7 @@ def check_align_geometry(
     sizes = [spec.block_size for spec in specs]
     if all(size == scheduler for size in sizes):
         return
-    one_hash_block = all(
-        spec.block_size == hash_block_size for spec in specs if spec.mamba_align
-    )
+    one_hash_block = all(spec.block_size == hash_block_size for spec in specs if spec.mamba_align)
     if dcp != 1 or not one_hash_block:
         raise InvalidManagerConfig(
             f'Mamba "align" beside blocks of sizes {sizes} with '

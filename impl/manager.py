@@ -22,7 +22,11 @@ from mypy_extensions import mypyc_attr
 import kvpool.impl.geometry as geometry
 from kvpool.impl.block import KVCacheBlock
 from kvpool.impl.eagle import cacheable, check_eagle_config, check_eagle_flags
-from kvpool.impl.mamba_align import MambaAlignManager, take_boundary_state_offloads
+from kvpool.impl.mamba_align import (
+    MambaAlignManager,
+    per_group_lookup,
+    take_boundary_state_offloads,
+)
 from kvpool.impl.pool import BlockPool, Unchecked
 from kvpool.impl.single_type import (
     SingleTypeKVCacheManager,
@@ -626,6 +630,10 @@ class KVCacheManager:
         rid = request.request_id
         needed = 0
         for g, manager in enumerate(self.managers):
+            if isinstance(manager, MambaAlignManager):
+                # at most one state block, as for a chunk (vLLM 0.33 counts it the same way)
+                needed += manager.get_num_blocks_to_allocate(rid, num_tokens, hits[g])
+                continue
             required = _cdiv(num_tokens, manager.block_size)
             cap = self._admission_caps[g]
             if cap is not None and cap < required:
@@ -848,6 +856,8 @@ class KVCacheManager:
         rid = request.request_id
         popped: list[KVCacheBlock] = []
         for manager in self.managers:
+            if isinstance(manager, MambaAlignManager):
+                manager.forget(rid)
             blocks = manager.req_to_blocks.pop(rid, None)
             if blocks is None:
                 continue
@@ -904,9 +914,40 @@ class KVCacheManager:
     def get_computed_blocks_for_connector(
         self, request: Any
     ) -> tuple[KVCacheBlocks, int, int, bool]:
-        """The lookup for a request with a KV connector: ``get_computed_blocks`` and whether
-        per-group hits diverged. Only Mamba "align" groups make the per-group lookup differ
-        from the plain one; kvpool has none, so it is the plain lookup and False."""
+        """The lookup for a request with a KV connector: ``get_computed_blocks`` and False,
+        or beside a Mamba "align" group and full attention each group's own hit, full
+        attention's length, boundary 0 and whether some group lags (``per_group_lookup``)."""
+        specs = self.specs
+        if (
+            self.enable_caching
+            and len(specs) > 1
+            and any(s.mamba_align for s in specs)
+            and any(s.attention is AttentionType.FULL for s in specs)
+        ):
+            # Verify that the request has the fields the manager reads, of their types
+            _verify_request(request, lookup_only=True)
+            # Verify that the request is hashed in the pool's hash blocks
+            verify_hash_block_size(request, self.block_pool.hash_block_size)
+            if getattr(request, "skip_reading_prefix_cache", False):
+                return self.empty_kv_cache_blocks, 0, 0, False
+            found = per_group_lookup(
+                self.managers,
+                self._kinds,
+                self.block_pool,
+                self.scheduler_block_size,
+                request.block_hashes,
+                request.num_tokens - 1,
+            )
+            if found is not None:
+                hits, num_local, diverged = found
+                if self.prefix_cache_stats is not None:
+                    self.prefix_cache_stats = record(
+                        self.prefix_cache_stats,
+                        request.num_tokens,
+                        num_local,
+                        request.num_preemptions > 0,
+                    )
+                return self.create_kv_cache_blocks(hits), num_local, 0, diverged
         blocks, num_tokens, boundary = self.get_computed_blocks(request)
         return blocks, num_tokens, boundary, False
 

@@ -348,9 +348,7 @@ def verify_align_geometry(
     if len(set(sizes)) == 1 and scheduler_block_size == sizes[0]:
         return
     # Verify that every "align" block is one hash block, without decode context parallelism
-    if dcp_world_size != 1 or any(
-        s.mamba_align and s.block_size != hash_block_size for s in specs
-    ):
+    if dcp_world_size != 1 or any(s.mamba_align and s.block_size != hash_block_size for s in specs):
         raise InvalidManagerConfig(
             f'Mamba "align" beside blocks of sizes {sizes} with '
             f"scheduler_block_size={scheduler_block_size} is not modelled unless every "

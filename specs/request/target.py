@@ -83,6 +83,11 @@ MAMBA_ALIGN_LAYOUTS = ("mamba_align", "full+mamba_align", "sliding_window+mamba_
 attention or a sliding window. Drawn only for targets whose scope lists them (blocks of
 one hash block when caching is on): not every target has the mode."""
 
+MAMBA_ALIGN_GEOMETRY_LAYOUTS = ("wide_full+mamba_align", "wide_sliding_window+mamba_align")
+"""Mamba "align" blocks of one hash block beside full attention or a sliding window of
+blocks two or four times larger (the scheduler block): hits end on the larger blocks
+(``kvpool.model.manager.verify_align_geometry``). Drawn only where a scope lists them."""
+
 
 @dataclass(frozen=True)
 class ManagerSetup:

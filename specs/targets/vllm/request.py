@@ -765,19 +765,23 @@ def fine_grained_scope(factory: VllmManagerFactory | None = None) -> ManagerTarg
 def mamba_align_scope(factory: VllmManagerFactory | None = None) -> ManagerTargetSpec:
     """Where vLLM's Mamba "align" mode is compared (``kvpool.model.mamba_align``): a Mamba
     group alone, beside full attention and beside a sliding window, blocks of one hash block
-    when caching is on, events on and off. Not in ``VLLM_SCOPE``: the machine drives these
-    layouts with the scheduler's block-aligned chunks and no drafts."""
+    when caching is on, events on and off; and a Mamba block of one hash block beside blocks
+    two or four times larger (``MAMBA_ALIGN_GEOMETRY_LAYOUTS``); the scheduler's further calls,
+    the connector's per-group lookup among them. Not in ``VLLM_SCOPE``: the machine drives
+    these layouts with the scheduler's block-aligned chunks and no drafts."""
     from kvpool.model import DEFAULT_PROFILE
-    from kvpool.specs.request.target import MAMBA_ALIGN_LAYOUTS
+    from kvpool.specs.request.target import MAMBA_ALIGN_GEOMETRY_LAYOUTS, MAMBA_ALIGN_LAYOUTS
 
     return ManagerTargetSpec(
         factory or VllmManagerFactory(),
-        layouts=MAMBA_ALIGN_LAYOUTS,
+        layouts=MAMBA_ALIGN_LAYOUTS + MAMBA_ALIGN_GEOMETRY_LAYOUTS,
         profiles=(DEFAULT_PROFILE,),
         events=(False, True),
         block_factors=(1, 2),
         min_window=2,
         hash_sized_layouts=MAMBA_ALIGN_LAYOUTS,
+        # the connector's per-group lookup (hit_diverged) among the scheduler's calls
+        scheduler_calls=True,
     )
 
 
