@@ -84,9 +84,9 @@ def full_sequence_fits(
         if spec.mamba_align:
             # at most one state block, as for a chunk: vLLM 0.33.0's MambaManager counts the
             # whole sequence as it counts a chunk (get_num_blocks_to_allocate, align mode)
-            held = table.req_to_blocks.get(request_id, ())
+            states = table.req_to_blocks.get(request_id, ())
             needed += mamba_align.num_blocks_to_allocate(
-                m.pool, table.align, spec.block_size, held, num_tokens, hits[g]
+                m.pool, table.align, spec.block_size, states, num_tokens, hits[g]
             )
             continue
         required = _cdiv(num_tokens, spec.block_size)

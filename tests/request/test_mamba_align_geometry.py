@@ -24,7 +24,7 @@ PROMPT = list(range(20))
 
 
 def both(
-    specs: tuple[KVCacheSpec, ...], num_blocks: int = 32, **kw: int
+    specs: tuple[KVCacheSpec, ...], num_blocks: int = 32, **kw: Any
 ) -> tuple[manager.KVCacheManagerState, KVCacheManager]:
     return (
         manager.new_kv_cache_manager(num_blocks, specs, 64, **kw),
