@@ -16,6 +16,8 @@ from kvpool.impl.manager import KVCacheConfig, KVCacheManager
 from kvpool.model.errors import InvalidManagerConfig
 from kvpool.model.request import Request, new_request, with_computed
 from kvpool.model.single_type import KVCacheSpec, full_attention, mamba_align, sliding_window
+from kvpool.specs.request.target import ManagerSetup
+from tests.request.align_programs import random_program
 
 WIDE = (full_attention(8), mamba_align(4))
 """Full attention of 8-token blocks beside a Mamba block of one 4-token hash block."""
@@ -240,3 +242,19 @@ def test_whole_sequence_admission_counts_one_state_block() -> None:
         kv, got = manager.allocate_slots(kv, r, 4, full_sequence_must_fit=True)
         answer = impl.allocate_slots(r, 4, full_sequence_must_fit=True)
         assert (got is not None) == fits == (answer is not None)
+
+
+def test_random_runs_beside_larger_blocks_match_between_model_and_impl() -> None:
+    """The seeded runs of ``align_programs`` on the model and the impl (vLLM joins them in
+    ``test_vllm_mamba_align.py``)."""
+    from kvpool.specs.request.model_target import ModelManagerTarget
+    from kvpool.specs.targets.impl.request import ImplManagerTarget
+
+    def targets(setup: ManagerSetup) -> list[Any]:
+        return [ModelManagerTarget(setup), ImplManagerTarget(setup)]
+
+    seen = {"diverged": 0, "hits": 0}
+    for seed in range(40):
+        for key, count in random_program(seed, targets).items():
+            seen[key] += count
+    assert seen["diverged"] >= 50 and seen["hits"] >= 150, seen

@@ -6,17 +6,17 @@ when ``KVPOOL_REQUIRE_VLLM=1``.
 
 import importlib
 import os
-import random
 from dataclasses import replace
 from typing import Any
 
 import pytest
 
 from kvpool.model.request import new_request, with_computed
-from kvpool.model.single_type import full_attention, mamba_align, sliding_window
+from kvpool.model.single_type import full_attention, mamba_align
 from kvpool.specs.request.check import run_request_conformance
 from kvpool.specs.request.model_target import ModelManagerTarget
 from kvpool.specs.request.target import ManagerSetup
+from tests.request.align_programs import random_program
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -181,91 +181,13 @@ def test_whole_sequence_admission_counts_one_state_block_as_vllm() -> None:
     assert answers[3] == answers[4] == answers[5] and answers[3][1] is not None
 
 
-GEOMETRIES = (
-    (full_attention(2), mamba_align(1)),
-    (full_attention(4), mamba_align(1)),
-    (full_attention(4), mamba_align(2)),
-    (sliding_window(4, 3), mamba_align(2)),
-    (full_attention(2), mamba_align(2)),
-    (full_attention(4), sliding_window(4, 5), mamba_align(2)),
-)
-"""A Mamba block of one hash block beside blocks of one, two or four times its size."""
-
-
-def _random_program(seed: int) -> tuple[list[Any], dict[str, int]]:
-    """One random scheduler run on the model, the impl and vLLM 0.33 at once: admissions
-    (looked up plainly or as with a KV connector, looked up again when the connector's hit
-    diverged), block-aligned chunks, frees, evictions and steps. Returns what each call
-    answered on the model, and how often the connector's hit diverged or anything hit."""
-    from kvpool.specs.request.machine import mamba_aligned_chunk
-
-    rnd = random.Random(seed)
-    specs = GEOMETRIES[seed % len(GEOMETRIES)]
-    hbs = specs[-1].block_size
-    setup = ManagerSetup(rnd.randint(6, 20), specs, 64, hbs, log_stats=True)
-    targets = _targets(setup)
-    stem = [rnd.randint(1, 2) for _ in range(16)]
-    waiting: dict[str, Any] = {}
-    running: dict[str, Any] = {}
-    answers: list[Any] = []
-    seen = {"diverged": 0, "hits": 0}
-
-    def call(name: str, *args: Any, **kwargs: Any) -> Any:
-        got = [getattr(t, name)(*args, **kwargs) for t in targets]
-        assert got[0] == got[1] == got[2], (seed, name, args, got)
-        answers.append(got[0])
-        return got[0]
-
-    for step in range(40):
-        roll = rnd.random()
-        if roll < 0.25 and len(waiting) + len(running) < 4:
-            rid = f"r{step}"
-            tail = [rnd.randint(3, 4) for _ in range(rnd.randint(1, 4))]
-            prompt = stem[: rnd.choice([4, 6, 8, 10, 12, 14])] + tail
-            waiting[rid] = new_request(rid, prompt, hbs)
-        elif roll < 0.5 and waiting:
-            rid = rnd.choice(sorted(waiting))
-            request = waiting[rid]
-            if rnd.random() < 0.5:
-                hit, num_hit, _, diverged = call("get_computed_blocks_for_connector", request)
-                seen["diverged"] += diverged
-                if diverged:  # no external tokens back it: the scheduler looks up again
-                    hit, num_hit = call("get_computed_blocks", request)
-            else:
-                hit, num_hit = call("get_computed_blocks", request)
-            seen["hits"] += num_hit > 0
-            num_new = min(rnd.randint(1, 12), request.num_tokens - num_hit)
-            num_new = mamba_aligned_chunk(request, num_hit, num_new, hbs)
-            if num_new and call("allocate_slots", request, num_new, num_hit, hit) is not None:
-                running[rid] = with_computed(request, num_hit + num_new)
-                del waiting[rid]
-        elif roll < 0.75 and running:
-            rid = rnd.choice(sorted(running))
-            request = running[rid]
-            start = request.num_computed_tokens
-            if start == request.num_tokens:
-                call("free", request)
-                del running[rid]
-                continue
-            num_new = min(rnd.randint(1, 12), request.num_tokens - start)
-            num_new = mamba_aligned_chunk(request, start, num_new, hbs)
-            if num_new and call("allocate_slots", request, num_new) is not None:
-                running[rid] = with_computed(request, start + num_new)
-        elif roll < 0.85:
-            call("evict_blocks", {rnd.randrange(1, setup.num_blocks)})
-        else:
-            call("new_step_starts")
-    call("make_prefix_cache_stats")
-    return answers, seen
-
-
 def test_random_runs_beside_larger_blocks_match_vllm() -> None:
     """40 random runs on the geometries of ``GEOMETRIES`` (about 2,000 calls), model, impl
     and vLLM call by call; the runs do reach diverged connector hits and hits (about 100
     and 250 at these seeds)."""
     seen = {"diverged": 0, "hits": 0}
     for seed in range(40):
-        _, counts = _random_program(seed)
+        counts = random_program(seed, _targets)
         for key, count in counts.items():
             seen[key] += count
     assert seen["diverged"] >= 50 and seen["hits"] >= 150, seen
