@@ -258,3 +258,19 @@ def test_random_runs_beside_larger_blocks_match_between_model_and_impl() -> None
         for key, count in random_program(seed, targets).items():
             seen[key] += count
     assert seen["diverged"] >= 50 and seen["hits"] >= 150, seen
+
+
+def test_invalid_connector_lookup_of_a_request_hashed_in_other_blocks() -> None:
+    """The per-group lookup checks the request's hash block size first, as the plain one
+    does: a named error, nothing changed."""
+    from kvpool.model.errors import PoolError
+
+    kv, impl = lagging_mamba()
+    wrong = new_request("b", [*PROMPT[:9], 99], 2)
+    before, impl_before = kv, impl.snapshot()
+    with pytest.raises(PoolError) as model_error:
+        calls.get_computed_blocks_for_connector(kv, wrong)
+    with pytest.raises(PoolError) as impl_error:
+        impl.get_computed_blocks_for_connector(wrong)
+    assert type(model_error.value) is type(impl_error.value)
+    assert kv == before and impl.snapshot() == impl_before
