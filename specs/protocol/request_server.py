@@ -81,13 +81,16 @@ def probe_features(make_target: ManagerFactory) -> tuple[str, ...]:
     """
     probe = make_target(ManagerSetup(2, (full_attention(1),), 4, 1))
     found = {
-        "fine_grained": callable(getattr(probe, "take_kv_cache_block_copies", None)),
-        "scheduler_calls": callable(getattr(probe, "pop_blocks_for_free", None)),
+        # an adapter may have the methods and say its engine cannot (an earlier vLLM)
+        "fine_grained": callable(getattr(probe, "take_kv_cache_block_copies", None))
+        and bool(getattr(probe, "answers_033", True)),
+        "scheduler_calls": callable(getattr(probe, "pop_blocks_for_free", None))
+        and bool(getattr(probe, "answers_scheduler_calls", True)),
     }
     for feature, setup in PROBES.items():
         try:
             make_target(setup)
-        except PoolError:
+        except Exception:  # refused, by name or not: the factory does not take it
             found[feature] = False
         else:
             found[feature] = True
