@@ -104,6 +104,14 @@ def test_a_programs_scope_is_built_from_the_features_it_announces() -> None:
     assert set(target.prefill_lookaheads) == {0} and target.fine_grained == (False,)
 
 
+def test_a_program_announcing_a_feature_draws_what_kvpools_targets_draw() -> None:
+    from kvpool.specs.targets.cmd.request import FEATURE_SCOPES
+    from kvpool.specs.targets.registry import PREFILL_LOOKAHEADS
+
+    assert FEATURE_SCOPES["prefill_lookahead"][0]["prefill_lookaheads"] == PREFILL_LOOKAHEADS
+    assert set(FEATURE_SCOPES) == set(codec.FEATURES)
+
+
 def test_a_program_written_before_features_keeps_its_scope() -> None:
     earlier = _factory_saying({"fine_grained": True})
     target = narrowed(ManagerTargetSpec(earlier, **CMD_SCOPE), earlier.declared_scope())

@@ -53,6 +53,8 @@ FEATURE_SCOPES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
         {"scheduler_calls": False, "in_flight": (None,)},
     ),
     "prefill_lookahead": (
+        # those drawn for kvpool's own targets (registry.PREFILL_LOOKAHEADS: a test keeps
+        # them equal; importing the registry here would load every engine's adapter module)
         {"prefill_lookaheads": (0, 0, 1, 2, 3)},
         {"prefill_lookaheads": (0,)},
     ),
