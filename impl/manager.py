@@ -21,6 +21,7 @@ from mypy_extensions import mypyc_attr
 
 import kvpool.impl.geometry as geometry
 from kvpool.impl.block import KVCacheBlock
+from kvpool.impl.coordinator import CoordinatorView
 from kvpool.impl.eagle import cacheable, check_eagle_config, check_eagle_flags
 from kvpool.impl.mamba_align import (
     MambaAlignManager,
@@ -992,6 +993,14 @@ class KVCacheManager:
     def usage(self) -> float:
         """The fraction of usable blocks held."""
         return self.block_pool.get_usage()
+
+    @property
+    def coordinator(self) -> CoordinatorView:
+        """The groups under the names vLLM's scheduler and engine read from its manager's
+        coordinator, read-only (``kvpool.impl.coordinator``)."""
+        return CoordinatorView(
+            self.managers, self.kv_cache_config, self.fine_grained_hits, self._reprefillable
+        )
 
     def get_num_common_prefix_blocks(self, running_request_id: Unchecked) -> list[int]:
         """Per group, the leading blocks every request holding blocks shares."""
