@@ -126,6 +126,14 @@ def layout_specs(
         return (mamba(-(-max_model_len // hbs) * hbs),)
     if layout == "full+sliding_window":
         return (full_attention(block_size), sliding_window(block_size, window))
+    if layout.startswith("wide_") and layout.endswith("+mamba_align"):
+        # a Mamba block of one hash block beside blocks of 2 or 4 (kvpool.model.manager's
+        # verify_align_geometry): hits end on the attention group's larger blocks
+        wide = {
+            "wide_full+": full_attention(2 * block_size),
+            "wide_sliding_window+": sliding_window(2 * block_size, window),
+        }
+        return (wide[layout.removesuffix("mamba_align")], mamba_align(hbs))
     if layout.endswith("mamba_align"):
         first = {
             "full+": full_attention(block_size),
@@ -364,6 +372,8 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
         )
         self.states = [s.mamba_align for s in specs]
         """Groups holding a recurrent state per block (Mamba "align"), not a token's KV per slot."""
+        self.align_block = next((s.block_size for s in specs if s.mamba_align), 0)
+        """The Mamba "align" block the scheduler splits prefill chunks on (0: none)."""
         self.model = model_manager.new_kv_cache_manager(
             num_blocks,
             specs,
@@ -421,9 +431,10 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
         request = self.requests[rid]
         hit: Blocks | None = None
         num_hit = 0
+        diverged = False
         if self.setup.enable_caching and connector:
             self._record("get_computed_blocks_for_connector", request_id=rid)
-            hit, num_hit, boundary, _ = self._do(
+            hit, num_hit, boundary, diverged = self._do(
                 f"get_computed_blocks_for_connector({rid})",
                 lambda s: scheduler_calls.get_computed_blocks_for_connector(s, request),
                 lambda t: _connector_hit(_sched(t).get_computed_blocks_for_connector(request)),
@@ -431,7 +442,11 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
             if self.setup.retention_interval is not None:
                 request = replace(request, shared_prefix_boundary=boundary)
                 self.requests[rid] = request
-        elif self.setup.enable_caching and self.setup.retention_interval is not None:
+        if (
+            self.setup.enable_caching
+            and (diverged or not connector)
+            and self.setup.retention_interval is not None
+        ):
             # vLLM 0.33's scheduler keeps the lookup's shared-prefix boundary on the request,
             # where sparse retention reads it when caching (kvpool.model.retention)
             self._record("get_computed_blocks_with_boundary", request_id=rid)
@@ -442,7 +457,9 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
             )
             request = replace(request, shared_prefix_boundary=boundary)
             self.requests[rid] = request
-        elif self.setup.enable_caching:
+        elif self.setup.enable_caching and (diverged or not connector):
+            # a diverged per-group hit that no external tokens back is looked up again
+            # (vLLM 0.33's Scheduler.schedule after get_computed_blocks_for_connector)
             self._record("get_computed_blocks", request_id=rid)
             hit, num_hit = self._do(
                 f"get_computed_blocks({rid})",
@@ -460,7 +477,7 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
             )
         num_new = min(chunk, request.num_tokens - num_hit)
         if any(self.states):
-            num_new = mamba_aligned_chunk(request, num_hit, num_new, self.block_sizes[0])
+            num_new = mamba_aligned_chunk(request, num_hit, num_new, self.align_block)
             if num_new == 0:
                 return  # the scheduler does not schedule a chunk that would end mid-block
         self._record(
@@ -652,7 +669,7 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
         num_real = min(chunk, request.num_tokens - request.num_computed_tokens)
         if any(self.states):
             start = request.num_computed_tokens
-            num_real = mamba_aligned_chunk(request, start, num_real, self.block_sizes[0])
+            num_real = mamba_aligned_chunk(request, start, num_real, self.align_block)
             if num_real == 0:
                 return  # the scheduler does not schedule a chunk that would end mid-block
         reaches_end = request.num_computed_tokens + num_real == request.num_tokens
