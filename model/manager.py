@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 import kvpool.model.admission as admission
 import kvpool.model.copy_on_write as cow
 import kvpool.model.eagle as eagle_ops
+import kvpool.model.external as external
 import kvpool.model.geometry as geometry
 import kvpool.model.mamba_align as mamba_align
 import kvpool.model.pool as pool_ops
@@ -34,6 +35,7 @@ import kvpool.model.single_type as single
 from kvpool.model.errors import (
     CachingDisabled,
     HitOnRunningRequest,
+    InvalidArgument,
     InvalidHit,
     InvalidManagerConfig,
     InvalidTokenCount,
@@ -44,7 +46,7 @@ from kvpool.model.events import KVCacheEvent
 from kvpool.model.profiles import DEFAULT_PROFILE, Profile
 from kvpool.model.request import Request, verify_hash_block_size
 from kvpool.model.single_type import AttentionType, KVCacheSpec
-from kvpool.model.state import BlockHash, PoolState
+from kvpool.model.state import NULL_BLOCK_ID, BlockHash, PoolState
 
 Blocks = tuple[tuple[int, ...], ...]
 """Block ids per KV cache group: ``blocks[g][i]`` is block i of group g."""
@@ -529,6 +531,10 @@ def allocate_slots(
     num_lookahead_tokens: int = 0,
     delay_cache_blocks: bool = False,
     full_sequence_must_fit: bool = False,
+    *,
+    num_external_computed_tokens: int = 0,
+    reserved_blocks: int = 0,
+    skip_zeroing_group_ids: Sequence[int] = (),
 ) -> tuple[KVCacheManagerState, Blocks | None]:
     """Give the request slots for ``num_new_tokens`` more tokens (and look-ahead), or refuse.
 
@@ -541,6 +547,13 @@ def allocate_slots(
     append new blocks; then cache every block that is full within the
     computed, hit and new tokens, never past the request's own tokens
     (draft tokens are not final). Returns the new blocks per group.
+
+    A KV connector's loads (``kvpool.model.external``): a request holding
+    nothing may come with ``num_external_computed_tokens`` past its hit (then
+    ``num_new_tokens`` may be 0: the load runs first), which get blocks of their
+    own after every group's hit is taken (recorded for zeroing unless the group
+    is in ``skip_zeroing_group_ids``) and count as computed; the step is refused
+    unless ``reserved_blocks`` free blocks remain after it.
 
     Complexity: O(blocks touched, allocated, released or cached).
 
@@ -556,12 +569,17 @@ def allocate_slots(
     hits: Blocks = tuple(() for _ in groups) if new_computed_blocks is None else new_computed_blocks
     # Verify that the request is hashed in the pool's hash blocks
     verify_hash_block_size(request, m.pool.config.hash_block_size)
-    # Verify that at least one new token is asked for
-    if num_new_tokens <= 0:
+    ext = num_external_computed_tokens
+    # Verify that at least one new token is asked for (none while external tokens load)
+    if num_new_tokens < 0 or (num_new_tokens == 0 and ext <= 0):
         raise NoNewTokens(f"num_new_tokens must be positive, got {num_new_tokens}")
     # Verify that the other counts are not negative
     if num_new_computed_tokens < 0 or num_lookahead_tokens < 0:
         raise InvalidTokenCount("num_new_computed_tokens and num_lookahead_tokens must be >= 0")
+    # Verify that the KV connector's arguments are valid (kvpool.model.external)
+    external.verify_connector_arguments(
+        m, request, num_new_computed_tokens, ext, reserved_blocks, skip_zeroing_group_ids
+    )
     # Verify that the hits have one entry per group, of known blocks
     if len(hits) != len(m.specs):
         raise InvalidHit(f"{len(hits)} hit lists for {len(m.specs)} groups")
@@ -579,6 +597,11 @@ def allocate_slots(
     num_computed = request.num_computed_tokens + num_new_computed_tokens
     # A hit ending inside a block is copied to a private block (copy-on-write)
     partial = [bool(hits[g]) and num_computed % m.specs[g].block_size != 0 for g in groups]
+    # Verify that external tokens do not follow a hit ending inside a block (not modelled)
+    if ext > 0 and any(partial):
+        raise InvalidArgument("external tokens after a hit ending inside a block: not modelled")
+    # the local hit and the external tokens (kvpool.model.external)
+    num_total = min(num_computed + ext, state.config.max_model_len)
     # Verify that a hit ending inside a block ends in its last block
     for g in groups:
         if partial[g] and num_computed // m.specs[g].block_size != len(hits[g]) - 1:
@@ -592,21 +615,48 @@ def allocate_slots(
         config = state.config
         in_flight = config.max_in_flight_tokens or config.max_model_len
         full = min(request.num_tokens, config.max_model_len)
-        if not admission.full_sequence_fits(
-            m, rid, full, hits, partial, in_flight, config.max_model_len
-        ):
+        if ext > 0:
+            fits = external.full_sequence_fits(
+                m, full, hits, num_computed + ext, in_flight, config.max_model_len
+            )
+        else:
+            fits = admission.full_sequence_fits(
+                m, rid, full, hits, partial, in_flight, config.max_model_len
+            )
+        if not fits:
             return state, None
     for g in groups:
         m, _ = single.remove_skipped_blocks(m, g, rid, request.num_computed_tokens)
-    num_slots = min(
-        num_computed + num_new_tokens + num_lookahead_tokens, state.config.max_model_len
-    )
+    num_slots = min(num_total + num_new_tokens + num_lookahead_tokens, state.config.max_model_len)
     # A Mamba "align" group sizes its table by the main model's tokens, not the look-ahead
     slots = [num_computed + num_new_tokens if s.mamba_align else num_slots for s in m.specs]
-    needed = sum(single.get_num_blocks_to_allocate(m, g, rid, slots[g], hits[g]) for g in groups)
+    if ext > 0:
+        needed = sum(
+            external.num_blocks_to_allocate(
+                m.pool, m.specs[g], slots[g], hits[g], num_computed + ext
+            )
+            for g in groups
+        )
+    else:
+        needed = sum(
+            single.get_num_blocks_to_allocate(m, g, rid, slots[g], hits[g]) for g in groups
+        )
     needed += sum(partial)
-    if needed > pool_ops.get_num_free_blocks(m.pool):
+    if needed > pool_ops.get_num_free_blocks(m.pool) - reserved_blocks:
         return replace(state, managers=m), None
+    if ext > 0:
+        state = replace(state, managers=m)
+        return _allocate_with_external(
+            state,
+            request,
+            num_computed,
+            ext,
+            num_new_tokens,
+            slots,
+            hits,
+            delay_cache_blocks,
+            skip_zeroing_group_ids,
+        )
 
     if m.pool.config.enable_caching:
         pool = m.pool
@@ -636,6 +686,55 @@ def allocate_slots(
     if m.pool.config.enable_caching and not delay_cache_blocks:
         num_to_cache = min(num_computed + num_new_tokens, request.num_tokens)
         m = _cache(state, m, request, num_to_cache)
+    return replace(state, managers=m), tuple(new_blocks)
+
+
+def _allocate_with_external(
+    state: KVCacheManagerState,
+    request: Request,
+    num_local: int,
+    num_external: int,
+    num_new_tokens: int,
+    slots: Sequence[int],
+    hits: Blocks,
+    delay_cache_blocks: bool,
+    skip_zeroing_group_ids: Sequence[int],
+) -> tuple[KVCacheManagerState, Blocks]:
+    """``allocate_slots``' taking and allocating for a request holding nothing that comes
+    with external tokens (checked, counted and known to fit; ``kvpool.model.external``).
+
+    Every group takes its hit past its skipped blocks first (nulls before them),
+    then every group gives the external tokens their blocks, then the step's.
+    """
+    m = state.managers
+    groups = range(len(m.specs))
+    rid = request.request_id
+    total = num_local + num_external
+    taken = [external.taken_hits(m.specs[g], hits[g], total) for g in groups]
+    if m.pool.config.enable_caching:
+        pool = m.pool
+        for _, kept in taken:
+            pool, _ = pool_ops.touch(pool, kept)
+        m = replace(m, pool=pool)
+    for g, (skipped, kept) in enumerate(taken):
+        m, _ = single.save_new_computed_blocks(m, g, rid, (NULL_BLOCK_ID,) * skipped + kept)
+    zero = state.new_block_ids
+    for g in groups:
+        held = len(m.tables[g].req_to_blocks[rid])
+        count = external.num_external_blocks(m.specs[g], held, num_local, num_external)
+        m, loaded = single.allocate_new_blocks(m, g, rid, (held + count) * m.specs[g].block_size)
+        if records_new_block_ids(m.specs, g) and g not in skip_zeroing_group_ids:
+            zero = (*zero, *((g, b) for b in loaded))
+    new_blocks: list[tuple[int, ...]] = []
+    for g in groups:
+        m, new = single.allocate_new_blocks(m, g, rid, slots[g])
+        if records_new_block_ids(m.specs, g):
+            zero = (*zero, *((g, b) for b in new))
+        new_blocks.append(new)
+    state = replace(state, new_block_ids=zero)
+    if m.pool.config.enable_caching and not delay_cache_blocks:
+        num_computed = min(total, state.config.max_model_len)
+        m = _cache(state, m, request, min(num_computed + num_new_tokens, request.num_tokens))
     return replace(state, managers=m), tuple(new_blocks)
 
 
