@@ -489,8 +489,11 @@ def encode_args(op: str, *args: Any) -> dict[str, Json]:
         return {"blocks": encode_blocks(args[0]), "num_computed_tokens": args[1]}
     if op == "allocate_slots":
         request, num_new, *rest = args
-        defaults: list[Any] = [0, None, 0, False, False]
-        computed, hits, lookahead, delay, whole = [*rest, *defaults[len(rest) :]]
+        defaults: list[Any] = [0, None, 0, False, False, 0, 0, ()]
+        computed, hits, lookahead, delay, whole, external, reserved, skip = [
+            *rest,
+            *defaults[len(rest) :],
+        ]
         return {
             "request": encode_request(request),
             "num_new_tokens": num_new,
@@ -500,6 +503,10 @@ def encode_args(op: str, *args: Any) -> dict[str, Json]:
             "delay_cache_blocks": bool(delay),
             # only when set (vLLM 0.33's admission gate): other programs keep their bytes
             **({"full_sequence_must_fit": True} if whole else {}),
+            # and so are a KV connector's arguments (kvpool.model.external)
+            **({"num_external_computed_tokens": external} if external else {}),
+            **({"reserved_blocks": reserved} if reserved else {}),
+            **({"skip_zeroing_group_ids": [int(g) for g in skip]} if skip else {}),
         }
     if op == "cache_blocks":
         return {"request": encode_request(args[0]), "num_computed_tokens": args[1]}
@@ -510,6 +517,19 @@ def encode_args(op: str, *args: Any) -> dict[str, Json]:
     if op == "none_hash":
         return {"seed": args[0]}
     return {}
+
+
+def _connector_arguments(args: Mapping[str, Json]) -> dict[str, Any]:
+    """A KV connector's ``allocate_slots`` arguments in ``args``, those set only."""
+    chosen: dict[str, Any] = {}
+    for name in ("num_external_computed_tokens", "reserved_blocks"):
+        if name in args:
+            chosen[name] = _int(args.get(name), name)
+    if "skip_zeroing_group_ids" in args:
+        chosen["skip_zeroing_group_ids"] = tuple(
+            _ints(args.get("skip_zeroing_group_ids"), "skip_zeroing_group_ids")
+        )
+    return chosen
 
 
 def _call(target: ManagerTarget, op: str, args: Mapping[str, Json]) -> Any:
@@ -527,6 +547,7 @@ def _call(target: ManagerTarget, op: str, args: Mapping[str, Json]) -> Any:
             _bool(args.get("delay_cache_blocks", False), "delay_cache_blocks"),
             # passed only when set: a target without vLLM 0.33's scheduler calls lacks it
             **({"full_sequence_must_fit": True} if whole else {}),
+            **_connector_arguments(args),
         )
     if op == "free":
         return target.free(decode_request(args.get("request")))

@@ -77,6 +77,7 @@ def run_request_conformance(
         prefill_lookaheads=target.prefill_lookaheads,
         eagle_hybrids=target.eagle_hybrids,
         context_parallel=target.context_parallel,
+        connector_loads=target.connector_loads,
     )
 
     def stop() -> None:
@@ -129,6 +130,8 @@ def narrowed(target: ManagerTargetSpec, claimed: dict[str, Any]) -> ManagerTarge
         fine_grained=fine,
         prefill_lookaheads=lookaheads,
         eagle_hybrids=bool(claimed.get("eagle_hybrids", target.eagle_hybrids)),
+        # and a KV connector's loads (vLLM 0.33's allocate_slots arguments)
+        connector_loads=bool(claimed.get("connector_loads", target.connector_loads)),
         # and context parallelism: only the world sizes both allow, else none
         context_parallel=tuple(
             cp

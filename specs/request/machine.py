@@ -50,6 +50,7 @@ from kvpool.model.single_type import (
     mamba_align,
     sliding_window,
 )
+from kvpool.model.state import NULL_BLOCK_ID
 from kvpool.specs.errors import Divergence, TargetError
 from kvpool.specs.pool.invariants import check_all
 from kvpool.specs.request.invariants import (
@@ -1224,6 +1225,154 @@ class RawManagerMachine(ManagerMachine):
             self._expect_rejection(description, type(error), on_target)
 
 
+# --------------------------------------------------------------------------
+# A KV connector's loads
+# --------------------------------------------------------------------------
+
+
+class ConnectorLoadsMachine(ManagerMachine):
+    """Also admits requests with a KV connector's loads (``kvpool.model.external``).
+
+    A class of its own, mixed in by ``manager_machine(..., connector_loads=True)``, so
+    that the machines of other targets keep drawing exactly what they did.
+    """
+
+    def _has_connector_loads(self) -> bool:
+        """Whether the target takes a KV connector's ``allocate_slots`` arguments: it has
+        the rest of vLLM 0.33's scheduler calls and does not say it cannot."""
+        target = self.target
+        return (
+            bool(self.waiting)
+            and callable(getattr(target, "pop_blocks_for_free", None))
+            and bool(getattr(target, "answers_scheduler_calls", True))
+        )
+
+    @precondition(lambda self: self._has_connector_loads())
+    @rule(
+        which=st.integers(0, 4),
+        chunk=st.integers(1, MAX_PROMPT),
+        external=st.integers(0, MAX_PROMPT),
+        reserved=st.sampled_from([0, 0, 1, 2, 4]),
+        load=st.sampled_from(["sync", "async"]),
+        skip=st.booleans(),
+        whole=st.booleans(),
+    )
+    def connector_load(
+        self,
+        which: int,
+        chunk: int,
+        external: int,
+        reserved: int,
+        load: str,
+        skip: bool,
+        whole: bool,
+    ) -> None:
+        """Admit a waiting request as vLLM 0.33's scheduler does with a KV connector: its
+        local hit, then ``external`` tokens past it the connector loads (at least one token
+        is left to compute), loaded in this step (``sync``) or before the next one
+        (``async``: no new tokens, nothing cached yet), ``reserved`` blocks kept free, the
+        first group's loaded blocks not zeroed (``skip``), and maybe only if the whole
+        sequence fits. The loaded positions hold the request's KV afterwards."""
+        rid = self.waiting[which % len(self.waiting)]
+        request = self.requests[rid]
+        hit: Blocks | None = None
+        num_hit = 0
+        if self.setup.enable_caching:
+            self._record("get_computed_blocks", request_id=rid)
+            hit, num_hit = self._do(
+                f"get_computed_blocks({rid})",
+                lambda s: model_manager.get_computed_blocks(s, request),
+                lambda t: _blocks_and_count(t.get_computed_blocks(request)),
+            )
+            check(
+                (
+                    "hit_matches_request",
+                    hit_matches_request(
+                        self.truth, request, hit, self.block_sizes, num_hit, self.states
+                    ),
+                )
+            )
+        mamba_groups = any(s.attention is AttentionType.MAMBA for s in self.setup.specs)
+        ext = 0 if mamba_groups else min(external, request.num_tokens - num_hit - 1)
+        ext = max(ext, 0)
+        delay = load == "async" and ext > 0
+        num_new = 0 if delay else min(chunk, request.num_tokens - num_hit - ext)
+        if num_new == 0 and ext == 0:
+            return
+        skip_ids = (0,) if skip else ()
+        connector: dict[str, Any] = {}
+        if ext:
+            connector["num_external_computed_tokens"] = ext
+        if reserved:
+            connector["reserved_blocks"] = reserved
+        if skip_ids:
+            connector["skip_zeroing_group_ids"] = list(skip_ids)
+        self._record(
+            "allocate_slots",
+            request_id=rid,
+            num_new_tokens=num_new,
+            num_new_computed_tokens=num_hit,
+            new_computed_blocks=None if hit is None else [list(g) for g in hit],
+            delay_cache_blocks=delay,
+            **({"full_sequence_must_fit": True} if whole else {}),
+            **connector,
+        )
+        allocated = self._do(
+            f"allocate_slots({rid}, num_new_tokens={num_new}, "
+            f"num_new_computed_tokens={num_hit}, new_computed_blocks={hit}, "
+            f"delay_cache_blocks={delay}, full_sequence_must_fit={whole}, "
+            f"num_external_computed_tokens={ext}, reserved_blocks={reserved}, "
+            f"skip_zeroing_group_ids={skip_ids})",
+            lambda s: model_manager.allocate_slots(
+                s,
+                request,
+                num_new,
+                num_hit,
+                hit,
+                0,
+                delay,
+                whole,
+                num_external_computed_tokens=ext,
+                reserved_blocks=reserved,
+                skip_zeroing_group_ids=skip_ids,
+            ),
+            lambda t: _blocks_or_none(
+                _sched(t).allocate_slots(
+                    request, num_new, num_hit, hit, 0, delay, whole, ext, reserved, skip_ids
+                )
+            ),
+        )
+        if allocated is None:
+            return
+        self.waiting.remove(rid)
+        self.running.append(rid)
+        request = with_computed(request, num_hit)
+        self._load(request, ext)
+        request = with_computed(request, num_hit + ext)
+        self.requests[rid] = request
+        if num_new:
+            self._compute(request, num_new, ())
+        else:
+            self._record("run_model", request_id=rid, num_computed_tokens=num_hit + ext, sampled=[])
+
+    def _load(self, request: Request, num_external: int) -> None:
+        """The connector writes the KV of ``num_external`` positions from the request's
+        computed count, in the blocks the request holds for them (none where skipped)."""
+        rid = request.request_id
+        start = request.num_computed_tokens
+        content = request_content(request, ())
+        tables = {r: self._table(r) for r in self.running}
+        for position in range(start, start + num_external):
+            for group, blocks in enumerate(tables[rid]):
+                index = position // self.block_sizes[group]
+                if self.states[group] or index >= len(blocks) or blocks[index] == NULL_BLOCK_ID:
+                    continue
+                block = blocks[index]
+                check(("write_is_exclusive", write_is_exclusive(block, rid, tables)))
+                size = self.block_sizes[group]
+                self.truth.write(group, block, position % size, content.prefix(position + 1))
+
+
 def manager_machine(
     make_target: ManagerFactory,
     layouts: Sequence[str] = LAYOUTS,
@@ -1243,6 +1392,7 @@ def manager_machine(
     prefill_lookaheads: Sequence[int] = (0,),
     eagle_hybrids: bool = False,
     context_parallel: Sequence[tuple[int, int]] = ((1, 1),),
+    connector_loads: bool = False,
 ) -> type[ManagerMachine]:
     """A state machine class that checks ``make_target`` on the given layouts and profiles.
 
@@ -1253,7 +1403,8 @@ def manager_machine(
     target supports) the hybrid layouts of ``HYBRID_LAYOUTS``. ``scheduler_calls``
     adds ``SchedulerCallsMachine``'s rule (the target must answer
     ``ManagerTargetScheduler``); ``in_flight`` are the ``max_in_flight_tokens``
-    managers are built with.
+    managers are built with. ``connector_loads`` adds ``ConnectorLoadsMachine``'s rule
+    (the target must take a KV connector's ``allocate_slots`` arguments).
     """
     if level not in (1, 2):
         raise ValueError(f"level must be 1 or 2, got {level}")
@@ -1282,4 +1433,6 @@ def manager_machine(
     }
     base: type[ManagerMachine] = RawManagerMachine if level == 2 else ManagerMachine
     bases = (SchedulerCallsMachine, base) if scheduler_calls else (base,)
+    if connector_loads:
+        bases = (ConnectorLoadsMachine, *bases)
     return type(name, bases, attrs)

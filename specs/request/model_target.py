@@ -46,6 +46,9 @@ class ModelManagerTarget:
         num_lookahead_tokens: int = 0,
         delay_cache_blocks: bool = False,
         full_sequence_must_fit: bool = False,
+        num_external_computed_tokens: int = 0,
+        reserved_blocks: int = 0,
+        skip_zeroing_group_ids: Sequence[int] = (),
     ) -> Blocks | None:
         self.state, blocks = model_manager.allocate_slots(
             self.state,
@@ -56,6 +59,9 @@ class ModelManagerTarget:
             num_lookahead_tokens,
             delay_cache_blocks,
             full_sequence_must_fit,
+            num_external_computed_tokens=num_external_computed_tokens,
+            reserved_blocks=reserved_blocks,
+            skip_zeroing_group_ids=skip_zeroing_group_ids,
         )
         return blocks
 

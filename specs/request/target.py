@@ -205,7 +205,12 @@ class ManagerTargetScheduler(ManagerTarget033, Protocol):
         num_lookahead_tokens: int = 0,
         delay_cache_blocks: bool = False,
         full_sequence_must_fit: bool = False,
-    ) -> Blocks | None: ...
+        num_external_computed_tokens: int = 0,
+        reserved_blocks: int = 0,
+        skip_zeroing_group_ids: Sequence[int] = (),
+    ) -> Blocks | None:
+        """The KV connector's arguments after ``full_sequence_must_fit`` are sent only where
+        ``ManagerTargetSpec.connector_loads`` says so (``kvpool.model.external``)."""
 
     def pop_blocks_for_free(self, request: Request) -> Sequence[int]:
         """The request's blocks, taken out of its tables and still held (freed later)."""
@@ -273,3 +278,7 @@ class ManagerTargetSpec:
     context_parallel: tuple[tuple[int, int], ...] = ((1, 1),)
     """The (decode, prefill) context-parallel world sizes programs draw (full-attention
     layouts only; the others run with (1, 1))."""
+    connector_loads: bool = False
+    """Whether programs admit requests with a KV connector's loads: external tokens,
+    reserved blocks, groups whose loaded blocks are not zeroed (``kvpool.model.external``;
+    True needs ``ManagerTargetScheduler`` and its ``allocate_slots``' further arguments)."""

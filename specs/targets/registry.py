@@ -320,6 +320,7 @@ def _from_scope(
             "prefill_lookaheads": scope.prefill_lookaheads,
             "eagle_hybrids": scope.eagle_hybrids,
             "context_parallel": scope.context_parallel,
+            "connector_loads": scope.connector_loads,
         },
     )
 

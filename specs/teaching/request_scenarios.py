@@ -311,6 +311,9 @@ def apply(world: World, op: str, args: Mapping[str, Json]) -> tuple[World, Json]
             a["num_lookahead_tokens"],
             a["delay_cache_blocks"],
             a["full_sequence_must_fit"],
+            num_external_computed_tokens=a["num_external_computed_tokens"],
+            reserved_blocks=a["reserved_blocks"],
+            skip_zeroing_group_ids=a["skip_zeroing_group_ids"],
         )
         return replace(world, manager=kv), None if new is None else _blocks_json(new)
     if op == "pop_blocks_for_free":
@@ -488,6 +491,9 @@ _ARGS: dict[str, tuple[str, ...]] = {
         "num_lookahead_tokens",
         "delay_cache_blocks",
         "full_sequence_must_fit",
+        "num_external_computed_tokens",
+        "reserved_blocks",
+        "skip_zeroing_group_ids",
     ),
     "free": ("request_id",),
     "cache_blocks": ("request_id", "num_computed_tokens"),
@@ -569,6 +575,11 @@ def decode_args(op: str, args: Mapping[str, Json]) -> dict[str, Any]:
         )
         out["delay_cache_blocks"] = _flag(args, "delay_cache_blocks")
         out["full_sequence_must_fit"] = _flag(args, "full_sequence_must_fit")
+        for name in ("num_external_computed_tokens", "reserved_blocks"):
+            out[name] = _count(args.get(name, 0), name)
+        out["skip_zeroing_group_ids"] = _ids(
+            args.get("skip_zeroing_group_ids", []), "allocate_slots: skip_zeroing_group_ids"
+        )
         hits = args.get("new_computed_blocks")
         out["from_lookup"] = hits == "lookup"
         if hits == "lookup" and "num_new_computed_tokens" in args:

@@ -1,9 +1,12 @@
 """A KV connector's loads at admission (``kvpool.model.external``): external tokens, reserved
 blocks, groups whose loaded blocks are not zeroed; the model, and the impl beside it."""
 
+import json
 from typing import Any
 
 import pytest
+from hypothesis import Phase, settings
+from hypothesis.stateful import run_state_machine_as_test
 
 from kvpool.impl import KVCacheConfig, KVCacheManager
 from kvpool.model import manager as M
@@ -16,6 +19,10 @@ from kvpool.model.errors import (
 )
 from kvpool.model.request import new_request, with_computed
 from kvpool.model.single_type import KVCacheSpec, full_attention, mamba, sliding_window
+from kvpool.specs.request.machine import manager_machine
+from kvpool.specs.request.model_target import ModelManagerTarget
+from kvpool.specs.targets.impl.request import ImplManagerTarget
+from kvpool.specs.teaching import request_scenarios
 
 
 def both(num_blocks: int, *specs: KVCacheSpec, **kw: Any) -> tuple[M.KVCacheManagerState, Any]:
@@ -186,3 +193,59 @@ def test_invalid_external_tokens_beside_a_mamba_group() -> None:
     with pytest.raises(InvalidArgument, match="Mamba"):
         impl.allocate_slots(request, 1, num_external_computed_tokens=4)
     assert impl.snapshot() == before == model
+
+
+# --------------------------------------------------------------------------
+# The machine: the impl in lock-step, programs through the scenario format
+# --------------------------------------------------------------------------
+
+CHOSEN = settings(
+    settings.get_profile("ci"),
+    max_examples=60,
+    stateful_step_count=30,
+    phases=[Phase.explicit, Phase.generate],
+)
+CONNECTOR_LAYOUTS = ["full", "sliding_window", "chunked_local", "full+sliding_window"]
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_the_impl_conforms_with_a_connector_s_loads(level: int) -> None:
+    machine = manager_machine(
+        ImplManagerTarget,
+        layouts=CONNECTOR_LAYOUTS,
+        level=level,
+        in_flight=(None, 1, 3),
+        scheduler_calls=True,
+        connector_loads=True,
+    )
+    run_state_machine_as_test(machine, settings=CHOSEN)
+
+
+def test_connector_load_programs_replay_through_the_scenario_format() -> None:
+    base = manager_machine(
+        ModelManagerTarget,
+        layouts=CONNECTOR_LAYOUTS,
+        in_flight=(None, 2),
+        scheduler_calls=True,
+        connector_loads=True,
+    )
+    loads: list[int] = []
+
+    class Checked(base):  # type: ignore[misc,valid-type]
+        def teardown(self) -> None:
+            if self.model is not None:
+                loads.append(
+                    sum(
+                        1
+                        for op, args in self.script
+                        if op == "allocate_slots" and "num_external_computed_tokens" in args
+                    )
+                )
+                line = request_scenarios.record(self.setup, self.script, "machine/program")
+                story = request_scenarios.decode(json.loads(line))
+                world = request_scenarios.final_state(story)
+                assert world.manager == self.model
+            super().teardown()
+
+    run_state_machine_as_test(Checked, settings=CHOSEN)
+    assert sum(loads) > 0, "no program loaded external tokens"

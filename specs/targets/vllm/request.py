@@ -68,7 +68,12 @@ from kvpool.model.single_type import AttentionType, KVCacheSpec
 from kvpool.specs.errors import TargetError
 from kvpool.specs.request.target import ManagerSetup, ManagerTargetSpec
 from kvpool.specs.targets.importing import import_from_here
-from kvpool.specs.targets.manager_api import SchedulerCalls, block_ids, copy_ids
+from kvpool.specs.targets.manager_api import (
+    SchedulerCalls,
+    block_ids,
+    connector_arguments,
+    copy_ids,
+)
 from kvpool.specs.targets.vllm import eras
 from kvpool.specs.targets.vllm.event_shape import UnmappedEvent, model_event
 from kvpool.specs.targets.vllm.hasher import VllmRequests, find_hasher
@@ -303,9 +308,17 @@ class VllmManagerTarget(SchedulerCalls):
         num_lookahead_tokens: int = 0,
         delay_cache_blocks: bool = False,
         full_sequence_must_fit: bool = False,
+        num_external_computed_tokens: int = 0,
+        reserved_blocks: int = 0,
+        skip_zeroing_group_ids: Sequence[int] = (),
     ) -> Blocks | None:
         # passed only when asked for: a release before 0.33 has no such argument
-        whole = {"full_sequence_must_fit": True} if full_sequence_must_fit else {}
+        whole: dict[str, Any] = {"full_sequence_must_fit": True} if full_sequence_must_fit else {}
+        whole.update(
+            connector_arguments(
+                num_external_computed_tokens, reserved_blocks, tuple(skip_zeroing_group_ids)
+            )
+        )
         hits = None
         if new_computed_blocks is not None and any(new_computed_blocks):
             pool_blocks = self.manager.block_pool.blocks
@@ -622,6 +635,9 @@ class VllmManagerFactory:
         if not api.version.startswith("0.33"):
             claimed["eagle_hybrids"] = False
             claimed["context_parallel"] = ((1, 1),)
+        if not eras.takes(api.manager_class, "allocate_slots", "reserved_blocks"):
+            # a release before a KV connector's reserved blocks (0.33) is not sent its loads
+            claimed["connector_loads"] = False
         return claimed
 
     def preflight(self, level: int, profiles: Sequence[str]) -> None:
@@ -778,6 +794,38 @@ def mamba_align_scope(factory: VllmManagerFactory | None = None) -> ManagerTarge
         block_factors=(1, 2),
         min_window=2,
         hash_sized_layouts=MAMBA_ALIGN_LAYOUTS,
+    )
+
+
+def connector_scope(factory: VllmManagerFactory | None = None) -> ManagerTargetSpec:
+    """Where vLLM 0.33's handling of a KV connector's loads is compared
+    (``kvpool.model.external``): requests admitted with external tokens, loaded in the step
+    or asynchronously, reserved blocks, groups not zeroed, with and without the whole-sequence
+    gate, on full attention, sliding windows and chunked local attention alone and in hybrids
+    (not Mamba: external tokens beside it are not modelled), events on and off."""
+    from kvpool.model import DEFAULT_PROFILE
+
+    return ManagerTargetSpec(
+        factory or VllmManagerFactory(),
+        layouts=(
+            "full",
+            "sliding_window",
+            "chunked_local",
+            "full+sliding_window",
+            "full+full+sliding_window",
+            "sliding_window+full",
+            "full+chunked_local",
+            "wide_full+sliding_window",
+        ),
+        profiles=(DEFAULT_PROFILE,),
+        events=(False, True),
+        block_factors=(1, 2),
+        min_window=2,
+        hash_sized_layouts=("full", "sliding_window", "chunked_local"),
+        in_flight=(None, 1, 3),
+        scheduler_calls=True,
+        eagle_hybrids=True,
+        connector_loads=True,
     )
 
 
