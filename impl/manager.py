@@ -525,11 +525,12 @@ class KVCacheManager:
         ):
             raise InvalidArgument("new_computed_blocks must be KVCacheBlocks or None")
         rid = request.request_id
-        hits: tuple[Sequence[KVCacheBlock], ...] = (
+        given: Any = (
             self.empty_kv_cache_blocks.blocks
             if new_computed_blocks is None
             else getattr(new_computed_blocks, "blocks", None)
         )
+        hits: tuple[Sequence[KVCacheBlock], ...] = given
         if type(hits) is not tuple or not all(isinstance(g, Sequence) for g in hits):
             raise InvalidArgument("new_computed_blocks.blocks must be a tuple of lists")
         # Verify that the request is hashed in the pool's hash blocks
