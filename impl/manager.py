@@ -22,7 +22,13 @@ from mypy_extensions import mypyc_attr
 import kvpool.impl.external as external
 import kvpool.impl.geometry as geometry
 from kvpool.impl.block import KVCacheBlock
-from kvpool.impl.eagle import cacheable, check_eagle_config, check_eagle_flags
+from kvpool.impl.eagle import (
+    cacheable,
+    check_eagle_config,
+    check_eagle_flags,
+    flagged_groups,
+    group_flags,
+)
 from kvpool.impl.mamba_align import MambaAlignManager, take_boundary_state_offloads
 from kvpool.impl.pool import BlockPool, Unchecked
 from kvpool.impl.single_type import (
@@ -59,6 +65,8 @@ class KVCacheConfig:
 
     num_blocks: int
     kv_cache_groups: tuple[KVCacheSpec, ...]
+    eagle_groups: tuple[int, ...] = ()
+    """The groups flagged as EAGLE's (vLLM's ``KVCacheGroupSpec.is_eagle_group``)."""
 
 
 class KVCacheBlocks:
@@ -246,13 +254,16 @@ class KVCacheManager:
         geometry.check_scheduler_block_size(specs, hbs, scheduler)
         # Verify that a Mamba "align" group's block is every group's and the scheduler's
         geometry.check_align_geometry(specs, scheduler)
+        # Verify that the groups flagged as EAGLE's exist
+        flagged = flagged_groups(kv_cache_config)
+        eagle_flags = group_flags(specs, use_eagle, flagged)
         # Verify that EAGLE and the look-ahead are settings vLLM 0.33 runs
         reprefillable = check_eagle_config(
-            specs, enable_caching, use_eagle, num_prefill_lookahead, scheduler
+            specs, enable_caching, use_eagle, num_prefill_lookahead, scheduler, eagle_flags
         )
-        check_eagle_flags(
-            kv_cache_config, use_eagle, enable_caching, num_prefill_lookahead, scheduler
-        )
+        check_eagle_flags(flagged, enable_caching, num_prefill_lookahead, scheduler)
+        self.eagle_groups = flagged
+        self._eagle_flags = eagle_flags
         self.scheduler_block_size: int = scheduler
         self.dcp_world_size = dcp_world_size
         self.pcp_world_size = pcp_world_size
@@ -283,8 +294,8 @@ class KVCacheManager:
             else get_manager_for_kv_cache_spec(spec, self.block_pool, g)
             for g, spec in enumerate(specs)
         ]
-        for manager in self.managers:
-            manager.use_eagle = use_eagle
+        for manager, eagle_group in zip(self.managers, eagle_flags, strict=True):
+            manager.use_eagle = eagle_group
             if isinstance(manager, MambaAlignManager):
                 manager.hybrid = len(specs) > 1
             # sliding-window groups cache only what hits at these multiples can use
@@ -348,7 +359,7 @@ class KVCacheManager:
                 [0],
                 self.block_pool,
                 manager.kv_cache_spec,
-                self.use_eagle,
+                self._eagle_flags[0],
             )
             return hit, self._extend(hit, block_hashes, max_length, [0], manager.kv_cache_spec), 0
 
@@ -356,7 +367,7 @@ class KVCacheManager:
         lengths: dict[int, int] = {}
         length = max_length
         longest = 0
-        eagle = self.use_eagle
+        flags = self._eagle_flags
         kinds = self._kinds
         # full attention and one other kind: one round (vLLM's "simple hybrid")
         simple = len(kinds) == 2 and kinds[0][0].attention is AttentionType.FULL
@@ -371,7 +382,7 @@ class KVCacheManager:
                 if spec.attention is AttentionType.FULL and ids[0] in hits:
                     candidate = min(candidate, lengths[ids[0]])
                     continue
-                drop = eagle and k not in verified
+                drop = flags[ids[0]] and k not in verified
                 reach = candidate
                 if drop and spec.attention is not AttentionType.MAMBA:
                     # peek one block past the candidate, then drop back to it
@@ -742,7 +753,7 @@ class KVCacheManager:
                 hybrid,
                 manager.block_size,
                 self.scheduler_block_size,
-                self.use_eagle,
+                manager.use_eagle,
                 self.fine_grained_hits,
                 self._reprefillable,
                 num_tokens,
@@ -1074,6 +1085,7 @@ class KVCacheManager:
                 self.scheduler_block_size,
                 self.dcp_world_size,
                 self.pcp_world_size,
+                tuple(self.eagle_groups),
             ),
             managers=ManagersState(
                 pool=self.block_pool.snapshot(),

@@ -180,6 +180,9 @@ class ManagerConfig:
     """Decode context parallelism: sharded groups' blocks hold this many times their tokens."""
     pcp_world_size: int = 1
     """Prefill context parallelism (checked at construction; blocks keep their size)."""
+    eagle_groups: tuple[int, ...] = ()
+    """The groups flagged as EAGLE's (vLLM 0.33's ``is_eagle_group``); none: with
+    ``use_eagle`` every group is (``kvpool.model.eagle.group_flags``)."""
 
 
 @dataclass(frozen=True)
@@ -216,6 +219,7 @@ def new_kv_cache_manager(
     scheduler_block_size: int | None = None,
     dcp_world_size: int = 1,
     pcp_world_size: int = 1,
+    eagle_groups: Sequence[int] = (),
 ) -> KVCacheManagerState:
     """A manager over a fresh pool of ``num_blocks``, one group per spec.
 
@@ -229,7 +233,9 @@ def new_kv_cache_manager(
     unless it is in "align" mode, which needs every group's block, the hash
     block and the scheduler block to be one size. EAGLE and multi-module MTP's
     ``num_prefill_lookahead`` as ``kvpool.model.eagle.verify_eagle_config``
-    allows. ``fine_grained_hits`` asks for hits ending inside a block; it takes
+    allows; ``eagle_groups`` flags the groups EAGLE runs on (none: every group;
+    ``kvpool.model.eagle.group_flags``). ``fine_grained_hits`` asks for hits
+    ending inside a block; it takes
     effect only where ``copy_on_write.fine_grained_hits_enabled`` allows it
     (vllm#51843) and the groups share one block size.
 
@@ -287,9 +293,11 @@ def new_kv_cache_manager(
     # Verify that a Mamba "align" group's block is every group's and the scheduler's (not
     # modelled otherwise: its checkpoints and tail keys follow the scheduler block in vLLM)
     verify_align_geometry(specs, scheduler)
+    # Verify that the groups flagged as EAGLE's exist
+    eagle_ops.verify_eagle_groups(specs, eagle_groups)
     # Verify that EAGLE and the look-ahead are settings vLLM 0.33 runs
     eagle_ops.verify_eagle_config(
-        specs, enable_caching, use_eagle, num_prefill_lookahead, scheduler
+        specs, enable_caching, use_eagle, num_prefill_lookahead, scheduler, eagle_groups
     )
     fine = cow.fine_grained_hits_enabled(specs, hbs, fine_grained_hits, use_eagle) and (
         len({s.block_size for s in specs}) == 1
@@ -304,6 +312,7 @@ def new_kv_cache_manager(
         scheduler,
         dcp_world_size,
         pcp_world_size,
+        tuple(eagle_groups),
     )
     return KVCacheManagerState(
         config=config,
@@ -387,10 +396,10 @@ def find_hit_with_boundary(
     """
     m = state.managers
     specs = m.specs
-    eagle = state.config.use_eagle
+    flags = _eagle_flags(state)
     fine = state.config.fine_grained_hits
     if len(specs) == 1:
-        (hit,), length = _search(m.pool, specs[0], block_hashes, max_length, [0], eagle, fine)
+        (hit,), length = _search(m.pool, specs[0], block_hashes, max_length, [0], flags[0], fine)
         return (hit,), length, 0
     # hits of several groups end where every group can resume (kvpool.model.geometry)
     alignment = 0 if fine else _scheduler_block_size(state)
@@ -421,7 +430,7 @@ def find_hit_with_boundary(
             if spec.attention is AttentionType.FULL and ids[0] in hits:
                 candidate = min(candidate, lengths[ids[0]])
                 continue
-            drop = eagle and k not in verified
+            drop = any(flags[g] for g in ids) and k not in verified
             reach = eagle_ops.peek(spec, candidate, num_hashed) if drop else candidate
             found, found_length = _search(
                 m.pool, spec, block_hashes, reach, ids, drop, fine, alignment
@@ -443,6 +452,12 @@ def find_hit_with_boundary(
     # every group's hit cut back to the reconciled length, in its own blocks
     trimmed = tuple(hits[g][: -(-length // specs[g].block_size)] for g in range(len(specs)))
     return trimmed, length, longest - length
+
+
+def _eagle_flags(state: KVCacheManagerState) -> tuple[bool, ...]:
+    """Per group, whether it drops EAGLE's block (``kvpool.model.eagle.group_flags``)."""
+    config = state.config
+    return eagle_ops.group_flags(state.managers.specs, config.use_eagle, config.eagle_groups)
 
 
 def _scheduler_block_size(state: KVCacheManagerState) -> int:
@@ -781,18 +796,19 @@ def _cache(
     config = state.config
     reprefillable = eagle_ops.num_reprefillable_tokens(config.num_prefill_lookahead)
     scheduler = _scheduler_block_size(state)
+    flags = _eagle_flags(state)
     for g, spec in enumerate(m.specs):
         cacheable = eagle_ops.cacheable_tokens(
             len(m.specs),
             spec.block_size,
             scheduler,
-            config.use_eagle,
+            flags[g],
             config.fine_grained_hits,
             reprefillable,
             num_tokens,
         )
         m, _ = single.cache_blocks(
-            m, g, request, cacheable, config.use_eagle, config.fine_grained_hits, scheduler
+            m, g, request, cacheable, flags[g], config.fine_grained_hits, scheduler
         )
     return m
 

@@ -57,6 +57,7 @@ from kvpool.specs.request.target import (
     ManagerSetup,
     ManagerSnapshottable,
     ManagerTarget,
+    eagle_arguments,
     geometry_arguments,
 )
 
@@ -203,6 +204,7 @@ def encode_setup(setup: ManagerSetup) -> Json:
         ),
         # the block geometry, written only where it is not the default
         **geometry_arguments(setup),
+        **eagle_arguments(setup),
     }
 
 
@@ -243,6 +245,7 @@ def decode_setup(value: Json) -> ManagerSetup:
         ),
         dcp_world_size=_bounded(obj.get("dcp_world_size", 1), "dcp_world_size", MAX_GROUPS),
         pcp_world_size=_bounded(obj.get("pcp_world_size", 1), "pcp_world_size", MAX_GROUPS),
+        eagle_groups=_ints(obj.get("eagle_groups", []), "eagle_groups"),
     )
 
 
@@ -451,6 +454,7 @@ def decode_manager_state(value: Json, setup: ManagerSetup) -> KVCacheManagerStat
             scheduler_block_size=scheduler,
             dcp_world_size=setup.dcp_world_size,
             pcp_world_size=setup.pcp_world_size,
+            eagle_groups=setup.eagle_groups,
         ),
         managers=ManagersState(pool, specs, tuple(tables)),
         stats=decode_stats(obj.get("stats")),

@@ -78,6 +78,7 @@ def run_request_conformance(
         eagle_hybrids=target.eagle_hybrids,
         context_parallel=target.context_parallel,
         connector_loads=target.connector_loads,
+        eagle_flags=target.eagle_flags,
     )
 
     def stop() -> None:
@@ -132,6 +133,7 @@ def narrowed(target: ManagerTargetSpec, claimed: dict[str, Any]) -> ManagerTarge
         eagle_hybrids=bool(claimed.get("eagle_hybrids", target.eagle_hybrids)),
         # and a KV connector's loads (vLLM 0.33's allocate_slots arguments)
         connector_loads=bool(claimed.get("connector_loads", target.connector_loads)),
+        eagle_flags=bool(claimed.get("eagle_flags", target.eagle_flags)),
         # and context parallelism: only the world sizes both allow, else none
         context_parallel=tuple(
             cp

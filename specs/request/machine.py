@@ -156,6 +156,11 @@ def layout_specs(
         return (full_attention(2 * block_size), sliding_window(block_size, window))
     if layout == "full+wide_sliding_window":
         return (full_attention(block_size), sliding_window(2 * block_size, window))
+    if layout == "wide_full+sliding_window+sliding_window":
+        # two equal windows searched together, hits at multiples of the wider full blocks
+        # (vLLM 0.33's test_eagle_grouped_swa_siblings_use_same_cache_mask)
+        swa = sliding_window(block_size, window)
+        return (full_attention(2 * block_size), swa, swa)
     raise ValueError(f"unknown layout {layout!r}")
 
 
@@ -177,6 +182,7 @@ def _start_rule(
     prefill_lookaheads: Sequence[int] = (0,),
     eagle_hybrids: bool = False,
     context_parallel: Sequence[tuple[int, int]] = ((1, 1),),
+    eagle_flags: bool = False,
 ) -> Callable[..., None]:
     """The machine's first step, drawing only from the configurations given.
 
@@ -194,6 +200,10 @@ def _start_rule(
         extra["lookahead"] = st.sampled_from(list(prefill_lookaheads))
     if any(cp != (1, 1) for cp in context_parallel):
         extra["cp"] = st.sampled_from(list(context_parallel))
+    eagle = st.sampled_from([False, False, True])
+    if eagle_flags:  # likewise: the groups flagged as EAGLE's, of those the layout has
+        extra["flags"] = st.sets(st.integers(0, 2), min_size=1, max_size=2)
+        eagle = st.sampled_from([False, True, True, True])  # flags matter with EAGLE only
 
     decorate = cast(
         Callable[[Callable[..., None]], Callable[..., None]],
@@ -204,7 +214,7 @@ def _start_rule(
             factor=st.sampled_from(list(block_factors)),
             num_blocks=st.integers(2, 16),
             caching=st.sampled_from([True, True, True, False]),
-            eagle=st.sampled_from([False, False, True]),
+            eagle=eagle,
             events=st.sampled_from(list(events)),
             log_stats=st.booleans(),
             window=st.integers(min_window, max(min_window, 6)),
@@ -309,6 +319,7 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
         lookahead: int = 0,
         eagle_hybrids: bool = False,
         cp: tuple[int, int] = (1, 1),
+        flags: frozenset[int] | set[int] = frozenset(),
     ) -> None:
         """Build the model and the target; the first requests arrive.
 
@@ -327,6 +338,16 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
             eagle = eagle and not (caching and "chunked_local" in layout)
         else:
             eagle = eagle and layout in ("full", "sliding_window")
+        # flagged groups (vLLM 0.33's is_eagle_group), with EAGLE on; never a chunked-local one
+        flagged = tuple(
+            sorted(
+                g
+                for g in flags
+                if eagle
+                and g < len(specs)
+                and specs[g].attention is not AttentionType.CHUNKED_LOCAL
+            )
+        )
         if eagle and caching:  # the dropped tail (a scheduler block) holds every re-prefilled token
             lookahead = min(lookahead, default_scheduler_block_size(effective_specs(specs, dcp)))
         self.setup = ManagerSetup(
@@ -344,6 +365,7 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
             num_prefill_lookahead=lookahead,
             dcp_world_size=dcp,
             pcp_world_size=pcp,
+            eagle_groups=flagged,
         )
         self.states = [s.mamba_align for s in specs]
         """Groups holding a recurrent state per block (Mamba "align"), not a token's KV per slot."""
@@ -361,6 +383,7 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
             max_in_flight_tokens=in_flight,
             num_prefill_lookahead=lookahead,
             **geometry_arguments(self.setup),
+            eagle_groups=self.setup.eagle_groups,
         )
         # the groups' blocks as the manager holds them (sharded ones times the world size)
         self.block_sizes = [s.block_size for s in self.model.managers.specs]
@@ -1393,6 +1416,7 @@ def manager_machine(
     eagle_hybrids: bool = False,
     context_parallel: Sequence[tuple[int, int]] = ((1, 1),),
     connector_loads: bool = False,
+    eagle_flags: bool = False,
 ) -> type[ManagerMachine]:
     """A state machine class that checks ``make_target`` on the given layouts and profiles.
 
@@ -1404,7 +1428,8 @@ def manager_machine(
     adds ``SchedulerCallsMachine``'s rule (the target must answer
     ``ManagerTargetScheduler``); ``in_flight`` are the ``max_in_flight_tokens``
     managers are built with. ``connector_loads`` adds ``ConnectorLoadsMachine``'s rule
-    (the target must take a KV connector's ``allocate_slots`` arguments).
+    (the target must take a KV connector's ``allocate_slots`` arguments); ``eagle_flags``
+    flags some groups as EAGLE's (``ManagerSetup.eagle_groups``).
     """
     if level not in (1, 2):
         raise ValueError(f"level must be 1 or 2, got {level}")
@@ -1427,6 +1452,7 @@ def manager_machine(
             prefill_lookaheads,
             eagle_hybrids,
             context_parallel,
+            eagle_flags,
         ),
         "make_target": staticmethod(make_target),
         "lockstep": lockstep,

@@ -28,6 +28,7 @@ class ModelManagerTarget:
             max_in_flight_tokens=setup.max_in_flight_tokens,
             num_prefill_lookahead=setup.num_prefill_lookahead,
             **geometry_arguments(setup),
+            eagle_groups=setup.eagle_groups,
         )
 
     def snapshot(self) -> KVCacheManagerState:

@@ -132,6 +132,7 @@ def _model_manager(setup: ManagerSetup) -> KVCacheManagerState:
         max_in_flight_tokens=setup.max_in_flight_tokens,
         num_prefill_lookahead=setup.num_prefill_lookahead,
         **geometry_arguments(setup),
+        eagle_groups=setup.eagle_groups,
     )
 
 

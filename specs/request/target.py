@@ -114,6 +114,20 @@ class ManagerSetup:
     ``block_size`` tokens."""
     pcp_world_size: int = 1
     """Prefill context parallelism (full attention and replicated groups only)."""
+    eagle_groups: tuple[int, ...] = ()
+    """The groups flagged as EAGLE's (vLLM 0.33's ``is_eagle_group``; none: with
+    ``use_eagle`` every group is; ``kvpool.model.eagle.group_flags``)."""
+
+
+def eagle_arguments(setup: ManagerSetup) -> dict[str, list[int]]:
+    """``eagle_groups`` as the model's ``new_kv_cache_manager`` keyword, if any are flagged
+    (so that setups without flags build and encode as they did).
+
+    >>> from kvpool.model.single_type import full_attention
+    >>> eagle_arguments(ManagerSetup(4, (full_attention(2),), 8, 2, eagle_groups=(0,)))
+    {'eagle_groups': [0]}
+    """
+    return {"eagle_groups": list(setup.eagle_groups)} if setup.eagle_groups else {}
 
 
 def geometry_arguments(setup: ManagerSetup) -> dict[str, int]:
@@ -278,6 +292,9 @@ class ManagerTargetSpec:
     context_parallel: tuple[tuple[int, int], ...] = ((1, 1),)
     """The (decode, prefill) context-parallel world sizes programs draw (full-attention
     layouts only; the others run with (1, 1))."""
+    eagle_flags: bool = False
+    """Whether programs flag some groups as EAGLE's (``ManagerSetup.eagle_groups``; with
+    ``eagle_hybrids``, on layouts of several groups)."""
     connector_loads: bool = False
     """Whether programs admit requests with a KV connector's loads: external tokens,
     reserved blocks, groups whose loaded blocks are not zeroed (``kvpool.model.external``;

@@ -69,7 +69,7 @@ from kvpool.model.single_type import (
 )
 from kvpool.specs.protocol.codec import Json, encode_event, loads
 from kvpool.specs.request import target
-from kvpool.specs.request.target import ManagerSetup, geometry_arguments
+from kvpool.specs.request.target import ManagerSetup, eagle_arguments, geometry_arguments
 from kvpool.specs.teaching.scenarios import ScenarioError, Step
 
 LAYER = "request"
@@ -176,6 +176,7 @@ def new_world(setup: ManagerSetup) -> World:
         max_in_flight_tokens=setup.max_in_flight_tokens,
         num_prefill_lookahead=setup.num_prefill_lookahead,
         **geometry_arguments(setup),
+        eagle_groups=setup.eagle_groups,
     )
     return World(manager)
 
@@ -740,6 +741,7 @@ def encode_setup(setup: ManagerSetup) -> dict[str, Json]:
             else {}
         ),
         **geometry_arguments(setup),
+        **eagle_arguments(setup),
     }
 
 
@@ -757,6 +759,7 @@ def decode_setup(value: Json) -> ManagerSetup:
         "max_in_flight_tokens",
         "num_prefill_lookahead",
         *GEOMETRY_FIELDS,
+        "eagle_groups",
     }
     unknown = sorted(set(value) - known)
     if unknown:
@@ -802,6 +805,7 @@ def decode_setup(value: Json) -> ManagerSetup:
         ),
         dcp_world_size=_count(value.get("dcp_world_size", 1), "dcp_world_size"),
         pcp_world_size=_count(value.get("pcp_world_size", 1), "pcp_world_size"),
+        eagle_groups=_ids(value.get("eagle_groups", []), "config: eagle_groups"),
     )
     try:
         new_world(chosen)

@@ -29,7 +29,7 @@ class ImplManagerTarget(SchedulerCalls):
     def __init__(self, setup: ManagerSetup) -> None:
         self.specs = setup.specs
         self.manager = self.manager_class(
-            KVCacheConfig(setup.num_blocks, setup.specs),
+            KVCacheConfig(setup.num_blocks, setup.specs, setup.eagle_groups),
             setup.max_model_len,
             hash_block_size=setup.hash_block_size,
             enable_caching=setup.enable_caching,

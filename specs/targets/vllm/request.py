@@ -238,7 +238,9 @@ class VllmManagerTarget(SchedulerCalls):
                 )
             else:
                 vllm_spec = interface.FullAttentionSpec(block_size=spec.block_size, **shape)
-            groups.append(interface.KVCacheGroupSpec([f"layer.{g}"], vllm_spec))
+            # a group flagged as EAGLE's (vLLM 0.33): only then, so older releases build
+            flag = {"is_eagle_group": True} if g in setup.eagle_groups else {}
+            groups.append(interface.KVCacheGroupSpec([f"layer.{g}"], vllm_spec, **flag))
         config = interface.KVCacheConfig(
             num_blocks=setup.num_blocks, kv_cache_tensors=[], kv_cache_groups=groups
         )
@@ -634,6 +636,7 @@ class VllmManagerFactory:
             claimed["prefill_lookaheads"] = (0,)
         if not api.version.startswith("0.33"):
             claimed["eagle_hybrids"] = False
+            claimed["eagle_flags"] = False
             claimed["context_parallel"] = ((1, 1),)
         if not eras.takes(api.manager_class, "allocate_slots", "reserved_blocks"):
             # a release before a KV connector's reserved blocks (0.33) is not sent its loads
@@ -826,6 +829,37 @@ def connector_scope(factory: VllmManagerFactory | None = None) -> ManagerTargetS
         scheduler_calls=True,
         eagle_hybrids=True,
         connector_loads=True,
+    )
+
+
+def eagle_flags_scope(factory: VllmManagerFactory | None = None) -> ManagerTargetSpec:
+    """Where vLLM 0.33's per-group EAGLE flags (``is_eagle_group``) are compared: up to two
+    groups flagged, with EAGLE drawn, on full attention and sliding windows alone and in
+    hybrids (a flagged window beside an unflagged one, siblings of one spec, blocks of
+    two sizes), multi-module MTP's look-ahead, events on and off."""
+    from kvpool.model import DEFAULT_PROFILE
+
+    return ManagerTargetSpec(
+        factory or VllmManagerFactory(),
+        layouts=(
+            "full",
+            "sliding_window",
+            "full+sliding_window",
+            "full+full+sliding_window",
+            "sliding_window+full",
+            "full+sliding_window+sliding_window",
+            "wide_full+sliding_window",
+            "full+wide_sliding_window",
+            "wide_full+sliding_window+sliding_window",
+        ),
+        profiles=(DEFAULT_PROFILE,),
+        events=(False, True),
+        block_factors=(1, 2),
+        min_window=2,
+        hash_sized_layouts=("full", "sliding_window"),
+        prefill_lookaheads=(0, 0, 1, 2),
+        eagle_hybrids=True,
+        eagle_flags=True,
     )
 
 
