@@ -163,7 +163,9 @@ class KVCacheManager:
         ``watermark`` and the Mamba shared-prefix checkpoint, and
         ``prefix_cache_retention_interval`` in the config. Groups may have different block
         sizes, and decode context parallelism multiplies a sharded group's
-        (``kvpool.model.geometry``). EAGLE runs on every group (kvpool has no per-group flag)
+        (``kvpool.model.geometry``). EAGLE runs on the groups flagged (vLLM's
+        ``is_eagle_group``, or this module's ``KVCacheConfig.eagle_groups``), every group
+        when none is (``kvpool.model.eagle.group_flags``),
         and ``num_prefill_lookahead`` holds back multi-module MTP's re-prefilled tokens from
         caching (``kvpool.model.eagle``). ``fine_grained_hits`` (not vLLM's: there a Mamba
         "align" group turns it on) lets hits end inside a block when every group is full
