@@ -202,8 +202,8 @@ def _start_rule(
         extra["cp"] = st.sampled_from(list(context_parallel))
     eagle = st.sampled_from([False, False, True])
     if eagle_flags:  # likewise: the groups flagged as EAGLE's, of those the layout has
-        extra["flags"] = st.sets(st.integers(0, 2), min_size=1, max_size=2)
-        eagle = st.sampled_from([False, True, True, True])  # flags matter with EAGLE only
+        extra["flags"] = st.sets(st.integers(0, 2), max_size=2)
+        eagle = st.sampled_from([False, True])  # the flags matter with EAGLE only
 
     decorate = cast(
         Callable[[Callable[..., None]], Callable[..., None]],

@@ -761,6 +761,11 @@ def scope(factory: VllmManagerFactory | None = None) -> ManagerTargetSpec:
         eagle_hybrids=True,
         # decode and prefill context parallelism on the full-attention layouts
         context_parallel=((1, 1), (2, 1), (1, 2), (2, 2)),
+        # a KV connector's loads and EAGLE flagged on some groups (kvpool.model.external,
+        # kvpool.model.eagle.group_flags); eagle_flags_scope() and connector_scope() draw
+        # them more densely
+        connector_loads=True,
+        eagle_flags=True,
     )
 
 
@@ -833,17 +838,16 @@ def connector_scope(factory: VllmManagerFactory | None = None) -> ManagerTargetS
 
 
 def eagle_flags_scope(factory: VllmManagerFactory | None = None) -> ManagerTargetSpec:
-    """Where vLLM 0.33's per-group EAGLE flags (``is_eagle_group``) are compared: up to two
-    groups flagged, with EAGLE drawn, on full attention and sliding windows alone and in
-    hybrids (a flagged window beside an unflagged one, siblings of one spec, blocks of
-    two sizes), multi-module MTP's look-ahead, events on and off."""
+    """Where vLLM 0.33's per-group EAGLE flags (``is_eagle_group``) are compared most
+    densely (``VLLM_SCOPE`` draws them too): up to two groups flagged, EAGLE drawn half the
+    time, on hybrids of full attention and sliding windows (a flagged window beside an
+    unflagged one, siblings of one spec, blocks of two sizes), multi-module MTP's
+    look-ahead, events on and off."""
     from kvpool.model import DEFAULT_PROFILE
 
     return ManagerTargetSpec(
         factory or VllmManagerFactory(),
         layouts=(
-            "full",
-            "sliding_window",
             "full+sliding_window",
             "full+full+sliding_window",
             "sliding_window+full",
@@ -856,7 +860,6 @@ def eagle_flags_scope(factory: VllmManagerFactory | None = None) -> ManagerTarge
         events=(False, True),
         block_factors=(1, 2),
         min_window=2,
-        hash_sized_layouts=("full", "sliding_window"),
         prefill_lookaheads=(0, 0, 1, 2),
         eagle_hybrids=True,
         eagle_flags=True,
@@ -867,7 +870,8 @@ VLLM_SCOPE = scope()
 """Where vLLM 0.33's manager is compared: every attention type it runs on a CPU
 (full, sliding window of at least 2 tokens, chunked local, Mamba) and hybrids of
 them (vLLM's HybridKVCacheCoordinator), events on and off, blocks of one or two hash
-blocks, the hashless-first profile. Two limits are vLLM's (``vllm_refuses``): Mamba
+blocks, the hashless-first profile, a KV connector's loads and EAGLE flagged on some
+groups. Two limits are vLLM's (``vllm_refuses``): Mamba
 runs with prefix caching off, and a single group has blocks of one hash block when
 caching is on."""
 
