@@ -20,6 +20,7 @@ def check_eagle_config(
     use_eagle: bool,
     num_prefill_lookahead: int,
     scheduler_block_size: int,
+    flags: Sequence[bool] | None = None,
 ) -> int:
     """Raise InvalidManagerConfig as the model's ``verify_eagle_config`` does; return the
     number of re-prefillable tokens (``num_prefill_lookahead - 1``, at least 0).
@@ -35,8 +36,8 @@ def check_eagle_config(
     if num_prefill_lookahead < 0:
         raise InvalidManagerConfig(f"num_prefill_lookahead={num_prefill_lookahead} is negative")
     if use_eagle and enable_caching:
-        for spec in specs:
-            if spec.attention is AttentionType.CHUNKED_LOCAL:
+        for g, spec in enumerate(specs):
+            if spec.attention is AttentionType.CHUNKED_LOCAL and (flags is None or flags[g]):
                 raise InvalidManagerConfig(
                     "EAGLE with prefix caching cannot have a chunked-local group"
                 )
@@ -79,33 +80,67 @@ def cacheable(
     return final if final < bound else bound
 
 
+def flagged_groups(kv_cache_config: object) -> tuple[int, ...]:
+    """The groups flagged as EAGLE's: kvpool's config's ``eagle_groups``, or the groups of
+    vLLM's config whose ``is_eagle_group`` is set.
+
+    >>> flagged_groups(object())
+    ()
+    """
+    given = getattr(kv_cache_config, "eagle_groups", None)
+    if given is not None:
+        # Verify that the flagged groups are a tuple of group ids
+        if not isinstance(given, tuple):
+            raise InvalidManagerConfig(f"eagle_groups={given!r:.60} must be a tuple of groups")
+        return given
+    groups = getattr(kv_cache_config, "kv_cache_groups", ())
+    return tuple(
+        g for g, group in enumerate(groups) if getattr(group, "is_eagle_group", False) is True
+    )
+
+
+def group_flags(
+    specs: Sequence[KVCacheSpec], use_eagle: bool, flagged: Sequence[int]
+) -> list[bool]:
+    """Per group, whether it drops EAGLE's block (``kvpool.model.eagle.group_flags``): the
+    flagged groups and their equal siblings with ``use_eagle``, every group when none is
+    flagged, none without it. ``flagged`` must name groups of ``specs`` (checked first).
+
+    >>> from kvpool.model.single_type import full_attention, sliding_window
+    >>> group_flags([full_attention(4), sliding_window(4, 4)], True, (1,))
+    [False, True]
+    """
+    for g in flagged:
+        if type(g) is not int or not 0 <= g < len(specs):
+            raise InvalidManagerConfig(
+                f"eagle_groups={list(flagged)!r:.60}: not groups of {len(specs)}"
+            )
+    if len(set(flagged)) < len(flagged):
+        raise InvalidManagerConfig(
+            f"eagle_groups={list(flagged)!r:.60}: not groups of {len(specs)}"
+        )
+    if not use_eagle:
+        return [False] * len(specs)
+    if not flagged:
+        return [True] * len(specs)
+    chosen = [specs[g] for g in flagged]
+    return [spec in chosen for spec in specs]
+
+
 def check_eagle_flags(
-    kv_cache_config: object,
-    use_eagle: bool,
+    flagged: Sequence[int],
     enable_caching: bool,
     num_prefill_lookahead: int,
     block_size: int,
 ) -> None:
-    """Raise InvalidManagerConfig where vLLM's per-group EAGLE flags (``is_eagle_group``)
-    would make vLLM 0.33 differ from kvpool, which models EAGLE on every group.
+    """Raise InvalidManagerConfig where groups flagged as EAGLE's make vLLM 0.33 refuse a
+    look-ahead longer than a scheduler block with caching on, even without ``use_eagle``.
 
-    With ``use_eagle``, vLLM drops EAGLE's block in the flagged groups, or in
-    every group when none is flagged: flags on some groups only are refused.
-    Without it no group drops, but flagged groups still make vLLM refuse a
-    look-ahead longer than a scheduler block when caching is on: so does this.
-
-    >>> check_eagle_flags(object(), True, True, 0, 4) is None
+    >>> check_eagle_flags((), True, 8, 4) is None
     True
     """
-    groups = getattr(kv_cache_config, "kv_cache_groups", ())
-    flags = [getattr(group, "is_eagle_group", False) is True for group in groups]
-    if not any(flags):
+    if not flagged:
         return
-    if use_eagle and not all(flags):
-        raise InvalidManagerConfig(
-            "EAGLE flagged on some KV cache groups only (is_eagle_group): kvpool models "
-            "EAGLE on every group"
-        )
     if enable_caching and block_size < num_prefill_lookahead:
         raise InvalidManagerConfig(
             f"multi-module MTP with prefix caching needs scheduler_block_size={block_size} "

@@ -19,10 +19,17 @@ from typing import Any, ClassVar
 
 from mypy_extensions import mypyc_attr
 
+import kvpool.impl.external as external
 import kvpool.impl.geometry as geometry
 from kvpool.impl.block import KVCacheBlock
 from kvpool.impl.coordinator import CoordinatorView
-from kvpool.impl.eagle import cacheable, check_eagle_config, check_eagle_flags
+from kvpool.impl.eagle import (
+    cacheable,
+    check_eagle_config,
+    check_eagle_flags,
+    flagged_groups,
+    group_flags,
+)
 from kvpool.impl.mamba_align import (
     MambaAlignManager,
     per_group_lookup,
@@ -68,6 +75,8 @@ class KVCacheConfig:
     prefix_cache_retention_interval: Unchecked = None
     """None: dense caching; 0 or a multiple of the scheduler block size: sparse
     (``kvpool.impl.retention``)."""
+    eagle_groups: tuple[int, ...] = ()
+    """The groups flagged as EAGLE's (vLLM's ``KVCacheGroupSpec.is_eagle_group``)."""
 
 
 class KVCacheBlocks:
@@ -165,7 +174,9 @@ class KVCacheManager:
         ``prefix_cache_retention_interval`` thins sliding-window groups' caching
         (``kvpool.impl.retention``; not beside a Mamba "align" group). Groups may have
         different block sizes, and decode context parallelism multiplies a sharded group's
-        (``kvpool.model.geometry``). EAGLE runs on every group (kvpool has no per-group flag)
+        (``kvpool.model.geometry``). EAGLE runs on the groups flagged (vLLM's
+        ``is_eagle_group``, or this module's ``KVCacheConfig.eagle_groups``), every group
+        when none is (``kvpool.model.eagle.group_flags``),
         and ``num_prefill_lookahead`` holds back multi-module MTP's re-prefilled tokens from
         caching (``kvpool.model.eagle``). ``fine_grained_hits`` (not vLLM's: there a Mamba
         "align" group turns it on) lets hits end inside a block when every group is full
@@ -259,13 +270,16 @@ class KVCacheManager:
         # Verify that the retention interval is one vLLM 0.33 takes for these groups
         retention = getattr(kv_cache_config, "prefix_cache_retention_interval", None)
         check_retention(retention, specs, scheduler)
+        # Verify that the groups flagged as EAGLE's exist
+        flagged = flagged_groups(kv_cache_config)
+        eagle_flags = group_flags(specs, use_eagle, flagged)
         # Verify that EAGLE and the look-ahead are settings vLLM 0.33 runs
         reprefillable = check_eagle_config(
-            specs, enable_caching, use_eagle, num_prefill_lookahead, scheduler
+            specs, enable_caching, use_eagle, num_prefill_lookahead, scheduler, eagle_flags
         )
-        check_eagle_flags(
-            kv_cache_config, use_eagle, enable_caching, num_prefill_lookahead, scheduler
-        )
+        check_eagle_flags(flagged, enable_caching, num_prefill_lookahead, scheduler)
+        self.eagle_groups = flagged
+        self._eagle_flags = eagle_flags
         self.scheduler_block_size: int = scheduler
         self.dcp_world_size = dcp_world_size
         self.pcp_world_size = pcp_world_size
@@ -298,8 +312,8 @@ class KVCacheManager:
         ]
         self.retention_interval: int | None = retention
         self._retains_sparsely = retention is not None
-        for manager in self.managers:
-            manager.use_eagle = use_eagle
+        for manager, eagle_group in zip(self.managers, eagle_flags, strict=True):
+            manager.use_eagle = eagle_group
             manager.retention_interval = retention
             if isinstance(manager, MambaAlignManager):
                 manager.hybrid = len(specs) > 1
@@ -364,7 +378,7 @@ class KVCacheManager:
                 [0],
                 self.block_pool,
                 manager.kv_cache_spec,
-                self.use_eagle,
+                self._eagle_flags[0],
             )
             return hit, self._extend(hit, block_hashes, max_length, [0], manager.kv_cache_spec), 0
 
@@ -372,7 +386,7 @@ class KVCacheManager:
         lengths: dict[int, int] = {}
         length = max_length
         longest = 0
-        eagle = self.use_eagle
+        flags = self._eagle_flags
         kinds = self._kinds
         # full attention and one other kind: one round (vLLM's "simple hybrid")
         simple = len(kinds) == 2 and kinds[0][0].attention is AttentionType.FULL
@@ -387,7 +401,7 @@ class KVCacheManager:
                 if spec.attention is AttentionType.FULL and ids[0] in hits:
                     candidate = min(candidate, lengths[ids[0]])
                     continue
-                drop = eagle and k not in verified
+                drop = flags[ids[0]] and k not in verified
                 reach = candidate
                 if drop and spec.attention is not AttentionType.MAMBA:
                     # peek one block past the candidate, then drop back to it
@@ -513,23 +527,21 @@ class KVCacheManager:
             num_new_tokens=num_new_tokens,
             num_new_computed_tokens=num_new_computed_tokens,
             num_lookahead_tokens=num_lookahead_tokens,
+            num_external_computed_tokens=num_external_computed_tokens,
+            reserved_blocks=reserved_blocks,
         )
         if not isinstance(delay_cache_blocks, bool):
             raise InvalidArgument("delay_cache_blocks must be a bool")
         # Verify that the arguments kvpool does not model keep vLLM's defaults (vLLM 0.33's
         # parameters, in its order, so that a caller passing them by position is read right)
         unmodelled = {
-            "num_external_computed_tokens": (num_external_computed_tokens, 0),
             "num_encoder_tokens": (num_encoder_tokens, 0),
-            "reserved_blocks": (reserved_blocks, 0),
         }
         for name, (value, default) in unmodelled.items():
             if type(value) is not int or value != default:
                 raise InvalidArgument(f"{name}={value!r:.60}: kvpool models only {default!r}")
-        if not isinstance(skip_zeroing_group_ids, (tuple, list)) or skip_zeroing_group_ids:
-            raise InvalidArgument(
-                f"skip_zeroing_group_ids={skip_zeroing_group_ids!r:.60}: kvpool models none"
-            )
+        if not isinstance(skip_zeroing_group_ids, (tuple, list)):
+            raise InvalidArgument("skip_zeroing_group_ids must be a tuple or list of group ids")
         # has_scheduled_reqs only decides whether vLLM applies its watermark, which is 0 here
         if not isinstance(has_scheduled_reqs, bool):
             raise InvalidArgument("has_scheduled_reqs must be a bool")
@@ -538,24 +550,40 @@ class KVCacheManager:
         # Verify that a sparse-retention manager can read the request's shared-prefix boundary
         if self._retains_sparsely:
             shared_prefix_boundary(request)
-        if new_computed_blocks is not None and not isinstance(new_computed_blocks, KVCacheBlocks):
+        # Verify that the hits are KVCacheBlocks: kvpool's, or vLLM's holding this pool's
+        # blocks (a KV connector's caller may build vLLM's class around them)
+        if new_computed_blocks is not None and not (
+            isinstance(new_computed_blocks, KVCacheBlocks)
+            or type(new_computed_blocks).__name__ == "KVCacheBlocks"
+        ):
             raise InvalidArgument("new_computed_blocks must be KVCacheBlocks or None")
         rid = request.request_id
-        hits: tuple[Sequence[KVCacheBlock], ...] = (
+        given: Any = (
             self.empty_kv_cache_blocks.blocks
             if new_computed_blocks is None
-            else new_computed_blocks.blocks
+            else getattr(new_computed_blocks, "blocks", None)
         )
+        hits: tuple[Sequence[KVCacheBlock], ...] = given
         if type(hits) is not tuple or not all(isinstance(g, Sequence) for g in hits):
             raise InvalidArgument("new_computed_blocks.blocks must be a tuple of lists")
         # Verify that the request is hashed in the pool's hash blocks
         verify_hash_block_size(request, self.block_pool.hash_block_size)
-        # Verify that at least one new token is asked for
-        if num_new_tokens <= 0:
+        ext: int = num_external_computed_tokens
+        # Verify that at least one new token is asked for (none while external tokens load)
+        if num_new_tokens < 0 or (num_new_tokens == 0 and ext <= 0):
             raise NoNewTokens(f"num_new_tokens must be positive, got {num_new_tokens}")
         # Verify that the other counts are not negative
         if num_new_computed_tokens < 0 or num_lookahead_tokens < 0:
             raise InvalidTokenCount("num_new_computed_tokens and num_lookahead_tokens must be >= 0")
+        # Verify that the KV connector's arguments are valid (kvpool.impl.external)
+        external.verify_arguments(
+            managers,
+            request,
+            num_new_computed_tokens,
+            ext,
+            reserved_blocks,
+            skip_zeroing_group_ids,
+        )
         # Verify that the hits have one entry per group, of known blocks
         if len(hits) != len(managers):
             raise InvalidHit(f"{len(hits)} hit lists for {len(managers)} groups")
@@ -586,20 +614,27 @@ class KVCacheManager:
                     f"{num_computed // m.block_size}, not in the last of the "
                     f"{len(hits[g])} hit blocks of group {g}"
                 )
+        # Verify that external tokens do not follow a hit ending inside a block (not modelled)
+        if ext > 0 and any(partial):
+            raise InvalidArgument("external tokens after a hit ending inside a block: not modelled")
+        total = num_computed + ext
+        num_total = total if total < self.max_model_len else self.max_model_len
         if self.enable_caching and not delay_cache_blocks:
             # Verify that the hashes the caching step will read are bytes (read before
             # anything changes, so a bad request is rejected whole)
             self._verify_hashes_to_cache(
-                request, hits, min(num_computed + num_new_tokens, request.num_tokens)
+                request, hits, min(num_total + num_new_tokens, request.num_tokens)
             )
             if self._caches_prompt_tail:
                 num_prompt_tokens(request)
 
-        if full_sequence_must_fit and not self._full_sequence_fits(request, hits, partial):
+        if full_sequence_must_fit and not self._full_sequence_fits(
+            request, hits, partial, total if ext > 0 else -1
+        ):
             return None
         for manager in managers:
             manager.remove_skipped_blocks(rid, request.num_computed_tokens)
-        num_slots = min(num_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
+        num_slots = min(num_total + num_new_tokens + num_lookahead_tokens, self.max_model_len)
         # A Mamba "align" group sizes its table by the main model's tokens, not the look-ahead
         slots = [
             num_computed + num_new_tokens if m.kv_cache_spec.mamba_align else num_slots
@@ -607,10 +642,24 @@ class KVCacheManager:
         ]
         needed = 0
         for g, (manager, group_hits) in enumerate(zip(managers, hits, strict=True)):
-            needed += manager.get_num_blocks_to_allocate(rid, slots[g], group_hits)
+            if ext > 0:
+                needed += external.blocks_to_allocate(manager, slots[g], group_hits, total)
+            else:
+                needed += manager.get_num_blocks_to_allocate(rid, slots[g], group_hits)
         needed += sum(partial)
-        if needed > self.block_pool.get_num_free_blocks():
+        if needed > self.block_pool.get_num_free_blocks() - reserved_blocks:
             return None
+        if ext > 0:
+            return self._allocate_with_external(
+                request,
+                num_computed,
+                ext,
+                num_new_tokens,
+                slots,
+                hits,
+                delay_cache_blocks,
+                skip_zeroing_group_ids,
+            )
 
         if self.enable_caching and has_hits:
             for group_hits in hits:
@@ -634,14 +683,59 @@ class KVCacheManager:
             self._cache(request, num_to_cache)
         return self.create_kv_cache_blocks(tuple(new_blocks))
 
+    def _allocate_with_external(
+        self,
+        request: Any,
+        num_local: int,
+        num_external: int,
+        num_new_tokens: int,
+        slots: list[int],
+        hits: tuple[Sequence[KVCacheBlock], ...],
+        delay_cache_blocks: bool,
+        skip_zeroing_group_ids: Sequence[int],
+    ) -> KVCacheBlocks:
+        """``allocate_slots`` for a request holding nothing that comes with external tokens
+        (checked, counted, known to fit): every group takes its hit, then every group gives
+        the external tokens their blocks, then the step's (``kvpool.impl.external``)."""
+        rid = request.request_id
+        managers = self.managers
+        total = num_local + num_external
+        external.take_hits(managers, rid, hits, total, self.enable_caching)
+        for g, manager in enumerate(managers):
+            loaded = external.allocate_external(manager, rid, num_local, num_external)
+            if self._records_new_blocks[g] and g not in skip_zeroing_group_ids:
+                self.new_block_ids.extend((g, b.block_id) for b in loaded)
+        new_blocks: list[list[KVCacheBlock]] = []
+        for g, manager in enumerate(managers):
+            new = manager.allocate_new_blocks(rid, slots[g])
+            if self._records_new_blocks[g]:
+                self.new_block_ids.extend((g, b.block_id) for b in new)
+            new_blocks.append(new)
+        if self.enable_caching and not delay_cache_blocks:
+            num_total = total if total < self.max_model_len else self.max_model_len
+            self._cache(request, min(num_total + num_new_tokens, request.num_tokens))
+        return self.create_kv_cache_blocks(tuple(new_blocks))
+
     def _full_sequence_fits(
-        self, request: Any, hits: tuple[Sequence[KVCacheBlock], ...], partial: list[bool]
+        self,
+        request: Any,
+        hits: tuple[Sequence[KVCacheBlock], ...],
+        partial: list[bool],
+        num_total_computed: int = -1,
     ) -> bool:
         """Whether the free queue holds the blocks the request's whole sequence needs: per
         group those it lacks beyond its blocks and hits, at most the group's admission cap,
-        plus its free hits and a hit's copy."""
+        plus its free hits and a hit's copy. With external tokens (``num_total_computed``
+        the computed tokens they end at) as ``kvpool.impl.external.blocks_to_allocate``."""
         num_tokens = min(request.num_tokens, self.max_model_len)
         rid = request.request_id
+        if num_total_computed >= 0:
+            total = min(num_total_computed, self.max_model_len)
+            needed = 0
+            for g, manager in enumerate(self.managers):
+                cap = self._admission_caps[g]
+                needed += external.blocks_to_allocate(manager, num_tokens, hits[g], total, cap)
+            return needed <= self.block_pool.get_num_free_blocks()
         needed = 0
         for g, manager in enumerate(self.managers):
             if isinstance(manager, MambaAlignManager):
@@ -685,7 +779,7 @@ class KVCacheManager:
                 hybrid,
                 manager.block_size,
                 self.scheduler_block_size,
-                self.use_eagle,
+                manager.use_eagle,
                 self.fine_grained_hits,
                 self._reprefillable,
                 num_tokens,
@@ -1062,6 +1156,7 @@ class KVCacheManager:
                 self.dcp_world_size,
                 self.pcp_world_size,
                 self.retention_interval,
+                tuple(self.eagle_groups),
             ),
             managers=ManagersState(
                 pool=self.block_pool.snapshot(),

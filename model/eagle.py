@@ -9,16 +9,21 @@ one block per group. Multi-module MTP (``num_prefill_lookahead`` speculative
 tokens) re-prefills up to ``num_prefill_lookahead - 1`` tokens past a chunk's
 end, so those last tokens are not final and are not cached yet.
 
-kvpool has no per-group EAGLE flag (vLLM's ``is_eagle_group``): with
-``use_eagle`` every group is an EAGLE group, which is what vLLM does when no
-group is flagged.
+Groups may be flagged as EAGLE groups (vLLM's ``is_eagle_group``,
+``eagle_groups`` here): with ``use_eagle`` the flagged groups drop EAGLE's
+block, or every group when none is flagged; without it no group drops. Groups
+of one spec are searched together, so one flagged group makes its equal
+siblings EAGLE groups too (``group_flags``).
 
 Source: vLLM 0.33.0, ``vllm/v1/core/kv_cache_coordinator.py``
 (``KVCacheCoordinator.__init__``: ``num_reprefillable_tokens`` and the
 scheduler-block check; ``get_num_cacheable_tokens`` of ``KVCacheCoordinator``
 and of ``HybridKVCacheCoordinator``; ``HybridKVCacheCoordinator.find_longest_cache_hit``:
 the peek and ``eagle_verified``) and ``vllm/v1/core/kv_cache_utils.py``
-(``eagle_proof_margin``). docs/semantics.md, "EAGLE with several groups".
+(``eagle_proof_margin``); the flags: ``KVCacheCoordinator.__init__``
+(``eagle_group_ids``, ``drop_eagle_group_ids``) and
+``HybridKVCacheCoordinator.verify_and_split_kv_cache_groups`` (the spec's
+groups share the flag). docs/semantics.md, "EAGLE with several groups".
 """
 
 from collections.abc import Sequence
@@ -36,23 +41,59 @@ def num_reprefillable_tokens(num_prefill_lookahead: int) -> int:
     return max(0, num_prefill_lookahead - 1)
 
 
+def group_flags(
+    specs: Sequence[KVCacheSpec], use_eagle: bool, eagle_groups: Sequence[int] = ()
+) -> tuple[bool, ...]:
+    """Per group, whether it drops EAGLE's block: none without ``use_eagle``; else the
+    flagged groups (every group when none is flagged) and every group of a spec one of
+    them has.
+
+    >>> from kvpool.model.single_type import full_attention, sliding_window
+    >>> specs = [full_attention(4), sliding_window(4, 4), sliding_window(4, 4)]
+    >>> group_flags(specs, True, [2]), group_flags(specs, True), group_flags(specs, False, [2])
+    ((False, True, True), (True, True, True), (False, False, False))
+    """
+    if not use_eagle:
+        return tuple(False for _ in specs)
+    if not eagle_groups:
+        return tuple(True for _ in specs)
+    flagged = [specs[g] for g in eagle_groups]
+    return tuple(any(spec == f for f in flagged) for spec in specs)
+
+
+def verify_eagle_groups(specs: Sequence[KVCacheSpec], eagle_groups: Sequence[int]) -> None:
+    """Raise InvalidManagerConfig unless every flagged group exists, each named once.
+
+    >>> from kvpool.model.single_type import full_attention
+    >>> verify_eagle_groups([full_attention(4)], [1])
+    Traceback (most recent call last):
+    ...
+    kvpool.model.errors.InvalidManagerConfig: eagle_groups=[1]: not groups of 1
+    """
+    ids = list(eagle_groups)
+    if any(type(g) is not int or not 0 <= g < len(specs) for g in ids) or len(set(ids)) < len(ids):
+        raise InvalidManagerConfig(f"eagle_groups={ids!r:.60}: not groups of {len(specs)}")
+
+
 def verify_eagle_config(
     specs: Sequence[KVCacheSpec],
     enable_caching: bool,
     use_eagle: bool,
     num_prefill_lookahead: int,
     scheduler_block_size: int,
+    eagle_groups: Sequence[int] = (),
 ) -> None:
     """Raise InvalidManagerConfig for an EAGLE or look-ahead setting vLLM 0.33 cannot run.
 
     * a look-ahead that is not an int, or negative (vLLM reads a negative one
       as 0; kvpool names it);
-    * EAGLE with a chunked-local group and prefix caching: vLLM 0.33's
+    * EAGLE on a chunked-local group with prefix caching: vLLM 0.33's
       chunked-local finder asserts it is never asked to drop a block;
-    * EAGLE with prefix caching and a look-ahead longer than
-      ``scheduler_block_size`` (``kvpool.model.geometry``): hits land on
-      scheduler-block boundaries, so the dropped tail is a scheduler block and
-      must hold every re-prefilled token.
+    * EAGLE (or a group flagged as EAGLE's, even without ``use_eagle``) with
+      prefix caching and a look-ahead longer than ``scheduler_block_size``
+      (``kvpool.model.geometry``): hits land on scheduler-block boundaries, so
+      the dropped tail is a scheduler block and must hold every re-prefilled
+      token.
 
     >>> from kvpool.model.single_type import full_attention
     >>> verify_eagle_config([full_attention(2)], True, True, 2, 2) is None
@@ -65,10 +106,13 @@ def verify_eagle_config(
         )
     if num_prefill_lookahead < 0:
         raise InvalidManagerConfig(f"num_prefill_lookahead={num_prefill_lookahead} is negative")
-    if not (use_eagle and enable_caching):
+    if not ((use_eagle or eagle_groups) and enable_caching):
         return
     # Verify that no chunked-local group is asked to drop EAGLE's block
-    if any(s.attention is AttentionType.CHUNKED_LOCAL for s in specs):
+    flags = group_flags(specs, use_eagle, eagle_groups)
+    if any(
+        s.attention is AttentionType.CHUNKED_LOCAL for s, f in zip(specs, flags, strict=True) if f
+    ):
         raise InvalidManagerConfig("EAGLE with prefix caching cannot have a chunked-local group")
     # Verify that a scheduler block holds the tokens multi-module MTP prefills again
     if scheduler_block_size < num_prefill_lookahead:

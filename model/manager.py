@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 import kvpool.model.admission as admission
 import kvpool.model.copy_on_write as cow
 import kvpool.model.eagle as eagle_ops
+import kvpool.model.external as external
 import kvpool.model.geometry as geometry
 import kvpool.model.mamba_align as mamba_align
 import kvpool.model.pool as pool_ops
@@ -35,6 +36,7 @@ import kvpool.model.single_type as single
 from kvpool.model.errors import (
     CachingDisabled,
     HitOnRunningRequest,
+    InvalidArgument,
     InvalidHit,
     InvalidManagerConfig,
     InvalidTokenCount,
@@ -46,7 +48,7 @@ from kvpool.model.profiles import DEFAULT_PROFILE, Profile
 from kvpool.model.request import Request, verify_hash_block_size
 from kvpool.model.retention_config import verify_retention_interval
 from kvpool.model.single_type import AttentionType, KVCacheSpec
-from kvpool.model.state import BlockHash, PoolState
+from kvpool.model.state import NULL_BLOCK_ID, BlockHash, PoolState
 
 Blocks = tuple[tuple[int, ...], ...]
 """Block ids per KV cache group: ``blocks[g][i]`` is block i of group g."""
@@ -184,6 +186,9 @@ class ManagerConfig:
     """vLLM 0.33's ``prefix_cache_retention_interval``: None caches densely; 0 or a
     multiple of the scheduler block size thins sliding-window groups
     (``kvpool.model.retention``)."""
+    eagle_groups: tuple[int, ...] = ()
+    """The groups flagged as EAGLE's (vLLM 0.33's ``is_eagle_group``); none: with
+    ``use_eagle`` every group is (``kvpool.model.eagle.group_flags``)."""
 
 
 @dataclass(frozen=True)
@@ -221,6 +226,7 @@ def new_kv_cache_manager(
     dcp_world_size: int = 1,
     pcp_world_size: int = 1,
     retention_interval: int | None = None,
+    eagle_groups: Sequence[int] = (),
 ) -> KVCacheManagerState:
     """A manager over a fresh pool of ``num_blocks``, one group per spec.
 
@@ -235,7 +241,9 @@ def new_kv_cache_manager(
     either every group's block and the scheduler block of that size too, or no
     decode context parallelism (``verify_align_geometry``). EAGLE and multi-module MTP's
     ``num_prefill_lookahead`` as ``kvpool.model.eagle.verify_eagle_config``
-    allows. ``fine_grained_hits`` asks for hits ending inside a block; it takes
+    allows; ``eagle_groups`` flags the groups EAGLE runs on (none: every group;
+    ``kvpool.model.eagle.group_flags``). ``fine_grained_hits`` asks for hits
+    ending inside a block; it takes
     effect only where ``copy_on_write.fine_grained_hits_enabled`` allows it
     (vllm#51843) and the groups share one block size. ``retention_interval`` is vLLM
     0.33's ``prefix_cache_retention_interval`` (``kvpool.model.retention``), checked by
@@ -298,9 +306,11 @@ def new_kv_cache_manager(
     verify_align_geometry(specs, scheduler, hbs, dcp_world_size)
     # Verify that the retention interval is one vLLM 0.33 takes for these groups
     verify_retention_interval(retention_interval, specs, scheduler)
+    # Verify that the groups flagged as EAGLE's exist
+    eagle_ops.verify_eagle_groups(specs, eagle_groups)
     # Verify that EAGLE and the look-ahead are settings vLLM 0.33 runs
     eagle_ops.verify_eagle_config(
-        specs, enable_caching, use_eagle, num_prefill_lookahead, scheduler
+        specs, enable_caching, use_eagle, num_prefill_lookahead, scheduler, eagle_groups
     )
     fine = cow.fine_grained_hits_enabled(specs, hbs, fine_grained_hits, use_eagle) and (
         len({s.block_size for s in specs}) == 1
@@ -316,6 +326,7 @@ def new_kv_cache_manager(
         dcp_world_size,
         pcp_world_size,
         retention_interval,
+        tuple(eagle_groups),
     )
     return KVCacheManagerState(
         config=config,
@@ -416,10 +427,10 @@ def find_hit_with_boundary(
     """
     m = state.managers
     specs = m.specs
-    eagle = state.config.use_eagle
+    flags = _eagle_flags(state)
     fine = state.config.fine_grained_hits
     if len(specs) == 1:
-        (hit,), length = _search(m.pool, specs[0], block_hashes, max_length, [0], eagle, fine)
+        (hit,), length = _search(m.pool, specs[0], block_hashes, max_length, [0], flags[0], fine)
         return (hit,), length, 0
     # hits of several groups end where every group can resume (kvpool.model.geometry)
     alignment = 0 if fine else _scheduler_block_size(state)
@@ -450,7 +461,7 @@ def find_hit_with_boundary(
             if spec.attention is AttentionType.FULL and ids[0] in hits:
                 candidate = min(candidate, lengths[ids[0]])
                 continue
-            drop = eagle and k not in verified
+            drop = any(flags[g] for g in ids) and k not in verified
             reach = eagle_ops.peek(spec, candidate, num_hashed) if drop else candidate
             found, found_length = _search(
                 m.pool, spec, block_hashes, reach, ids, drop, fine, alignment
@@ -472,6 +483,12 @@ def find_hit_with_boundary(
     # every group's hit cut back to the reconciled length, in its own blocks
     trimmed = tuple(hits[g][: -(-length // specs[g].block_size)] for g in range(len(specs)))
     return trimmed, length, longest - length
+
+
+def _eagle_flags(state: KVCacheManagerState) -> tuple[bool, ...]:
+    """Per group, whether it drops EAGLE's block (``kvpool.model.eagle.group_flags``)."""
+    config = state.config
+    return eagle_ops.group_flags(state.managers.specs, config.use_eagle, config.eagle_groups)
 
 
 def _scheduler_block_size(state: KVCacheManagerState) -> int:
@@ -560,6 +577,10 @@ def allocate_slots(
     num_lookahead_tokens: int = 0,
     delay_cache_blocks: bool = False,
     full_sequence_must_fit: bool = False,
+    *,
+    num_external_computed_tokens: int = 0,
+    reserved_blocks: int = 0,
+    skip_zeroing_group_ids: Sequence[int] = (),
 ) -> tuple[KVCacheManagerState, Blocks | None]:
     """Give the request slots for ``num_new_tokens`` more tokens (and look-ahead), or refuse.
 
@@ -572,6 +593,13 @@ def allocate_slots(
     append new blocks; then cache every block that is full within the
     computed, hit and new tokens, never past the request's own tokens
     (draft tokens are not final). Returns the new blocks per group.
+
+    A KV connector's loads (``kvpool.model.external``): a request holding
+    nothing may come with ``num_external_computed_tokens`` past its hit (then
+    ``num_new_tokens`` may be 0: the load runs first), which get blocks of their
+    own after every group's hit is taken (recorded for zeroing unless the group
+    is in ``skip_zeroing_group_ids``) and count as computed; the step is refused
+    unless ``reserved_blocks`` free blocks remain after it.
 
     Complexity: O(blocks touched, allocated, released or cached).
 
@@ -589,12 +617,17 @@ def allocate_slots(
     verify_hash_block_size(request, m.pool.config.hash_block_size)
     # Verify that sparse retention can read the request's shared-prefix boundary
     _verify_shared_prefix_boundary(state, request)
-    # Verify that at least one new token is asked for
-    if num_new_tokens <= 0:
+    ext = num_external_computed_tokens
+    # Verify that at least one new token is asked for (none while external tokens load)
+    if num_new_tokens < 0 or (num_new_tokens == 0 and ext <= 0):
         raise NoNewTokens(f"num_new_tokens must be positive, got {num_new_tokens}")
     # Verify that the other counts are not negative
     if num_new_computed_tokens < 0 or num_lookahead_tokens < 0:
         raise InvalidTokenCount("num_new_computed_tokens and num_lookahead_tokens must be >= 0")
+    # Verify that the KV connector's arguments are valid (kvpool.model.external)
+    external.verify_connector_arguments(
+        m, request, num_new_computed_tokens, ext, reserved_blocks, skip_zeroing_group_ids
+    )
     # Verify that the hits have one entry per group, of known blocks
     if len(hits) != len(m.specs):
         raise InvalidHit(f"{len(hits)} hit lists for {len(m.specs)} groups")
@@ -612,6 +645,11 @@ def allocate_slots(
     num_computed = request.num_computed_tokens + num_new_computed_tokens
     # A hit ending inside a block is copied to a private block (copy-on-write)
     partial = [bool(hits[g]) and num_computed % m.specs[g].block_size != 0 for g in groups]
+    # Verify that external tokens do not follow a hit ending inside a block (not modelled)
+    if ext > 0 and any(partial):
+        raise InvalidArgument("external tokens after a hit ending inside a block: not modelled")
+    # the local hit and the external tokens (kvpool.model.external)
+    num_total = min(num_computed + ext, state.config.max_model_len)
     # Verify that a hit ending inside a block ends in its last block
     for g in groups:
         if partial[g] and num_computed // m.specs[g].block_size != len(hits[g]) - 1:
@@ -625,21 +663,48 @@ def allocate_slots(
         config = state.config
         in_flight = config.max_in_flight_tokens or config.max_model_len
         full = min(request.num_tokens, config.max_model_len)
-        if not admission.full_sequence_fits(
-            m, rid, full, hits, partial, in_flight, config.max_model_len
-        ):
+        if ext > 0:
+            fits = external.full_sequence_fits(
+                m, full, hits, num_computed + ext, in_flight, config.max_model_len
+            )
+        else:
+            fits = admission.full_sequence_fits(
+                m, rid, full, hits, partial, in_flight, config.max_model_len
+            )
+        if not fits:
             return state, None
     for g in groups:
         m, _ = single.remove_skipped_blocks(m, g, rid, request.num_computed_tokens)
-    num_slots = min(
-        num_computed + num_new_tokens + num_lookahead_tokens, state.config.max_model_len
-    )
+    num_slots = min(num_total + num_new_tokens + num_lookahead_tokens, state.config.max_model_len)
     # A Mamba "align" group sizes its table by the main model's tokens, not the look-ahead
     slots = [num_computed + num_new_tokens if s.mamba_align else num_slots for s in m.specs]
-    needed = sum(single.get_num_blocks_to_allocate(m, g, rid, slots[g], hits[g]) for g in groups)
+    if ext > 0:
+        needed = sum(
+            external.num_blocks_to_allocate(
+                m.pool, m.specs[g], slots[g], hits[g], num_computed + ext
+            )
+            for g in groups
+        )
+    else:
+        needed = sum(
+            single.get_num_blocks_to_allocate(m, g, rid, slots[g], hits[g]) for g in groups
+        )
     needed += sum(partial)
-    if needed > pool_ops.get_num_free_blocks(m.pool):
+    if needed > pool_ops.get_num_free_blocks(m.pool) - reserved_blocks:
         return replace(state, managers=m), None
+    if ext > 0:
+        state = replace(state, managers=m)
+        return _allocate_with_external(
+            state,
+            request,
+            num_computed,
+            ext,
+            num_new_tokens,
+            slots,
+            hits,
+            delay_cache_blocks,
+            skip_zeroing_group_ids,
+        )
 
     if m.pool.config.enable_caching:
         pool = m.pool
@@ -669,6 +734,55 @@ def allocate_slots(
     if m.pool.config.enable_caching and not delay_cache_blocks:
         num_to_cache = min(num_computed + num_new_tokens, request.num_tokens)
         m = _cache(state, m, request, num_to_cache)
+    return replace(state, managers=m), tuple(new_blocks)
+
+
+def _allocate_with_external(
+    state: KVCacheManagerState,
+    request: Request,
+    num_local: int,
+    num_external: int,
+    num_new_tokens: int,
+    slots: Sequence[int],
+    hits: Blocks,
+    delay_cache_blocks: bool,
+    skip_zeroing_group_ids: Sequence[int],
+) -> tuple[KVCacheManagerState, Blocks]:
+    """``allocate_slots``' taking and allocating for a request holding nothing that comes
+    with external tokens (checked, counted and known to fit; ``kvpool.model.external``).
+
+    Every group takes its hit past its skipped blocks first (nulls before them),
+    then every group gives the external tokens their blocks, then the step's.
+    """
+    m = state.managers
+    groups = range(len(m.specs))
+    rid = request.request_id
+    total = num_local + num_external
+    taken = [external.taken_hits(m.specs[g], hits[g], total) for g in groups]
+    if m.pool.config.enable_caching:
+        pool = m.pool
+        for _, kept in taken:
+            pool, _ = pool_ops.touch(pool, kept)
+        m = replace(m, pool=pool)
+    for g, (skipped, kept) in enumerate(taken):
+        m, _ = single.save_new_computed_blocks(m, g, rid, (NULL_BLOCK_ID,) * skipped + kept)
+    zero = state.new_block_ids
+    for g in groups:
+        held = len(m.tables[g].req_to_blocks[rid])
+        count = external.num_external_blocks(m.specs[g], held, num_local, num_external)
+        m, loaded = single.allocate_new_blocks(m, g, rid, (held + count) * m.specs[g].block_size)
+        if records_new_block_ids(m.specs, g) and g not in skip_zeroing_group_ids:
+            zero = (*zero, *((g, b) for b in loaded))
+    new_blocks: list[tuple[int, ...]] = []
+    for g in groups:
+        m, new = single.allocate_new_blocks(m, g, rid, slots[g])
+        if records_new_block_ids(m.specs, g):
+            zero = (*zero, *((g, b) for b in new))
+        new_blocks.append(new)
+    state = replace(state, new_block_ids=zero)
+    if m.pool.config.enable_caching and not delay_cache_blocks:
+        num_computed = min(total, state.config.max_model_len)
+        m = _cache(state, m, request, min(num_computed + num_new_tokens, request.num_tokens))
     return replace(state, managers=m), tuple(new_blocks)
 
 
@@ -723,12 +837,13 @@ def _cache(
         if config.retention_interval is not None
         else ()
     )
+    flags = _eagle_flags(state)
     for g, spec in enumerate(m.specs):
         cacheable = eagle_ops.cacheable_tokens(
             len(m.specs),
             spec.block_size,
             scheduler,
-            config.use_eagle,
+            flags[g],
             config.fine_grained_hits,
             reprefillable,
             num_tokens,
@@ -738,7 +853,7 @@ def _cache(
             g,
             request,
             cacheable,
-            config.use_eagle,
+            flags[g],
             config.fine_grained_hits,
             scheduler,
             config.retention_interval,

@@ -57,6 +57,7 @@ from kvpool.specs.request.target import (
     ManagerSetup,
     ManagerSnapshottable,
     ManagerTarget,
+    eagle_arguments,
     geometry_arguments,
     retention_arguments,
 )
@@ -226,6 +227,7 @@ def encode_setup(setup: ManagerSetup) -> Json:
         # the block geometry, written only where it is not the default
         **geometry_arguments(setup),
         **retention_arguments(setup),
+        **eagle_arguments(setup),
     }
 
 
@@ -271,6 +273,7 @@ def decode_setup(value: Json) -> ManagerSetup:
             if obj.get("retention_interval") is None
             else _int(obj.get("retention_interval"), "retention_interval")
         ),
+        eagle_groups=_ints(obj.get("eagle_groups", []), "eagle_groups"),
     )
 
 
@@ -480,6 +483,7 @@ def decode_manager_state(value: Json, setup: ManagerSetup) -> KVCacheManagerStat
             dcp_world_size=setup.dcp_world_size,
             pcp_world_size=setup.pcp_world_size,
             retention_interval=setup.retention_interval,
+            eagle_groups=setup.eagle_groups,
         ),
         managers=ManagersState(pool, specs, tuple(tables)),
         stats=decode_stats(obj.get("stats")),
@@ -518,8 +522,11 @@ def encode_args(op: str, *args: Any) -> dict[str, Json]:
         return {"blocks": encode_blocks(args[0]), "num_computed_tokens": args[1]}
     if op == "allocate_slots":
         request, num_new, *rest = args
-        defaults: list[Any] = [0, None, 0, False, False]
-        computed, hits, lookahead, delay, whole = [*rest, *defaults[len(rest) :]]
+        defaults: list[Any] = [0, None, 0, False, False, 0, 0, ()]
+        computed, hits, lookahead, delay, whole, external, reserved, skip = [
+            *rest,
+            *defaults[len(rest) :],
+        ]
         return {
             "request": encode_request(request),
             "num_new_tokens": num_new,
@@ -529,6 +536,10 @@ def encode_args(op: str, *args: Any) -> dict[str, Json]:
             "delay_cache_blocks": bool(delay),
             # only when set (vLLM 0.33's admission gate): other programs keep their bytes
             **({"full_sequence_must_fit": True} if whole else {}),
+            # and so are a KV connector's arguments (kvpool.model.external)
+            **({"num_external_computed_tokens": external} if external else {}),
+            **({"reserved_blocks": reserved} if reserved else {}),
+            **({"skip_zeroing_group_ids": [int(g) for g in skip]} if skip else {}),
         }
     if op == "cache_blocks":
         return {"request": encode_request(args[0]), "num_computed_tokens": args[1]}
@@ -539,6 +550,19 @@ def encode_args(op: str, *args: Any) -> dict[str, Json]:
     if op == "none_hash":
         return {"seed": args[0]}
     return {}
+
+
+def _connector_arguments(args: Mapping[str, Json]) -> dict[str, Any]:
+    """A KV connector's ``allocate_slots`` arguments in ``args``, those set only."""
+    chosen: dict[str, Any] = {}
+    for name in ("num_external_computed_tokens", "reserved_blocks"):
+        if name in args:
+            chosen[name] = _int(args.get(name), name)
+    if "skip_zeroing_group_ids" in args:
+        chosen["skip_zeroing_group_ids"] = tuple(
+            _ints(args.get("skip_zeroing_group_ids"), "skip_zeroing_group_ids")
+        )
+    return chosen
 
 
 def _call(target: ManagerTarget, op: str, args: Mapping[str, Json]) -> Any:
@@ -556,6 +580,7 @@ def _call(target: ManagerTarget, op: str, args: Mapping[str, Json]) -> Any:
             _bool(args.get("delay_cache_blocks", False), "delay_cache_blocks"),
             # passed only when set: a target without vLLM 0.33's scheduler calls lacks it
             **({"full_sequence_must_fit": True} if whole else {}),
+            **_connector_arguments(args),
         )
     if op == "free":
         return target.free(decode_request(args.get("request")))

@@ -78,6 +78,8 @@ def run_request_conformance(
         eagle_hybrids=target.eagle_hybrids,
         context_parallel=target.context_parallel,
         retentions=target.retentions,
+        connector_loads=target.connector_loads,
+        eagle_flags=target.eagle_flags,
     )
 
     def stop() -> None:
@@ -136,6 +138,9 @@ def narrowed(target: ManagerTargetSpec, claimed: dict[str, Any]) -> ManagerTarge
             n for n in target.in_flight if n in claimed.get("in_flight", target.in_flight)
         )
         or (None,),
+        # and a KV connector's loads (vLLM 0.33's allocate_slots arguments)
+        connector_loads=bool(claimed.get("connector_loads", target.connector_loads)),
+        eagle_flags=bool(claimed.get("eagle_flags", target.eagle_flags)),
         # and context parallelism: only the world sizes both allow, else none
         context_parallel=tuple(
             cp

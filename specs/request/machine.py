@@ -51,6 +51,7 @@ from kvpool.model.single_type import (
     mamba_align,
     sliding_window,
 )
+from kvpool.model.state import NULL_BLOCK_ID
 from kvpool.specs.errors import Divergence, TargetError
 from kvpool.specs.pool.invariants import check_all
 from kvpool.specs.request.invariants import (
@@ -165,6 +166,11 @@ def layout_specs(
         return (full_attention(2 * block_size), sliding_window(block_size, window))
     if layout == "full+wide_sliding_window":
         return (full_attention(block_size), sliding_window(2 * block_size, window))
+    if layout == "wide_full+sliding_window+sliding_window":
+        # two equal windows searched together, hits at multiples of the wider full blocks
+        # (vLLM 0.33's test_eagle_grouped_swa_siblings_use_same_cache_mask)
+        swa = sliding_window(block_size, window)
+        return (full_attention(2 * block_size), swa, swa)
     raise ValueError(f"unknown layout {layout!r}")
 
 
@@ -187,6 +193,7 @@ def _start_rule(
     eagle_hybrids: bool = False,
     context_parallel: Sequence[tuple[int, int]] = ((1, 1),),
     retentions: Sequence[int | None] = (None,),
+    eagle_flags: bool = False,
 ) -> Callable[..., None]:
     """The machine's first step, drawing only from the configurations given.
 
@@ -207,6 +214,10 @@ def _start_rule(
         extra["cp"] = st.sampled_from(list(context_parallel))
     if any(r is not None for r in retentions):
         extra["retention"] = st.sampled_from(list(retentions))
+    eagle = st.sampled_from([False, False, True])
+    if eagle_flags:  # likewise: the groups flagged as EAGLE's, of those the layout has
+        extra["flags"] = st.sets(st.integers(0, 2), max_size=2)
+        eagle = st.sampled_from([False, True])  # the flags matter with EAGLE only
 
     decorate = cast(
         Callable[[Callable[..., None]], Callable[..., None]],
@@ -217,7 +228,7 @@ def _start_rule(
             factor=st.sampled_from(list(block_factors)),
             num_blocks=st.integers(2, 16),
             caching=st.sampled_from([True, True, True, False]),
-            eagle=st.sampled_from([False, False, True]),
+            eagle=eagle,
             events=st.sampled_from(list(events)),
             log_stats=st.booleans(),
             window=st.integers(min_window, max(min_window, 6)),
@@ -323,6 +334,7 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
         eagle_hybrids: bool = False,
         cp: tuple[int, int] = (1, 1),
         retention: int | None = None,
+        flags: frozenset[int] | set[int] = frozenset(),
     ) -> None:
         """Build the model and the target; the first requests arrive.
 
@@ -343,6 +355,16 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
             eagle = eagle and not (caching and "chunked_local" in layout)
         else:
             eagle = eagle and layout in ("full", "sliding_window")
+        # flagged groups (vLLM 0.33's is_eagle_group), with EAGLE on; never a chunked-local one
+        flagged = tuple(
+            sorted(
+                g
+                for g in flags
+                if eagle
+                and g < len(specs)
+                and specs[g].attention is not AttentionType.CHUNKED_LOCAL
+            )
+        )
         if eagle and caching:  # the dropped tail (a scheduler block) holds every re-prefilled token
             lookahead = min(lookahead, default_scheduler_block_size(effective_specs(specs, dcp)))
         kinds = {s.attention for s in specs}
@@ -369,6 +391,7 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
             dcp_world_size=dcp,
             pcp_world_size=pcp,
             retention_interval=interval,
+            eagle_groups=flagged,
         )
         self.states = [s.mamba_align for s in specs]
         """Groups holding a recurrent state per block (Mamba "align"), not a token's KV per slot."""
@@ -389,6 +412,7 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
             num_prefill_lookahead=lookahead,
             **geometry_arguments(self.setup),
             **retention_arguments(self.setup),
+            eagle_groups=self.setup.eagle_groups,
         )
         # the groups' blocks as the manager holds them (sharded ones times the world size)
         self.block_sizes = [s.block_size for s in self.model.managers.specs]
@@ -1277,6 +1301,154 @@ class RawManagerMachine(ManagerMachine):
             self._expect_rejection(description, type(error), on_target)
 
 
+# --------------------------------------------------------------------------
+# A KV connector's loads
+# --------------------------------------------------------------------------
+
+
+class ConnectorLoadsMachine(ManagerMachine):
+    """Also admits requests with a KV connector's loads (``kvpool.model.external``).
+
+    A class of its own, mixed in by ``manager_machine(..., connector_loads=True)``, so
+    that the machines of other targets keep drawing exactly what they did.
+    """
+
+    def _has_connector_loads(self) -> bool:
+        """Whether the target takes a KV connector's ``allocate_slots`` arguments: it has
+        the rest of vLLM 0.33's scheduler calls and does not say it cannot."""
+        target = self.target
+        return (
+            bool(self.waiting)
+            and callable(getattr(target, "pop_blocks_for_free", None))
+            and bool(getattr(target, "answers_scheduler_calls", True))
+        )
+
+    @precondition(lambda self: self._has_connector_loads())
+    @rule(
+        which=st.integers(0, 4),
+        chunk=st.integers(1, MAX_PROMPT),
+        external=st.integers(0, MAX_PROMPT),
+        reserved=st.sampled_from([0, 0, 1, 2, 4]),
+        load=st.sampled_from(["sync", "async"]),
+        skip=st.booleans(),
+        whole=st.booleans(),
+    )
+    def connector_load(
+        self,
+        which: int,
+        chunk: int,
+        external: int,
+        reserved: int,
+        load: str,
+        skip: bool,
+        whole: bool,
+    ) -> None:
+        """Admit a waiting request as vLLM 0.33's scheduler does with a KV connector: its
+        local hit, then ``external`` tokens past it the connector loads (at least one token
+        is left to compute), loaded in this step (``sync``) or before the next one
+        (``async``: no new tokens, nothing cached yet), ``reserved`` blocks kept free, the
+        first group's loaded blocks not zeroed (``skip``), and maybe only if the whole
+        sequence fits. The loaded positions hold the request's KV afterwards."""
+        rid = self.waiting[which % len(self.waiting)]
+        request = self.requests[rid]
+        hit: Blocks | None = None
+        num_hit = 0
+        if self.setup.enable_caching:
+            self._record("get_computed_blocks", request_id=rid)
+            hit, num_hit = self._do(
+                f"get_computed_blocks({rid})",
+                lambda s: model_manager.get_computed_blocks(s, request),
+                lambda t: _blocks_and_count(t.get_computed_blocks(request)),
+            )
+            check(
+                (
+                    "hit_matches_request",
+                    hit_matches_request(
+                        self.truth, request, hit, self.block_sizes, num_hit, self.states
+                    ),
+                )
+            )
+        mamba_groups = any(s.attention is AttentionType.MAMBA for s in self.setup.specs)
+        ext = 0 if mamba_groups else min(external, request.num_tokens - num_hit - 1)
+        ext = max(ext, 0)
+        delay = load == "async" and ext > 0
+        num_new = 0 if delay else min(chunk, request.num_tokens - num_hit - ext)
+        if num_new == 0 and ext == 0:
+            return
+        skip_ids = (0,) if skip else ()
+        connector: dict[str, Any] = {}
+        if ext:
+            connector["num_external_computed_tokens"] = ext
+        if reserved:
+            connector["reserved_blocks"] = reserved
+        if skip_ids:
+            connector["skip_zeroing_group_ids"] = list(skip_ids)
+        self._record(
+            "allocate_slots",
+            request_id=rid,
+            num_new_tokens=num_new,
+            num_new_computed_tokens=num_hit,
+            new_computed_blocks=None if hit is None else [list(g) for g in hit],
+            delay_cache_blocks=delay,
+            **({"full_sequence_must_fit": True} if whole else {}),
+            **connector,
+        )
+        allocated = self._do(
+            f"allocate_slots({rid}, num_new_tokens={num_new}, "
+            f"num_new_computed_tokens={num_hit}, new_computed_blocks={hit}, "
+            f"delay_cache_blocks={delay}, full_sequence_must_fit={whole}, "
+            f"num_external_computed_tokens={ext}, reserved_blocks={reserved}, "
+            f"skip_zeroing_group_ids={skip_ids})",
+            lambda s: model_manager.allocate_slots(
+                s,
+                request,
+                num_new,
+                num_hit,
+                hit,
+                0,
+                delay,
+                whole,
+                num_external_computed_tokens=ext,
+                reserved_blocks=reserved,
+                skip_zeroing_group_ids=skip_ids,
+            ),
+            lambda t: _blocks_or_none(
+                _sched(t).allocate_slots(
+                    request, num_new, num_hit, hit, 0, delay, whole, ext, reserved, skip_ids
+                )
+            ),
+        )
+        if allocated is None:
+            return
+        self.waiting.remove(rid)
+        self.running.append(rid)
+        request = with_computed(request, num_hit)
+        self._load(request, ext)
+        request = with_computed(request, num_hit + ext)
+        self.requests[rid] = request
+        if num_new:
+            self._compute(request, num_new, ())
+        else:
+            self._record("run_model", request_id=rid, num_computed_tokens=num_hit + ext, sampled=[])
+
+    def _load(self, request: Request, num_external: int) -> None:
+        """The connector writes the KV of ``num_external`` positions from the request's
+        computed count, in the blocks the request holds for them (none where skipped)."""
+        rid = request.request_id
+        start = request.num_computed_tokens
+        content = request_content(request, ())
+        tables = {r: self._table(r) for r in self.running}
+        for position in range(start, start + num_external):
+            for group, blocks in enumerate(tables[rid]):
+                index = position // self.block_sizes[group]
+                if self.states[group] or index >= len(blocks) or blocks[index] == NULL_BLOCK_ID:
+                    continue
+                block = blocks[index]
+                check(("write_is_exclusive", write_is_exclusive(block, rid, tables)))
+                size = self.block_sizes[group]
+                self.truth.write(group, block, position % size, content.prefix(position + 1))
+
+
 def manager_machine(
     make_target: ManagerFactory,
     layouts: Sequence[str] = LAYOUTS,
@@ -1297,6 +1469,8 @@ def manager_machine(
     eagle_hybrids: bool = False,
     context_parallel: Sequence[tuple[int, int]] = ((1, 1),),
     retentions: Sequence[int | None] = (None,),
+    connector_loads: bool = False,
+    eagle_flags: bool = False,
 ) -> type[ManagerMachine]:
     """A state machine class that checks ``make_target`` on the given layouts and profiles.
 
@@ -1308,7 +1482,9 @@ def manager_machine(
     adds ``SchedulerCallsMachine``'s rule (the target must answer
     ``ManagerTargetScheduler``); ``in_flight`` are the ``max_in_flight_tokens``
     managers are built with; ``retentions`` the retention intervals, in scheduler blocks
-    (``ManagerTargetSpec.retentions``).
+    (``ManagerTargetSpec.retentions``). ``connector_loads`` adds ``ConnectorLoadsMachine``'s
+    rule (the target must take a KV connector's ``allocate_slots`` arguments);
+    ``eagle_flags`` flags some groups as EAGLE's (``ManagerSetup.eagle_groups``).
     """
     if level not in (1, 2):
         raise ValueError(f"level must be 1 or 2, got {level}")
@@ -1332,10 +1508,13 @@ def manager_machine(
             eagle_hybrids,
             context_parallel,
             retentions,
+            eagle_flags,
         ),
         "make_target": staticmethod(make_target),
         "lockstep": lockstep,
     }
     base: type[ManagerMachine] = RawManagerMachine if level == 2 else ManagerMachine
     bases = (SchedulerCallsMachine, base) if scheduler_calls else (base,)
+    if connector_loads:
+        bases = (ConnectorLoadsMachine, *bases)
     return type(name, bases, attrs)

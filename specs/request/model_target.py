@@ -29,6 +29,7 @@ class ModelManagerTarget:
             num_prefill_lookahead=setup.num_prefill_lookahead,
             **geometry_arguments(setup),
             **retention_arguments(setup),
+            eagle_groups=setup.eagle_groups,
         )
 
     def snapshot(self) -> KVCacheManagerState:
@@ -47,6 +48,9 @@ class ModelManagerTarget:
         num_lookahead_tokens: int = 0,
         delay_cache_blocks: bool = False,
         full_sequence_must_fit: bool = False,
+        num_external_computed_tokens: int = 0,
+        reserved_blocks: int = 0,
+        skip_zeroing_group_ids: Sequence[int] = (),
     ) -> Blocks | None:
         self.state, blocks = model_manager.allocate_slots(
             self.state,
@@ -57,6 +61,9 @@ class ModelManagerTarget:
             num_lookahead_tokens,
             delay_cache_blocks,
             full_sequence_must_fit,
+            num_external_computed_tokens=num_external_computed_tokens,
+            reserved_blocks=reserved_blocks,
+            skip_zeroing_group_ids=skip_zeroing_group_ids,
         )
         return blocks
 

@@ -134,6 +134,7 @@ def _model_manager(setup: ManagerSetup) -> KVCacheManagerState:
         num_prefill_lookahead=setup.num_prefill_lookahead,
         **geometry_arguments(setup),
         **retention_arguments(setup),
+        eagle_groups=setup.eagle_groups,
     )
 
 
@@ -173,10 +174,16 @@ class RecordingManager:
         num_lookahead_tokens: int = 0,
         delay_cache_blocks: bool = False,
         full_sequence_must_fit: bool = False,
+        num_external_computed_tokens: int = 0,
+        reserved_blocks: int = 0,
+        skip_zeroing_group_ids: Sequence[int] = (),
     ) -> Blocks | None:
         # the flag is passed (and recorded) only when set: a target without the scheduler
-        # calls is never asked for it
-        whole = (True,) if full_sequence_must_fit else ()
+        # calls is never asked for it; so are a KV connector's arguments after it
+        whole: tuple[Any, ...] = (True,) if full_sequence_must_fit else ()
+        connector = (num_external_computed_tokens, reserved_blocks, tuple(skip_zeroing_group_ids))
+        if connector != (0, 0, ()):
+            whole = (full_sequence_must_fit, *connector)
         result: Blocks | None = self._record(
             "allocate_slots",
             request,

@@ -124,6 +124,20 @@ class ManagerSetup:
     """vLLM 0.33's ``prefix_cache_retention_interval`` (a field of its ``KVCacheConfig``):
     None caches densely; 0 or a multiple of the scheduler block size thins the
     sliding-window groups' caching (``kvpool.model.retention``)."""
+    eagle_groups: tuple[int, ...] = ()
+    """The groups flagged as EAGLE's (vLLM 0.33's ``is_eagle_group``; none: with
+    ``use_eagle`` every group is; ``kvpool.model.eagle.group_flags``)."""
+
+
+def eagle_arguments(setup: ManagerSetup) -> dict[str, list[int]]:
+    """``eagle_groups`` as the model's ``new_kv_cache_manager`` keyword, if any are flagged
+    (so that setups without flags build and encode as they did).
+
+    >>> from kvpool.model.single_type import full_attention
+    >>> eagle_arguments(ManagerSetup(4, (full_attention(2),), 8, 2, eagle_groups=(0,)))
+    {'eagle_groups': [0]}
+    """
+    return {"eagle_groups": list(setup.eagle_groups)} if setup.eagle_groups else {}
 
 
 def geometry_arguments(setup: ManagerSetup) -> dict[str, int]:
@@ -228,7 +242,12 @@ class ManagerTargetScheduler(ManagerTarget033, Protocol):
         num_lookahead_tokens: int = 0,
         delay_cache_blocks: bool = False,
         full_sequence_must_fit: bool = False,
-    ) -> Blocks | None: ...
+        num_external_computed_tokens: int = 0,
+        reserved_blocks: int = 0,
+        skip_zeroing_group_ids: Sequence[int] = (),
+    ) -> Blocks | None:
+        """The KV connector's arguments after ``full_sequence_must_fit`` are sent only where
+        ``ManagerTargetSpec.connector_loads`` says so (``kvpool.model.external``)."""
 
     def pop_blocks_for_free(self, request: Request) -> Sequence[int]:
         """The request's blocks, taken out of its tables and still held (freed later)."""
@@ -301,3 +320,10 @@ class ManagerTargetSpec:
     replay boundaries, k one segment tail every k scheduler blocks (vLLM 0.33's
     ``prefix_cache_retention_interval``; drawn on layouts with a sliding-window group and
     no Mamba group, the others run dense)."""
+    eagle_flags: bool = False
+    """Whether programs flag some groups as EAGLE's (``ManagerSetup.eagle_groups``; with
+    ``eagle_hybrids``, on layouts of several groups)."""
+    connector_loads: bool = False
+    """Whether programs admit requests with a KV connector's loads: external tokens,
+    reserved blocks, groups whose loaded blocks are not zeroed (``kvpool.model.external``;
+    True needs ``ManagerTargetScheduler`` and its ``allocate_slots``' further arguments)."""

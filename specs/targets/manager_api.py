@@ -15,6 +15,25 @@ from kvpool.model.request import Request
 from kvpool.model.single_type import AttentionType, KVCacheSpec
 
 
+def connector_arguments(
+    num_external_computed_tokens: int, reserved_blocks: int, skip_zeroing_group_ids: Any
+) -> dict[str, Any]:
+    """``allocate_slots``' KV-connector keywords (vLLM 0.33) that differ from their defaults:
+    passed only when set, so that a manager predating them is never asked for them.
+
+    >>> connector_arguments(4, 0, ())
+    {'num_external_computed_tokens': 4}
+    """
+    chosen: dict[str, Any] = {}
+    if num_external_computed_tokens:
+        chosen["num_external_computed_tokens"] = num_external_computed_tokens
+    if reserved_blocks:
+        chosen["reserved_blocks"] = reserved_blocks
+    if skip_zeroing_group_ids:
+        chosen["skip_zeroing_group_ids"] = tuple(skip_zeroing_group_ids)
+    return chosen
+
+
 def block_ids(blocks: Any) -> Blocks:
     """The block ids of a ``KVCacheBlocks``, group by group."""
     return tuple(tuple(b.block_id for b in group) for group in blocks.blocks)

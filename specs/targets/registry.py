@@ -330,6 +330,8 @@ def _from_scope(
             "eagle_hybrids": scope.eagle_hybrids,
             "context_parallel": scope.context_parallel,
             "retentions": scope.retentions,
+            "connector_loads": scope.connector_loads,
+            "eagle_flags": scope.eagle_flags,
         },
     )
 

@@ -69,7 +69,12 @@ from kvpool.model.single_type import (
 )
 from kvpool.specs.protocol.codec import Json, encode_event, loads
 from kvpool.specs.request import target
-from kvpool.specs.request.target import ManagerSetup, geometry_arguments, retention_arguments
+from kvpool.specs.request.target import (
+    ManagerSetup,
+    eagle_arguments,
+    geometry_arguments,
+    retention_arguments,
+)
 from kvpool.specs.teaching.scenarios import ScenarioError, Step
 
 LAYER = "request"
@@ -177,6 +182,7 @@ def new_world(setup: ManagerSetup) -> World:
         num_prefill_lookahead=setup.num_prefill_lookahead,
         **geometry_arguments(setup),
         **retention_arguments(setup),
+        eagle_groups=setup.eagle_groups,
     )
     return World(manager)
 
@@ -313,6 +319,9 @@ def apply(world: World, op: str, args: Mapping[str, Json]) -> tuple[World, Json]
             a["num_lookahead_tokens"],
             a["delay_cache_blocks"],
             a["full_sequence_must_fit"],
+            num_external_computed_tokens=a["num_external_computed_tokens"],
+            reserved_blocks=a["reserved_blocks"],
+            skip_zeroing_group_ids=a["skip_zeroing_group_ids"],
         )
         return replace(world, manager=kv), None if new is None else _blocks_json(new)
     if op == "pop_blocks_for_free":
@@ -500,6 +509,9 @@ _ARGS: dict[str, tuple[str, ...]] = {
         "num_lookahead_tokens",
         "delay_cache_blocks",
         "full_sequence_must_fit",
+        "num_external_computed_tokens",
+        "reserved_blocks",
+        "skip_zeroing_group_ids",
     ),
     "free": ("request_id",),
     "cache_blocks": ("request_id", "num_computed_tokens"),
@@ -581,6 +593,11 @@ def decode_args(op: str, args: Mapping[str, Json]) -> dict[str, Any]:
         )
         out["delay_cache_blocks"] = _flag(args, "delay_cache_blocks")
         out["full_sequence_must_fit"] = _flag(args, "full_sequence_must_fit")
+        for name in ("num_external_computed_tokens", "reserved_blocks"):
+            out[name] = _count(args.get(name, 0), name)
+        out["skip_zeroing_group_ids"] = _ids(
+            args.get("skip_zeroing_group_ids", []), "allocate_slots: skip_zeroing_group_ids"
+        )
         hits = args.get("new_computed_blocks")
         out["from_lookup"] = hits == "lookup"
         if hits == "lookup" and "num_new_computed_tokens" in args:
@@ -742,6 +759,7 @@ def encode_setup(setup: ManagerSetup) -> dict[str, Json]:
         ),
         **geometry_arguments(setup),
         **retention_arguments(setup),
+        **eagle_arguments(setup),
     }
 
 
@@ -760,6 +778,7 @@ def decode_setup(value: Json) -> ManagerSetup:
         "num_prefill_lookahead",
         "retention_interval",
         *GEOMETRY_FIELDS,
+        "eagle_groups",
     }
     unknown = sorted(set(value) - known)
     if unknown:
@@ -811,6 +830,7 @@ def decode_setup(value: Json) -> ManagerSetup:
             if value.get("retention_interval") is not None
             else None
         ),
+        eagle_groups=_ids(value.get("eagle_groups", []), "config: eagle_groups"),
     )
     try:
         new_world(chosen)

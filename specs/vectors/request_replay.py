@@ -90,6 +90,9 @@ def in_scope(setup: ManagerSetup, scope: Mapping[str, Any]) -> bool:
         return False
     if setup.num_prefill_lookahead not in (0, *scope.get("prefill_lookaheads", ())):
         return False
+    # groups flagged as EAGLE's (vLLM 0.33's is_eagle_group) only where the target claims them
+    if setup.eagle_groups and not scope.get("eagle_flags", False):
+        return False
     if setup.enable_caching and layout in scope.get("hash_sized_layouts", ()) and factors != {1}:
         return False
     windows = [s.sliding_window for s in setup.specs if s.attention is AttentionType.SLIDING_WINDOW]

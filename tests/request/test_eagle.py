@@ -1,6 +1,7 @@
 """EAGLE on several KV cache groups and multi-module MTP's look-ahead (``kvpool.model.eagle``),
 in the model and the impl alike."""
 
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -10,6 +11,7 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from kvpool.impl.manager import KVCacheConfig, KVCacheManager
 from kvpool.model import manager as model_manager
+from kvpool.model.eagle import group_flags
 from kvpool.model.errors import InvalidManagerConfig
 from kvpool.model.request import new_request
 from kvpool.model.single_type import KVCacheSpec, chunked_local, full_attention, sliding_window
@@ -17,6 +19,7 @@ from kvpool.specs.request.machine import manager_machine
 from kvpool.specs.request.model_target import ModelManagerTarget
 from kvpool.specs.request.target import ManagerSetup
 from kvpool.specs.targets.impl.request import ImplManagerTarget
+from kvpool.specs.teaching import request_scenarios
 
 Build = Callable[..., object]
 
@@ -91,12 +94,35 @@ class Config:
         self.kv_cache_groups = [Group(block_size, flag) for flag in flags]
 
 
-def test_invalid_eagle_flagged_on_some_groups_only() -> None:
-    with pytest.raises(InvalidManagerConfig, match="is_eagle_group"):
-        KVCacheManager(Config(False, True), 32, use_eagle=True)
-    # every group flagged is kvpool's EAGLE, and flags without use_eagle drop nothing
-    assert KVCacheManager(Config(True, True), 32, use_eagle=True).use_eagle
-    KVCacheManager(Config(False, True), 32, num_prefill_lookahead=4)
+def test_eagle_flagged_on_one_of_two_equal_groups_runs_on_both() -> None:
+    # groups of one spec are searched together: the flag is their spec's (vLLM 0.33)
+    manager = KVCacheManager(Config(False, True), 32, use_eagle=True)
+    assert [m.use_eagle for m in manager.managers] == [True, True]
+    assert manager.snapshot().config.eagle_groups == (1,)
+    # flags without use_eagle drop nothing
+    manager = KVCacheManager(Config(False, True), 32, num_prefill_lookahead=4)
+    assert [m.use_eagle for m in manager.managers] == [False, False]
+
+
+def test_eagle_flagged_on_some_groups_runs_on_their_specs_only() -> None:
+    model = model_manager.new_kv_cache_manager(
+        16, [full_attention(4), sliding_window(4, 4)], 32, use_eagle=True, eagle_groups=[1]
+    )
+    assert group_flags(model.managers.specs, True, model.config.eagle_groups) == (False, True)
+    impl = KVCacheManager(
+        KVCacheConfig(16, (full_attention(4), sliding_window(4, 4)), (1,)), 32, use_eagle=True
+    )
+    assert [m.use_eagle for m in impl.managers] == [False, True]
+    assert impl.snapshot() == model
+
+
+@pytest.mark.parametrize("groups", [[2], [-1], [0, 0]])
+def test_invalid_eagle_groups_not_groups(groups: list[int]) -> None:
+    specs = [full_attention(4), sliding_window(4, 4)]
+    with pytest.raises(InvalidManagerConfig, match="eagle_groups"):
+        model_manager.new_kv_cache_manager(16, specs, 32, use_eagle=True, eagle_groups=groups)
+    with pytest.raises(InvalidManagerConfig, match="eagle_groups"):
+        KVCacheManager(KVCacheConfig(16, tuple(specs), tuple(groups)), 32, use_eagle=True)
 
 
 def test_invalid_lookahead_past_a_scheduler_block_with_flagged_groups() -> None:
@@ -170,3 +196,51 @@ def test_the_impl_conforms_with_eagle_hybrids_and_lookaheads() -> None:
         phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink],
     )
     run_state_machine_as_test(machine, settings=chosen)
+
+
+FLAGGED_LAYOUTS = [
+    "full+sliding_window",
+    "full+full+sliding_window",
+    "wide_full+sliding_window+sliding_window",
+]
+
+
+def test_the_impl_conforms_with_eagle_flagged_on_some_groups() -> None:
+    machine = manager_machine(
+        ImplManagerTarget,
+        layouts=FLAGGED_LAYOUTS,
+        prefill_lookaheads=(0, 1, 2),
+        eagle_hybrids=True,
+        eagle_flags=True,
+    )
+    chosen = settings(
+        settings.get_profile("ci"),
+        max_examples=80,
+        stateful_step_count=30,
+        phases=[Phase.explicit, Phase.generate],
+    )
+    run_state_machine_as_test(machine, settings=chosen)
+
+
+def test_eagle_flag_programs_replay_through_the_scenario_format() -> None:
+    base = manager_machine(
+        ModelManagerTarget, layouts=FLAGGED_LAYOUTS, eagle_hybrids=True, eagle_flags=True
+    )
+    flagged: list[tuple[int, ...]] = []
+
+    class Checked(base):  # type: ignore[misc,valid-type]
+        def teardown(self) -> None:
+            if self.model is not None:
+                flagged.append(self.setup.eagle_groups)
+                line = request_scenarios.record(self.setup, self.script, "machine/program")
+                story = request_scenarios.decode(json.loads(line))
+                assert story.setup.eagle_groups == self.setup.eagle_groups
+                world = request_scenarios.final_state(story)
+                assert world.manager == self.model
+            super().teardown()
+
+    chosen = settings(
+        settings.get_profile("ci"), max_examples=40, phases=[Phase.explicit, Phase.generate]
+    )
+    run_state_machine_as_test(Checked, settings=chosen)
+    assert any(flagged), "no program flagged a group"

@@ -31,10 +31,9 @@ def test_the_parameters_are_vllm_s_in_vllm_s_order() -> None:
 @pytest.mark.parametrize(
     ("name", "value"),
     [
-        ("num_external_computed_tokens", 2),
         ("num_encoder_tokens", 1),
-        ("reserved_blocks", 1),
-        ("skip_zeroing_group_ids", (0,)),
+        ("reserved_blocks", "1"),
+        ("skip_zeroing_group_ids", 0),
         ("num_external_computed_tokens", True),
         ("has_scheduled_reqs", "yes"),
     ],

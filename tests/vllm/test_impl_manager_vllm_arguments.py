@@ -91,11 +91,11 @@ def test_eagle_on_a_vllm_hybrid_and_a_lookahead_are_taken() -> None:
     assert manager.use_eagle and manager.num_prefill_lookahead == 3
 
 
-def test_eagle_flagged_on_some_vllm_groups_only_is_refused_by_name() -> None:
+def test_eagle_flagged_on_some_vllm_groups_only_runs_there() -> None:
     config = vllm_config(full(4), window(4, 8))
     config.kv_cache_groups[1].is_eagle_group = True  # type: ignore[attr-defined]
-    with pytest.raises(InvalidManagerConfig, match="is_eagle_group"):
-        KVCacheManager(config, 64, 4, 4, use_eagle=True)
+    manager = KVCacheManager(config, 64, 4, 4, use_eagle=True)
+    assert [m.use_eagle for m in manager.managers] == [False, True]
 
 
 def test_a_window_keeping_extra_tokens_is_refused_by_name() -> None:

@@ -37,6 +37,7 @@ from kvpool.specs.request.target import (
     OPERATIONS_SCHEDULER,
     ManagerSetup,
     geometry_arguments,
+    retention_arguments,
 )
 from kvpool.specs.targets.cmd.session import Dialect, Session, SessionFailure
 
@@ -334,7 +335,9 @@ def _model_manager(setup: ManagerSetup) -> KVCacheManagerState:
         fine_grained_hits=setup.fine_grained_hits,
         max_in_flight_tokens=setup.max_in_flight_tokens,
         num_prefill_lookahead=setup.num_prefill_lookahead,
+        eagle_groups=setup.eagle_groups,
         **geometry_arguments(setup),
+        **retention_arguments(setup),
     )
 
 

@@ -11,6 +11,7 @@ from kvpool.specs.request.target import ManagerSetup
 from kvpool.specs.targets.manager_api import (
     SchedulerCalls,
     block_ids,
+    connector_arguments,
     copy_ids,
     without_annotation,
 )
@@ -28,7 +29,12 @@ class ImplManagerTarget(SchedulerCalls):
     def __init__(self, setup: ManagerSetup) -> None:
         self.specs = setup.specs
         self.manager = self.manager_class(
-            KVCacheConfig(setup.num_blocks, setup.specs, setup.retention_interval),
+            KVCacheConfig(
+                setup.num_blocks,
+                setup.specs,
+                prefix_cache_retention_interval=setup.retention_interval,
+                eagle_groups=setup.eagle_groups,
+            ),
             setup.max_model_len,
             hash_block_size=setup.hash_block_size,
             enable_caching=setup.enable_caching,
@@ -60,6 +66,9 @@ class ImplManagerTarget(SchedulerCalls):
         num_lookahead_tokens: int = 0,
         delay_cache_blocks: bool = False,
         full_sequence_must_fit: bool = False,
+        num_external_computed_tokens: int = 0,
+        reserved_blocks: int = 0,
+        skip_zeroing_group_ids: Sequence[int] = (),
     ) -> Blocks | None:
         hits = None
         if new_computed_blocks is not None:
@@ -73,6 +82,9 @@ class ImplManagerTarget(SchedulerCalls):
             delay_cache_blocks=delay_cache_blocks,
             # only when asked for, so that a subclass predating the argument still runs
             **({"full_sequence_must_fit": True} if full_sequence_must_fit else {}),
+            **connector_arguments(
+                num_external_computed_tokens, reserved_blocks, skip_zeroing_group_ids
+            ),
         )
         return None if blocks is None else block_ids(blocks)
 

@@ -68,7 +68,12 @@ from kvpool.model.single_type import AttentionType, KVCacheSpec
 from kvpool.specs.errors import TargetError
 from kvpool.specs.request.target import ManagerSetup, ManagerTargetSpec
 from kvpool.specs.targets.importing import import_from_here
-from kvpool.specs.targets.manager_api import SchedulerCalls, block_ids, copy_ids
+from kvpool.specs.targets.manager_api import (
+    SchedulerCalls,
+    block_ids,
+    connector_arguments,
+    copy_ids,
+)
 from kvpool.specs.targets.vllm import eras
 from kvpool.specs.targets.vllm.event_shape import UnmappedEvent, model_event
 from kvpool.specs.targets.vllm.hasher import VllmRequests, find_hasher
@@ -242,7 +247,9 @@ class VllmManagerTarget(SchedulerCalls):
                 )
             else:
                 vllm_spec = interface.FullAttentionSpec(block_size=spec.block_size, **shape)
-            groups.append(interface.KVCacheGroupSpec([f"layer.{g}"], vllm_spec))
+            # a group flagged as EAGLE's (vLLM 0.33): only then, so older releases build
+            flag = {"is_eagle_group": True} if g in setup.eagle_groups else {}
+            groups.append(interface.KVCacheGroupSpec([f"layer.{g}"], vllm_spec, **flag))
         retention: dict[str, Any] = {}
         if setup.retention_interval is not None:
             fields = getattr(interface.KVCacheConfig, "__dataclass_fields__", {})
@@ -321,9 +328,17 @@ class VllmManagerTarget(SchedulerCalls):
         num_lookahead_tokens: int = 0,
         delay_cache_blocks: bool = False,
         full_sequence_must_fit: bool = False,
+        num_external_computed_tokens: int = 0,
+        reserved_blocks: int = 0,
+        skip_zeroing_group_ids: Sequence[int] = (),
     ) -> Blocks | None:
         # passed only when asked for: a release before 0.33 has no such argument
-        whole = {"full_sequence_must_fit": True} if full_sequence_must_fit else {}
+        whole: dict[str, Any] = {"full_sequence_must_fit": True} if full_sequence_must_fit else {}
+        whole.update(
+            connector_arguments(
+                num_external_computed_tokens, reserved_blocks, tuple(skip_zeroing_group_ids)
+            )
+        )
         hits = None
         if new_computed_blocks is not None and any(new_computed_blocks):
             pool_blocks = self.manager.block_pool.blocks
@@ -640,8 +655,12 @@ class VllmManagerFactory:
             claimed["prefill_lookaheads"] = (0,)
         if not api.version.startswith("0.33"):
             claimed["eagle_hybrids"] = False
+            claimed["eagle_flags"] = False
             claimed["context_parallel"] = ((1, 1),)
             claimed["retentions"] = (None,)
+        if not eras.takes(api.manager_class, "allocate_slots", "reserved_blocks"):
+            # a release before a KV connector's reserved blocks (0.33) is not sent its loads
+            claimed["connector_loads"] = False
         return claimed
 
     def preflight(self, level: int, profiles: Sequence[str]) -> None:
@@ -768,6 +787,11 @@ def scope(factory: VllmManagerFactory | None = None) -> ManagerTargetSpec:
         # decode and prefill context parallelism on the full-attention layouts
         context_parallel=((1, 1), (2, 1), (1, 2), (2, 2)),
         retentions=RETENTIONS,
+        # a KV connector's loads and EAGLE flagged on some groups (kvpool.model.external,
+        # kvpool.model.eagle.group_flags); eagle_flags_scope() and connector_scope() draw
+        # them more densely
+        connector_loads=True,
+        eagle_flags=True,
     )
 
 
@@ -846,11 +870,73 @@ RETENTION_LAYOUTS = (
 """The layouts of ``VLLM_SCOPE`` with a sliding-window group: where retention thins caching."""
 
 
+def connector_scope(factory: VllmManagerFactory | None = None) -> ManagerTargetSpec:
+    """Where vLLM 0.33's handling of a KV connector's loads is compared
+    (``kvpool.model.external``): requests admitted with external tokens, loaded in the step
+    or asynchronously, reserved blocks, groups not zeroed, with and without the whole-sequence
+    gate, on full attention, sliding windows and chunked local attention alone and in hybrids
+    (not Mamba: external tokens beside it are not modelled), events on and off."""
+    from kvpool.model import DEFAULT_PROFILE
+
+    return ManagerTargetSpec(
+        factory or VllmManagerFactory(),
+        layouts=(
+            "full",
+            "sliding_window",
+            "chunked_local",
+            "full+sliding_window",
+            "full+full+sliding_window",
+            "sliding_window+full",
+            "full+chunked_local",
+            "wide_full+sliding_window",
+        ),
+        profiles=(DEFAULT_PROFILE,),
+        events=(False, True),
+        block_factors=(1, 2),
+        min_window=2,
+        hash_sized_layouts=("full", "sliding_window", "chunked_local"),
+        in_flight=(None, 1, 3),
+        scheduler_calls=True,
+        eagle_hybrids=True,
+        connector_loads=True,
+    )
+
+
+def eagle_flags_scope(factory: VllmManagerFactory | None = None) -> ManagerTargetSpec:
+    """Where vLLM 0.33's per-group EAGLE flags (``is_eagle_group``) are compared most
+    densely (``VLLM_SCOPE`` draws them too): up to two groups flagged, EAGLE drawn half the
+    time, on hybrids of full attention and sliding windows (a flagged window beside an
+    unflagged one, siblings of one spec, blocks of two sizes), multi-module MTP's
+    look-ahead, events on and off."""
+    from kvpool.model import DEFAULT_PROFILE
+
+    return ManagerTargetSpec(
+        factory or VllmManagerFactory(),
+        layouts=(
+            "full+sliding_window",
+            "full+full+sliding_window",
+            "sliding_window+full",
+            "full+sliding_window+sliding_window",
+            "wide_full+sliding_window",
+            "full+wide_sliding_window",
+            "wide_full+sliding_window+sliding_window",
+        ),
+        profiles=(DEFAULT_PROFILE,),
+        events=(False, True),
+        block_factors=(1, 2),
+        min_window=2,
+        prefill_lookaheads=(0, 0, 1, 2),
+        eagle_hybrids=True,
+        eagle_flags=True,
+    )
+
+
 VLLM_SCOPE = scope()
 """Where vLLM 0.33's manager is compared: every attention type it runs on a CPU
 (full, sliding window of at least 2 tokens, chunked local, Mamba) and hybrids of
 them (vLLM's HybridKVCacheCoordinator), events on and off, blocks of one or two hash
-blocks, the hashless-first profile. Two limits are vLLM's (``vllm_refuses``): Mamba
+blocks, the hashless-first profile, a KV connector's loads and EAGLE flagged on some
+groups. Two limits are vLLM's (``vllm_refuses``): Mamba
 runs with prefix caching off, and a single group has blocks of one hash block when
 caching is on."""
 
