@@ -110,7 +110,9 @@ def test_eagle_flagged_on_some_groups_runs_on_their_specs_only() -> None:
     )
     assert group_flags(model.managers.specs, True, model.config.eagle_groups) == (False, True)
     impl = KVCacheManager(
-        KVCacheConfig(16, (full_attention(4), sliding_window(4, 4)), (1,)), 32, use_eagle=True
+        KVCacheConfig(16, (full_attention(4), sliding_window(4, 4)), eagle_groups=(1,)),
+        32,
+        use_eagle=True,
     )
     assert [m.use_eagle for m in impl.managers] == [False, True]
     assert impl.snapshot() == model
@@ -122,7 +124,9 @@ def test_invalid_eagle_groups_not_groups(groups: list[int]) -> None:
     with pytest.raises(InvalidManagerConfig, match="eagle_groups"):
         model_manager.new_kv_cache_manager(16, specs, 32, use_eagle=True, eagle_groups=groups)
     with pytest.raises(InvalidManagerConfig, match="eagle_groups"):
-        KVCacheManager(KVCacheConfig(16, tuple(specs), tuple(groups)), 32, use_eagle=True)
+        KVCacheManager(
+            KVCacheConfig(16, tuple(specs), eagle_groups=tuple(groups)), 32, use_eagle=True
+        )
 
 
 def test_invalid_lookahead_past_a_scheduler_block_with_flagged_groups() -> None:
