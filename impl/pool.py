@@ -427,9 +427,10 @@ class BlockPool:
         try:
             if self._free_by_hash:
                 for block in items:
-                    # Testing ref_cnt == 1 before computing the new count saves the
-                    # subtraction on the common path (the last reference).
-                    if block.ref_cnt == 1 and block.pool is self:
+                    # Comparing the count read with 1 (not the count less 1 with 0)
+                    # saves the subtraction on the path of the last reference.
+                    ref_cnt = block.ref_cnt
+                    if ref_cnt == 1 and block.pool is self:
                         block.ref_cnt = 0
                         if block._hash is None:
                             front.next_free_block = block
@@ -439,8 +440,8 @@ class BlockPool:
                             back.next_free_block = block
                             block.prev_free_block = back
                             back = block
-                    elif block.ref_cnt > 1 and block.pool is self:
-                        block.ref_cnt -= 1  # still held by someone else
+                    elif ref_cnt > 1 and block.pool is self:
+                        block.ref_cnt = ref_cnt - 1  # still held by someone else
                         kept += 1
                     elif block.is_null and block.pool is self:
                         kept += 1
@@ -452,13 +453,14 @@ class BlockPool:
                 # One destination for every freed block: the front or the back.
                 end = front if self._hashless_first else back
                 for block in items:
-                    if block.ref_cnt == 1 and block.pool is self:
+                    ref_cnt = block.ref_cnt
+                    if ref_cnt == 1 and block.pool is self:
                         block.ref_cnt = 0
                         end.next_free_block = block
                         block.prev_free_block = end
                         end = block
-                    elif block.ref_cnt > 1 and block.pool is self:
-                        block.ref_cnt -= 1  # still held by someone else
+                    elif ref_cnt > 1 and block.pool is self:
+                        block.ref_cnt = ref_cnt - 1  # still held by someone else
                         kept += 1
                     elif block.is_null and block.pool is self:
                         kept += 1
@@ -876,6 +878,56 @@ class BlockPool:
                 if type(block_hash) is not bytes:
                     _verify_hash(block_hash)
                 if covered:
+                    self._drop_keys(block)
+                block._hash = block_hash
+                block._group = kv_cache_group_id
+                block._block_hash_num_tokens = num_tokens
+                entry = cached.setdefault(block_hash, block)
+                if entry is not block:
+                    self._add_beside(cached, block_hash, entry, block)
+                if events_on:
+                    stored.append(block_hash)
+        elif block_mask is None and factor == 1:
+            # The usual prompt (no mask, a hash per block): the blocks and their hashes
+            # walked side by side, without indexing. The checks of _verify_all_cacheable
+            # and of the hashes share one pass, raising in the same order afterwards.
+            new_blocks = blocks[num_cached_blocks:num_full_blocks]
+            new_hashes = block_hashes[num_cached_blocks:num_full_blocks]
+            self._epoch += 1
+            epoch = self._epoch
+            first_bad: KVCacheBlock | None = None
+            bad_tokens = 0
+            hashes_ok = True
+            bad_hash: object = None
+            num_tokens = num_cached_blocks * block_size
+            for block, block_hash in zip(new_blocks, new_hashes, strict=True):
+                num_tokens += block_size
+                if type(block_hash) is not bytes and hashes_ok:
+                    hashes_ok = False
+                    bad_hash = block_hash
+                if block.is_null:
+                    continue
+                # Verify that no physical block stands at two positions
+                if block._mark == epoch:
+                    raise DuplicateBlock(f"block {block.block_id} stands at two positions")
+                block._mark = epoch
+                if first_bad is None and (
+                    block.ref_cnt == 0 or block._block_hash_num_tokens >= num_tokens
+                ):
+                    first_bad = block
+                    bad_tokens = num_tokens
+            if first_bad is not None:
+                # Verify that each block is held and only ever promoted to a longer prefix
+                self._verify_cacheable(first_bad, bad_tokens)
+            if not hashes_ok:
+                # Verify that every hash the blocks get is bytes
+                _verify_hash(bad_hash)
+            num_tokens = num_cached_blocks * block_size
+            for block, block_hash in zip(new_blocks, new_hashes, strict=True):
+                num_tokens += block_size
+                if block.is_null:
+                    continue
+                if block._hash is not None:
                     self._drop_keys(block)
                 block._hash = block_hash
                 block._group = kv_cache_group_id
