@@ -891,6 +891,7 @@ class BlockPool:
             # The usual prompt (no mask, a hash per block): the blocks and their hashes
             # walked side by side, without indexing. The checks of _verify_all_cacheable
             # and of the hashes share one pass, raising in the same order afterwards.
+            # (zip without strict=: a keyword argument costs a parse on every call)
             new_blocks = blocks[num_cached_blocks:num_full_blocks]
             new_hashes = block_hashes[num_cached_blocks:num_full_blocks]
             self._epoch += 1
@@ -900,7 +901,7 @@ class BlockPool:
             hashes_ok = True
             bad_hash: object = None
             num_tokens = num_cached_blocks * block_size
-            for block, block_hash in zip(new_blocks, new_hashes, strict=True):
+            for block, block_hash in zip(new_blocks, new_hashes):  # noqa: B905 (same length)
                 num_tokens += block_size
                 if type(block_hash) is not bytes and hashes_ok:
                     hashes_ok = False
@@ -923,7 +924,7 @@ class BlockPool:
                 # Verify that every hash the blocks get is bytes
                 _verify_hash(bad_hash)
             num_tokens = num_cached_blocks * block_size
-            for block, block_hash in zip(new_blocks, new_hashes, strict=True):
+            for block, block_hash in zip(new_blocks, new_hashes):  # noqa: B905 (same length)
                 num_tokens += block_size
                 if block.is_null:
                     continue
