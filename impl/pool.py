@@ -356,6 +356,8 @@ class BlockPool:
                     prev.next_free_block = nxt
                     nxt.prev_free_block = prev
                     unlinked += 1
+                    block.ref_cnt = 1  # (a constant: no addition on the cache-hit path)
+                    continue
                 block.ref_cnt = ref_cnt + 1
             else:
                 complete = True
