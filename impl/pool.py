@@ -1233,11 +1233,11 @@ class BlockPool:
                     return None
                 cached = other
             entry = cached.get(block_hash)
+            if type(entry) is KVCacheBlock:  # a hit on a key one block has: one test
+                return [entry]
             if entry is None:
                 return None
-            if type(entry) is dict:
-                return [next(iter(entry.values()))]
-            return [entry]
+            return [next(iter(entry.values()))]
         for group_id in kv_cache_group_ids:
             if type(group_id) is not int:
                 _verify_ints(kv_cache_group_id=group_id)
