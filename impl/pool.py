@@ -265,11 +265,44 @@ class BlockPool:
         node: KVCacheBlock = head.next_free_block  # type: ignore[assignment]
         out: list[KVCacheBlock]
         if count == 1:
+            # One block (a decode step): no loop, and the eviction inlined as below.
             out = [node]
             node.ref_cnt = 1
-            if node._hash is not None:
-                self._drop_keys(node)
+            block_hash = node._hash
+            if block_hash is not None:
+                if node._extra_keys is None and not self.enable_kv_cache_events:
+                    cached = self._maps[node._group]
+                    entry = cached.pop(block_hash)
+                    if entry is not node:
+                        self._put_back(cached, block_hash, entry, node)
+                    node._hash = None
+                    node._group = 0
+                    node._block_hash_num_tokens = 0
+                else:
+                    self._drop_keys(node)
             node = node.next_free_block  # type: ignore[assignment]
+        elif self.enable_caching and not self.enable_kv_cache_events:
+            # _drop_keys inlined for a block with its primary key only, events off:
+            # the usual evicted block (serving evicts ~3 blocks per call). It saves two
+            # method calls per evicted block.
+            maps = self._maps
+            out = []
+            for _ in range(count):
+                out.append(node)
+                node.ref_cnt = 1
+                block_hash = node._hash
+                if block_hash is not None:
+                    if node._extra_keys is None:
+                        cached = maps[node._group]
+                        entry = cached.pop(block_hash)
+                        if entry is not node:
+                            self._put_back(cached, block_hash, entry, node)
+                        node._hash = None
+                        node._group = 0
+                        node._block_hash_num_tokens = 0
+                    else:
+                        self._drop_keys(node)
+                node = node.next_free_block  # type: ignore[assignment]
         elif self.enable_caching:
             out = []
             for _ in range(count):
@@ -323,6 +356,8 @@ class BlockPool:
                     prev.next_free_block = nxt
                     nxt.prev_free_block = prev
                     unlinked += 1
+                    block.ref_cnt = 1  # (a constant: no addition on the cache-hit path)
+                    continue
                 block.ref_cnt = ref_cnt + 1
             else:
                 complete = True
@@ -394,8 +429,10 @@ class BlockPool:
         try:
             if self._free_by_hash:
                 for block in items:
-                    ref_cnt = block.ref_cnt - 1
-                    if ref_cnt == 0 and block.pool is self:
+                    # Comparing the count read with 1 (not the count less 1 with 0)
+                    # saves the subtraction on the path of the last reference.
+                    ref_cnt = block.ref_cnt
+                    if ref_cnt == 1 and block.pool is self:
                         block.ref_cnt = 0
                         if block._hash is None:
                             front.next_free_block = block
@@ -405,8 +442,8 @@ class BlockPool:
                             back.next_free_block = block
                             block.prev_free_block = back
                             back = block
-                    elif ref_cnt > 0 and block.pool is self:
-                        block.ref_cnt = ref_cnt  # still held by someone else
+                    elif ref_cnt > 1 and block.pool is self:
+                        block.ref_cnt = ref_cnt - 1  # still held by someone else
                         kept += 1
                     elif block.is_null and block.pool is self:
                         kept += 1
@@ -418,14 +455,14 @@ class BlockPool:
                 # One destination for every freed block: the front or the back.
                 end = front if self._hashless_first else back
                 for block in items:
-                    ref_cnt = block.ref_cnt - 1
-                    if ref_cnt == 0 and block.pool is self:
+                    ref_cnt = block.ref_cnt
+                    if ref_cnt == 1 and block.pool is self:
                         block.ref_cnt = 0
                         end.next_free_block = block
                         block.prev_free_block = end
                         end = block
-                    elif ref_cnt > 0 and block.pool is self:
-                        block.ref_cnt = ref_cnt  # still held by someone else
+                    elif ref_cnt > 1 and block.pool is self:
+                        block.ref_cnt = ref_cnt - 1  # still held by someone else
                         kept += 1
                     elif block.is_null and block.pool is self:
                         kept += 1
@@ -799,10 +836,15 @@ class BlockPool:
         if block_mask is not None and len(block_mask) != num_new:
             raise InvalidBlockMask(f"block_mask has {len(block_mask)} entries for {num_new}")
         # Verify that every block to cache belongs to this pool (the others are not read)
-        for i in range(num_cached_blocks, num_full_blocks):
-            listed = blocks[i]
+        if num_new == 1:
+            listed = blocks[num_cached_blocks]
             if type(listed) is not KVCacheBlock or listed.pool is not self:
                 raise UnknownBlock(f"{listed!r} is not a block of this pool")
+        else:
+            for i in range(num_cached_blocks, num_full_blocks):
+                listed = blocks[i]
+                if type(listed) is not KVCacheBlock or listed.pool is not self:
+                    raise UnknownBlock(f"{listed!r} is not a block of this pool")
         factor = block_size // hbs
         # Verify that the request has a hash for every block up to num_full_blocks
         if len(block_hashes) // factor < num_full_blocks:
@@ -810,7 +852,7 @@ class BlockPool:
                 f"request has {len(block_hashes) // factor} hashes of size {block_size}, "
                 f"{num_full_blocks} are needed"
             )
-        cached = self._map(kv_cache_group_id)
+        cached = self._map0 if kv_cache_group_id == 0 else self._map(kv_cache_group_id)
         events_on = self.enable_kv_cache_events
         if events_on:
             # Read before anything changes: a request that cannot be read is rejected whole.
@@ -819,11 +861,11 @@ class BlockPool:
                 token_ids[num_cached_blocks * block_size : num_full_blocks * block_size]
             )
             lora_id, lora_name = _lora_of(request)
-        stored: list[bytes] = []
+            stored: list[bytes] = []
         block: KVCacheBlock  # checked above; typed for the compiled build's field access
         if num_new == 1:
             # One block (a decode step filled it): nothing can stand twice, no loops.
-            block = blocks[num_cached_blocks]
+            block = listed
             if not block.is_null and (block_mask is None or block_mask[0]):
                 num_tokens = num_full_blocks * block_size
                 # Verify that the block to cache is held by someone
@@ -838,6 +880,57 @@ class BlockPool:
                 if type(block_hash) is not bytes:
                     _verify_hash(block_hash)
                 if covered:
+                    self._drop_keys(block)
+                block._hash = block_hash
+                block._group = kv_cache_group_id
+                block._block_hash_num_tokens = num_tokens
+                entry = cached.setdefault(block_hash, block)
+                if entry is not block:
+                    self._add_beside(cached, block_hash, entry, block)
+                if events_on:
+                    stored.append(block_hash)
+        elif block_mask is None and factor == 1:
+            # The usual prompt (no mask, a hash per block): the blocks and their hashes
+            # walked side by side, without indexing. The checks of _verify_all_cacheable
+            # and of the hashes share one pass, raising in the same order afterwards.
+            # (zip without strict=: a keyword argument costs a parse on every call)
+            new_blocks = blocks[num_cached_blocks:num_full_blocks]
+            new_hashes = block_hashes[num_cached_blocks:num_full_blocks]
+            self._epoch += 1
+            epoch = self._epoch
+            first_bad: KVCacheBlock | None = None
+            bad_tokens = 0
+            hashes_ok = True
+            bad_hash: object = None
+            num_tokens = num_cached_blocks * block_size
+            for block, block_hash in zip(new_blocks, new_hashes):  # noqa: B905 (same length)
+                num_tokens += block_size
+                if type(block_hash) is not bytes and hashes_ok:
+                    hashes_ok = False
+                    bad_hash = block_hash
+                if block.is_null:
+                    continue
+                # Verify that no physical block stands at two positions
+                if block._mark == epoch:
+                    raise DuplicateBlock(f"block {block.block_id} stands at two positions")
+                block._mark = epoch
+                if first_bad is None and (
+                    block.ref_cnt == 0 or block._block_hash_num_tokens >= num_tokens
+                ):
+                    first_bad = block
+                    bad_tokens = num_tokens
+            if first_bad is not None:
+                # Verify that each block is held and only ever promoted to a longer prefix
+                self._verify_cacheable(first_bad, bad_tokens)
+            if not hashes_ok:
+                # Verify that every hash the blocks get is bytes
+                _verify_hash(bad_hash)
+            num_tokens = num_cached_blocks * block_size
+            for block, block_hash in zip(new_blocks, new_hashes):  # noqa: B905 (same length)
+                num_tokens += block_size
+                if block.is_null:
+                    continue
+                if block._hash is not None:
                     self._drop_keys(block)
                 block._hash = block_hash
                 block._group = kv_cache_group_id
@@ -1129,18 +1222,22 @@ class BlockPool:
                 # An int of a subclass: again with a plain one (so that below it is an
                 # int to mypy, compared natively in the compiled build).
                 return BlockPool.get_cached_block(self, block_hash, [int(group_id)])
-            # Verify that no group id is negative
-            if group_id < 0:
-                raise InvalidGroup(f"KV cache group id {group_id} is negative")
-            cached = self._map0 if group_id == 0 else self._maps.get(group_id)
-            if cached is None:
-                return None
+            if group_id == 0:
+                cached = self._map0
+            else:
+                # Verify that no group id is negative
+                if group_id < 0:
+                    raise InvalidGroup(f"KV cache group id {group_id} is negative")
+                other = self._maps.get(group_id)
+                if other is None:
+                    return None
+                cached = other
             entry = cached.get(block_hash)
+            if type(entry) is KVCacheBlock:  # a hit on a key one block has: one test
+                return [entry]
             if entry is None:
                 return None
-            if type(entry) is dict:
-                return [next(iter(entry.values()))]
-            return [entry]
+            return [next(iter(entry.values()))]
         for group_id in kv_cache_group_ids:
             if type(group_id) is not int:
                 _verify_ints(kv_cache_group_id=group_id)

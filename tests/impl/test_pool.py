@@ -394,6 +394,29 @@ def test_cache_full_blocks_preconditions_in_the_models_order() -> None:
     assert_rejected(pool, InvalidBlockMask, pool.cache_full_blocks, REQ, [a], 1, 1, 2, 0, [True])
 
 
+@pytest.mark.parametrize("mask", [None, [True, True, True]])
+def test_cache_full_blocks_checks_every_hash_after_the_blocks(mask: list[bool] | None) -> None:
+    """Several blocks, with and without a mask (two code paths): a hash that is not bytes
+    is InvalidArgument, the null block's included, but a block's own error comes first."""
+    pool = BlockPool(5, True, 2)
+    a, b, c = pool.get_new_blocks(3)
+    null = pool.null_block
+    bad = CacheRequest(block_hashes=(b"h0", 7, b"h2", None), all_token_ids=(1, 2, 3, 4))
+    assert_rejected(pool, InvalidArgument, pool.cache_full_blocks, bad, [a, b, c], 0, 3, 2, 0, mask)
+    assert_rejected(
+        pool, InvalidArgument, pool.cache_full_blocks, bad, [a, null, c], 0, 3, 2, 0, mask
+    )
+    free = pool.blocks[4]
+    assert_rejected(pool, BlockNotHeld, pool.cache_full_blocks, bad, [a, b, free], 0, 3, 2, 0, mask)
+    assert_rejected(
+        pool, DuplicateBlock, pool.cache_full_blocks, bad, [a, free, a], 0, 3, 2, 0, mask
+    )
+    pool.cache_full_blocks(REQ, [a, null, c], 0, 3, 2, 0, mask)
+    assert [x.block_hash for x in (a, b, c)] == [(b"h0", 0), None, (b"h2", 0)]
+    assert (a.block_hash_num_tokens, c.block_hash_num_tokens) == (2, 6)
+    pool.check_invariants()
+
+
 def test_cache_full_blocks_does_not_read_blocks_outside_the_range() -> None:
     """Only blocks[num_cached:num_full] are read, so a stranger before them is fine."""
     pool = BlockPool(4, True, 2)
