@@ -23,6 +23,7 @@ import kvpool.impl.geometry as geometry
 from kvpool.impl.block import KVCacheBlock
 from kvpool.impl.eagle import cacheable, check_eagle_config, check_eagle_flags
 from kvpool.impl.mamba_align import MambaAlignManager, take_boundary_state_offloads
+from kvpool.impl.mamba_reserve import MambaReservingManager
 from kvpool.impl.pool import BlockPool, Unchecked
 from kvpool.impl.single_type import (
     SingleTypeKVCacheManager,
@@ -236,6 +237,7 @@ class KVCacheManager:
                 )
             if spec.mamba_align and spec.attention is not AttentionType.MAMBA:
                 raise InvalidManagerConfig(f"{spec.attention.value} groups have no align mode")
+            _verify_reserved(spec)
         scheduler = (
             geometry.common_multiple(specs)
             if scheduler_block_size is None
@@ -277,7 +279,7 @@ class KVCacheManager:
         self.log_stats = log_stats
         self.prefix_cache_stats: PrefixCacheStats | None = PrefixCacheStats() if log_stats else None
         self.managers: list[SingleTypeKVCacheManager] = [
-            MambaAlignManager(spec, self.block_pool, g)
+            _align_manager(spec, self.block_pool, g)
             if spec.mamba_align
             else get_manager_for_kv_cache_spec(spec, self.block_pool, g)
             for g, spec in enumerate(specs)
@@ -587,6 +589,9 @@ class KVCacheManager:
         ]
         needed = 0
         for g, (manager, group_hits) in enumerate(zip(managers, hits, strict=True)):
+            if isinstance(manager, MambaReservingManager):
+                # a Mamba "align" group with checkpoint blocks records its checkpoint as it counts
+                manager.plan_checkpoint(rid, num_computed, slots[g])
             needed += manager.get_num_blocks_to_allocate(rid, slots[g], group_hits)
         needed += sum(partial)
         if needed > self.block_pool.get_num_free_blocks():
@@ -1156,6 +1161,7 @@ def _specs_of(kv_cache_config: Any) -> tuple[KVCacheSpec, ...]:
                 if kind is AttentionType.CHUNKED_LOCAL
                 else 0,
                 mamba_align=align,
+                **_reserved_fields(spec, align),
                 # vLLM 0.33's attention specs are sharded by default, its Mamba spec is not
                 dcp_sharded=bool(getattr(spec, "dcp_sharded", kind is not AttentionType.MAMBA)),
             )
@@ -1164,13 +1170,56 @@ def _specs_of(kv_cache_config: Any) -> tuple[KVCacheSpec, ...]:
 
 
 def _mamba_align_of(spec: Any) -> bool:
-    """Whether vLLM's ``MambaSpec`` is in "align" mode; InvalidManagerConfig for the parts of
-    that mode kvpool does not model (speculative and prefill-checkpoint blocks)."""
+    """Whether vLLM's ``MambaSpec`` is in "align" mode; InvalidManagerConfig for a mode kvpool
+    does not model, and for reserved blocks outside "align" mode."""
     mode = getattr(spec, "mamba_cache_mode", "none")
     if mode not in ("none", "align"):
         raise InvalidManagerConfig(f"mamba_cache_mode={mode!r}: kvpool models 'none' and 'align'")
-    for name in ("num_speculative_blocks", "num_prefill_checkpoint_blocks"):
-        # Verify that the Mamba spec reserves no block kvpool does not model
-        if getattr(spec, name, 0):
-            raise InvalidManagerConfig(f"{name}={getattr(spec, name)!r}: kvpool models only 0")
+    if mode != "align":
+        for name in ("num_speculative_blocks", "num_prefill_checkpoint_blocks"):
+            # Verify that a whole-request Mamba spec reserves no block (not modelled)
+            if getattr(spec, name, 0):
+                raise InvalidManagerConfig(
+                    f"{name}={getattr(spec, name)!r}: kvpool models only 0 outside 'align' mode"
+                )
     return bool(mode == "align")
+
+
+def _reserved_blocks_of(spec: Any) -> tuple[int, int]:
+    """A vLLM "align" ``MambaSpec``'s speculative blocks and prefill-checkpoint alignment as
+    kvpool's spec holds them: the alignment counts only with checkpoint blocks (vLLM 0.33.0,
+    ``MambaManager.__init__`` and ``is_mamba_prefill_checkpoint_valid``: no alignment, no
+    checkpoint), and how many checkpoint blocks only sizes vLLM's memory, not its tables."""
+    speculative = getattr(spec, "num_speculative_blocks", 0)
+    alignment = getattr(spec, "prefill_checkpoint_alignment", None)
+    if not getattr(spec, "num_prefill_checkpoint_blocks", 0) or alignment is None:
+        alignment = 0
+    return speculative, alignment
+
+
+def _verify_reserved(spec: KVCacheSpec) -> None:
+    """InvalidManagerConfig unless the spec's reserved blocks are non-negative ints, and any
+    only on a Mamba "align" group (as the model's ``new_managers``)."""
+    for name, value in (
+        ("num_speculative_blocks", spec.num_speculative_blocks),
+        ("prefill_checkpoint_alignment", spec.prefill_checkpoint_alignment),
+    ):
+        if type(value) is not int or value < 0:
+            raise InvalidManagerConfig(f"{name}={value!r} must be a non-negative int")
+        if value and not spec.mamba_align:
+            raise InvalidManagerConfig(f'{name}={value}: only Mamba "align" groups reserve blocks')
+
+
+def _reserved_fields(spec: Any, align: bool) -> dict[str, int]:
+    """The reserved-block fields of kvpool's spec for vLLM's ``spec`` (none unless "align")."""
+    if not align:
+        return {}
+    speculative, alignment = _reserved_blocks_of(spec)
+    return {"num_speculative_blocks": speculative, "prefill_checkpoint_alignment": alignment}
+
+
+def _align_manager(spec: KVCacheSpec, pool: BlockPool, group: int) -> MambaAlignManager:
+    """A Mamba "align" group's manager: the reserving one when its spec reserves blocks."""
+    if spec.num_speculative_blocks or spec.prefill_checkpoint_alignment:
+        return MambaReservingManager(spec, pool, group)
+    return MambaAlignManager(spec, pool, group)

@@ -63,6 +63,9 @@ class AlignTable:
     """Keys cached since the step began; a hit ending on one waits for the next step."""
     offloads: tuple[Offload, ...] = ()
     """Boundary states cached and not yet taken by a connector, oldest first."""
+    checkpoints: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    """Request to its prefill checkpoint (tokens, block index) as the latest count recorded
+    it (vLLM's ``_checkpoints``; ``kvpool.model.mamba_reserve``)."""
 
 
 def find_hit(
@@ -265,7 +268,7 @@ def cache_prompt_boundary(
     >>> req = CacheRequest((b"a", b"ab"))
     >>> cache_prompt_boundary(new_pool(4), AlignTable(), 0, 2, req, 5, (0, 0), 3)[1]
     AlignTable(last_state={}, retired={}, allocated=frozenset(), cached_this_step=frozenset(), \
-offloads=())
+offloads=(), checkpoints={})
     """
     boundary = (num_prompt_tokens - 1) // block_size * block_size
     index = num_tokens // block_size - 1
@@ -293,6 +296,7 @@ def forget(table: AlignTable, request_id: str) -> AlignTable:
         retired={r: i for r, i in table.retired.items() if r != request_id},
         allocated=table.allocated - {request_id},
         offloads=tuple(o for o in table.offloads if o[0] != request_id),
+        checkpoints={r: c for r, c in table.checkpoints.items() if r != request_id},
     )
 
 

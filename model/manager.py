@@ -603,6 +603,11 @@ def allocate_slots(
     )
     # A Mamba "align" group sizes its table by the main model's tokens, not the look-ahead
     slots = [num_computed + num_new_tokens if s.mamba_align else num_slots for s in m.specs]
+    # a Mamba "align" group with checkpoint blocks records its checkpoint as it counts
+    for g in groups:
+        m, _ = single.plan_checkpoint(
+            m, g, rid, num_computed, slots[g], _scheduler_block_size(state)
+        )
     needed = sum(single.get_num_blocks_to_allocate(m, g, rid, slots[g], hits[g]) for g in groups)
     needed += sum(partial)
     if needed > pool_ops.get_num_free_blocks(m.pool):

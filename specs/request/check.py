@@ -77,6 +77,7 @@ def run_request_conformance(
         prefill_lookaheads=target.prefill_lookaheads,
         eagle_hybrids=target.eagle_hybrids,
         context_parallel=target.context_parallel,
+        mamba_reserves=target.mamba_reserves,
     )
 
     def stop() -> None:

@@ -273,3 +273,6 @@ class ManagerTargetSpec:
     context_parallel: tuple[tuple[int, int], ...] = ((1, 1),)
     """The (decode, prefill) context-parallel world sizes programs draw (full-attention
     layouts only; the others run with (1, 1))."""
+    mamba_reserves: tuple[tuple[int, int], ...] = ((0, 0),)
+    """The (speculative blocks, prefill checkpoint alignment in blocks) a Mamba "align"
+    group is drawn with (``kvpool.model.mamba_reserve``; (0, 0): neither)."""
