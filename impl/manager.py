@@ -223,6 +223,15 @@ class KVCacheManager:
             )
         except ValueError as error:
             raise InvalidManagerConfig(str(error)) from error
+        # Verify that prefill checkpoints leave the one token vLLM's checkpoint leaves (a
+        # look-ahead of L > 1 hashed tokens moves the checkpoint back: not modelled)
+        if self.block_pool.num_hash_lookahead_tokens > 1 and any(
+            s.prefill_checkpoint_alignment for s in specs
+        ):
+            raise InvalidManagerConfig(
+                f"prefill checkpoints with num_hash_lookahead_tokens="
+                f"{self.block_pool.num_hash_lookahead_tokens} are not modelled (at most 1)"
+            )
         # Verify each group's block size, window and chunk (as the model's new_managers does)
         for spec in specs:
             if spec.block_size < hbs or spec.block_size % hbs != 0:

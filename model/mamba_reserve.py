@@ -64,7 +64,7 @@ def checkpoint_valid(
     checkpoint is at least a block past the start and strictly inside the chunk,
     and a multiple of ``checkpoint_alignment`` tokens from the start.
 
-    >>> checkpoint_valid(0, 8, 4, 4, 4), checkpoint_valid(0, 5, 4, 4, 4)
+    >>> checkpoint_valid(0, 8, 4, 4, 4), checkpoint_valid(0, 4, 0, 4, 4)
     (True, False)
     """
     initial_column = (query_start - 1) // block_size

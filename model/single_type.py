@@ -678,6 +678,9 @@ def free(state: ManagersState, group: int, request_id: str) -> tuple[ManagersSta
     """
     _, table = _group(state, group)
     if request_id not in table.req_to_blocks:
+        if request_id in table.align.checkpoints:  # recorded by a refused allocation
+            table = replace(table, align=align_mode.forget(table.align, request_id))
+            return _with_table(state, group, table), None
         return state, None
     blocks = table.req_to_blocks[request_id]
     pool, _ = free_blocks(state.pool, blocks[::-1])
