@@ -27,16 +27,18 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _checkpoint(query_start: int, query_end: int, size: int, alignment: int, every: int) -> int:
+def _checkpoint(
+    query_start: int, query_end: int, size: int, alignment: int, every: int, hbs: int
+) -> int:
     """The chunk's checkpoint (the last multiple of ``alignment`` before its last token) if
-    it can export it, else 0: the chunk starts on a block boundary, its checkpoint column
-    lies past its initial state's, the checkpoint is a block or more past the start and
-    inside the chunk, ``every`` tokens apart from the start."""
+    it can export it, else 0: the chunk starts on a hash-block boundary, its checkpoint
+    column lies past its initial state's, the checkpoint is a hash block or more past the
+    start and inside the chunk, ``every`` tokens apart from the start."""
     position = max((query_end - 1) // alignment * alignment, 0)
     if (
-        query_start % size == 0
+        query_start % hbs == 0
         and _cdiv(query_end, size) - 2 > (query_start - 1) // size
-        and query_start + size <= position
+        and query_start + hbs <= position
         and query_start < position < query_end
         and (position - query_start) % every == 0
     ):
@@ -68,7 +70,9 @@ class MambaReservingManager(MambaAlignManager):
             return
         size = self.block_size
         alignment = self.cache_hit_alignment_tokens or size
-        position = _checkpoint(query_start, query_end, size, alignment, self.checkpoint_alignment)
+        hbs = self.block_pool.hash_block_size
+        every = self.checkpoint_alignment
+        position = _checkpoint(query_start, query_end, size, alignment, every, hbs)
         index = _cdiv(query_end, size) - 2
         held = self.req_to_blocks.get(request_id, ())
         if (

@@ -256,6 +256,16 @@ class KVCacheManager:
         geometry.check_scheduler_block_size(specs, hbs, scheduler)
         # Verify that a Mamba "align" group's block is every group's and the scheduler's
         geometry.check_align_geometry(specs, scheduler)
+        # Verify that reserved blocks sit where kvpool models them: hash block = block = scheduler
+        for spec in specs:
+            if (spec.num_speculative_blocks or spec.prefill_checkpoint_alignment) and (
+                spec.block_size != scheduler or (enable_caching and spec.block_size != hbs)
+            ):
+                raise InvalidManagerConfig(
+                    f'Mamba "align" with reserved blocks in blocks of {spec.block_size} tokens, '
+                    f"hash blocks of {hbs} and scheduler blocks of {scheduler} is not modelled "
+                    "(a block of the scheduler's, and of one hash block with caching on)"
+                )
         # Verify that EAGLE and the look-ahead are settings vLLM 0.33 runs
         reprefillable = check_eagle_config(
             specs, enable_caching, use_eagle, num_prefill_lookahead, scheduler

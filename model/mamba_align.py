@@ -23,8 +23,8 @@ more blocks than the pool has) and admitted in the next.
 Every function is pure: it takes the pool, the group's ``AlignTable`` and the
 request's block list, and returns new ones. ``kvpool.model.single_type``
 calls them for a group whose spec has ``mamba_align``. What is modelled is
-vLLM 0.33.0's ``MambaManager`` with ``mamba_cache_mode == "align"``, no
-speculative blocks, no prefill checkpoint blocks, no sparse retention and
+vLLM 0.33.0's ``MambaManager`` with ``mamba_cache_mode == "align"`` (speculative and
+prefill checkpoint blocks: ``kvpool.model.mamba_reserve``), no sparse retention and
 hits on whole blocks only (hash block = block); the manager refuses the rest
 (``kvpool.model.manager.new_kv_cache_manager``). Source:
 ``vllm/v1/core/single_type_kv_cache_manager.py`` in vLLM 0.33.0

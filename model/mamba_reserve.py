@@ -33,11 +33,15 @@ checkpoint and speculative blocks".
 
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from kvpool.model.errors import InvalidManagerConfig
 from kvpool.model.mamba_align import AlignTable
 from kvpool.model.pool import cache_full_blocks, evict_blocks, get_new_blocks
 from kvpool.model.state import NULL_BLOCK_ID, CacheRequest, PoolState
+
+if TYPE_CHECKING:  # kvpool.model.single_type calls this module's functions
+    from kvpool.model.single_type import KVCacheSpec
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -55,24 +59,31 @@ def checkpoint_position(num_tokens: int, alignment: int) -> int:
 
 
 def checkpoint_valid(
-    query_start: int, query_end: int, position: int, block_size: int, checkpoint_alignment: int
+    query_start: int,
+    query_end: int,
+    position: int,
+    block_size: int,
+    checkpoint_alignment: int,
+    hash_block_size: int = 0,
 ) -> bool:
     """Whether a chunk ``query_start..query_end`` can export the state at ``position``.
 
-    The chunk starts on a block boundary, its checkpoint column (the block before
-    the one it ends in) lies past the block its initial state comes from, the
-    checkpoint is at least a block past the start and strictly inside the chunk,
-    and a multiple of ``checkpoint_alignment`` tokens from the start.
+    The chunk starts on a hash-block boundary, its checkpoint column (the block
+    before the one it ends in) lies past the block its initial state comes from,
+    the checkpoint is at least a hash block past the start and strictly inside
+    the chunk, and a multiple of ``checkpoint_alignment`` tokens from the start.
+    ``hash_block_size`` 0: the block's (caching on, kvpool's "align" geometry).
 
     >>> checkpoint_valid(0, 8, 4, 4, 4), checkpoint_valid(0, 4, 0, 4, 4)
     (True, False)
     """
+    hbs = hash_block_size or block_size
     initial_column = (query_start - 1) // block_size
     column = _cdiv(query_end, block_size) - 2
     return (
-        query_start % block_size == 0
+        query_start % hbs == 0
         and column > initial_column
-        and query_start + block_size <= position
+        and query_start + hbs <= position
         and query_start < position < query_end
         and (position - query_start) % checkpoint_alignment == 0
     )
@@ -88,6 +99,7 @@ def plan_checkpoint(
     query_start: int,
     query_end: int,
     cache_alignment: int,
+    hash_block_size: int = 0,
 ) -> AlignTable:
     """Record (or forget) the request's checkpoint for a chunk ``query_start..query_end``.
 
@@ -107,7 +119,9 @@ def plan_checkpoint(
     index = _cdiv(query_end, block_size) - 2
     needed = (
         checkpoint_alignment > 0
-        and checkpoint_valid(query_start, query_end, position, block_size, checkpoint_alignment)
+        and checkpoint_valid(
+            query_start, query_end, position, block_size, checkpoint_alignment, hash_block_size
+        )
         and index >= 0
         and (
             index >= len(held)
@@ -236,10 +250,10 @@ def cache_checkpoint(
 
     >>> from kvpool.model.pool import new_pool
     >>> pool, ids = get_new_blocks(new_pool(4), 2)
-    >>> table = AlignTable(checkpoints={"r": (2, 0)})
-    >>> pool, table = cache_checkpoint(pool, table, 0, 2, CacheRequest((b"a",)), "r", ids)
+    >>> table = AlignTable(checkpoints={"r": (1, 0)})
+    >>> pool, table = cache_checkpoint(pool, table, 0, 1, CacheRequest((b"a",)), "r", ids)
     >>> pool.blocks[ids[0]].hash_num_tokens, len(table.cached_this_step)
-    (2, 1)
+    (1, 1)
     """
     position, index = table.checkpoints[request_id]
     if index >= len(blocks):
@@ -275,3 +289,28 @@ def verify_reserving(
         # Verify that only a Mamba "align" group reserves blocks
         if value and not mamba_align:
             raise InvalidManagerConfig(f'{name}={value}: only Mamba "align" groups reserve blocks')
+
+
+def verify_reserving_geometry(
+    specs: "Sequence[KVCacheSpec]", hash_block_size: int, scheduler_block_size: int
+) -> None:
+    """InvalidManagerConfig unless every group reserving blocks has blocks as large as the
+    scheduler block and, with prefix caching, one hash block (the only geometry modelled:
+    elsewhere vLLM places the checkpoint on a hash or scheduler boundary inside a block,
+    keyed as a partial block). ``hash_block_size`` 0: caching is off.
+
+    >>> from kvpool.model.single_type import mamba_reserving
+    >>> verify_reserving_geometry([mamba_reserving(4, 1)], 4, 4)
+    """
+    for spec in specs:
+        if not (spec.num_speculative_blocks or spec.prefill_checkpoint_alignment):
+            continue
+        # Verify that the group's block is the scheduler's block, and one hash block if cached
+        if spec.block_size != scheduler_block_size or (
+            hash_block_size and spec.block_size != hash_block_size
+        ):
+            raise InvalidManagerConfig(
+                f'Mamba "align" with reserved blocks in blocks of {spec.block_size} tokens, hash '
+                f"blocks of {hash_block_size} and scheduler blocks of {scheduler_block_size} is "
+                "not modelled (all three equal only)"
+            )

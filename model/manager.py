@@ -29,6 +29,7 @@ import kvpool.model.copy_on_write as cow
 import kvpool.model.eagle as eagle_ops
 import kvpool.model.geometry as geometry
 import kvpool.model.mamba_align as mamba_align
+import kvpool.model.mamba_reserve as reserve
 import kvpool.model.pool as pool_ops
 import kvpool.model.single_type as single
 from kvpool.model.errors import (
@@ -285,6 +286,8 @@ def new_kv_cache_manager(
     # Verify that a Mamba "align" group's block is every group's and the scheduler's (not
     # modelled otherwise: its checkpoints and tail keys follow the scheduler block in vLLM)
     verify_align_geometry(specs, scheduler)
+    # Verify that reserved blocks sit where kvpool models them: hash block = block = scheduler
+    reserve.verify_reserving_geometry(specs, hbs if enable_caching else 0, scheduler)
     # Verify that EAGLE and the look-ahead are settings vLLM 0.33 runs
     eagle_ops.verify_eagle_config(
         specs, enable_caching, use_eagle, num_prefill_lookahead, scheduler

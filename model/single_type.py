@@ -422,6 +422,7 @@ def plan_checkpoint(
         query_start,
         query_end,
         cache_alignment or spec.block_size,
+        state.pool.config.hash_block_size,
     )
     return _with_table(state, group, replace(table, align=align)), None
 

@@ -249,7 +249,12 @@ def _start_rule(
 
 
 def mamba_aligned_chunk(
-    request: Request, start: int, num_new: int, block_size: int, checkpoint_alignment: int = 0
+    request: Request,
+    start: int,
+    num_new: int,
+    block_size: int,
+    checkpoint_alignment: int = 0,
+    hash_block_size: int = 0,
 ) -> int:
     """How many of ``num_new`` tokens from ``start`` vLLM 0.33's scheduler schedules when a
     Mamba "align" group is present (``Scheduler._mamba_block_aligned_split`` in
@@ -261,8 +266,9 @@ def mamba_aligned_chunk(
     next boundary when it starts inside a block, nor past the last boundary before the last
     token. With prefill checkpoint blocks (``checkpoint_alignment`` > 0: the Mamba group's
     ``prefill_checkpoint_alignment``) a last chunk that can export the prefill's checkpoint
-    itself (``kvpool.model.mamba_reserve.checkpoint_valid``) runs to the end. Decoding is
-    not split. 0: nothing is scheduled this step.
+    itself (``kvpool.model.mamba_reserve.checkpoint_valid``, with ``hash_block_size``: 0
+    for the block's) runs to the end. Decoding is not split. 0: nothing is scheduled this
+    step.
 
     >>> from kvpool.model.request import new_request
     >>> mamba_aligned_chunk(new_request("r", range(10), 4), 0, 6, 4)
@@ -278,7 +284,9 @@ def mamba_aligned_chunk(
     internal = (
         checkpoint_alignment > 0
         and end >= prefill_end
-        and checkpoint_valid(start, end, position, block_size, checkpoint_alignment)
+        and checkpoint_valid(
+            start, end, position, block_size, checkpoint_alignment, hash_block_size
+        )
     )
     if end < prefill_end:
         end = end // block_size * block_size
@@ -473,7 +481,12 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
         num_new = min(chunk, request.num_tokens - num_hit)
         if any(self.states):
             num_new = mamba_aligned_chunk(
-                request, num_hit, num_new, self.block_sizes[0], self.checkpoint_alignment
+                request,
+                num_hit,
+                num_new,
+                self.block_sizes[0],
+                self.checkpoint_alignment,
+                self.setup.hash_block_size,
             )
             if num_new == 0:
                 return  # the scheduler does not schedule a chunk that would end mid-block
@@ -664,7 +677,12 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
         if any(self.states):
             start = request.num_computed_tokens
             num_real = mamba_aligned_chunk(
-                request, start, num_real, self.block_sizes[0], self.checkpoint_alignment
+                request,
+                start,
+                num_real,
+                self.block_sizes[0],
+                self.checkpoint_alignment,
+                self.setup.hash_block_size,
             )
             if num_real == 0:
                 return  # the scheduler does not schedule a chunk that would end mid-block
@@ -854,7 +872,8 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
             return
         size = self.block_sizes[group]
         position = checkpoint_position(computed, size)
-        if not checkpoint_valid(start, computed, position, size, self.checkpoint_alignment):
+        every, hbs = self.checkpoint_alignment, self.setup.hash_block_size
+        if not checkpoint_valid(start, computed, position, size, every, hbs):
             return
         column = -(-computed // size) - 2
         if column >= len(blocks) or blocks[column] == NULL_BLOCK_ID:

@@ -264,3 +264,25 @@ def test_vllm_with_reserved_blocks_conforms_at_level_1() -> None:
     report = run_request_conformance(scope, hypothesis_profile="ci", max_examples=100)
     assert report.conforms, f"{report.failure}\n{report.program}"
     assert report.examples_run >= 100
+
+
+def test_invalid_reserved_blocks_off_the_modelled_geometry() -> None:
+    """Blocks of several hash blocks (caching on) or smaller than the scheduler's: vLLM then
+    keys checkpoints inside a block; refused by name (today the "align" geometry checks
+    refuse these first: this guards the merge that lifts them)."""
+    specs = [full_attention(4), mamba_reserving(4, 1, 4)]
+    reserve.verify_reserving_geometry(specs, 4, 4)
+    reserve.verify_reserving_geometry(specs, 0, 4)  # caching off: any hash block
+    with pytest.raises(InvalidManagerConfig, match="reserved blocks"):
+        reserve.verify_reserving_geometry(specs, 2, 4)
+    with pytest.raises(InvalidManagerConfig, match="reserved blocks"):
+        reserve.verify_reserving_geometry(specs, 0, 8)
+    reserve.verify_reserving_geometry([full_attention(4), mamba_align(4)], 2, 8)  # reserves none
+
+
+def test_caching_off_checkpoints_use_the_hash_block() -> None:
+    """Without caching a block may hold several hash blocks: a chunk may then start on a
+    hash boundary inside a block and still checkpoint (vLLM's validity test reads the
+    hash block size)."""
+    assert reserve.checkpoint_valid(2, 12, 8, 4, 2, hash_block_size=2)
+    assert not reserve.checkpoint_valid(2, 12, 8, 4, 2)
