@@ -20,6 +20,7 @@ from kvpool.impl.block import KVCacheBlock
 from kvpool.impl.mamba_align import MambaAlignManager
 from kvpool.impl.pool import BlockPool
 from kvpool.impl.single_type import SingleTypeKVCacheManager
+from kvpool.model.errors import InvalidBlockRange
 from kvpool.model.single_type import GroupTable, KVCacheSpec
 
 
@@ -90,6 +91,17 @@ class MambaReservingManager(MambaAlignManager):
             self._checkpoints[request_id] = (position, index)
         else:
             self._checkpoints.pop(request_id, None)
+
+    def verify_checkpoint(self, request_id: str) -> None:
+        """InvalidBlockRange if the request's recorded checkpoint lies past its table (an
+        allocation refused after recording it; vLLM asserts when caching then)."""
+        checkpoint = self._checkpoints.get(request_id)
+        blocks = self.req_to_blocks.get(request_id, [])
+        if checkpoint is not None and checkpoint[1] >= len(blocks):
+            raise InvalidBlockRange(
+                f"the checkpoint at block {checkpoint[1]} lies past the request's "
+                f"{len(blocks)} blocks (its allocation was refused)"
+            )
 
     def get_num_blocks_to_allocate(
         self, request_id: str, num_tokens: int, new_computed_blocks: Sequence[KVCacheBlock]

@@ -697,6 +697,8 @@ class KVCacheManager:
         hashed = len(request.block_hashes) * self.block_pool.hash_block_size
         for manager, count in zip(self.managers, counts, strict=True):
             blocks = manager.req_to_blocks.get(request.request_id)
+            if isinstance(manager, MambaReservingManager):
+                manager.verify_checkpoint(request.request_id)
             if blocks is None or manager.kv_cache_spec.attention is AttentionType.MAMBA:
                 continue
             num_full = (count if count < hashed else hashed) // manager.block_size

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from kvpool.model.errors import InvalidManagerConfig
+from kvpool.model.errors import InvalidBlockRange, InvalidManagerConfig
 from kvpool.model.mamba_align import AlignTable
 from kvpool.model.pool import cache_full_blocks, evict_blocks, get_new_blocks
 from kvpool.model.state import NULL_BLOCK_ID, CacheRequest, PoolState
@@ -227,6 +227,22 @@ def allocate(
     row.extend(fresh)
     table = replace(table, last_state=last_state, allocated=allocated)
     return pool, table, tuple(row), tuple(row[prev:])
+
+
+def verify_checkpoint(table: AlignTable, request_id: str, blocks: Sequence[int]) -> None:
+    """InvalidBlockRange if the request's recorded checkpoint lies past its table.
+
+    It does when the allocation that recorded it was refused; caching then fails
+    (vLLM 0.33.0 asserts in ``_cache_partial_tail_block``).
+
+    >>> verify_checkpoint(AlignTable(checkpoints={"r": (4, 0)}), "r", (0,))
+    """
+    checkpoint = table.checkpoints.get(request_id)
+    if checkpoint is not None and checkpoint[1] >= len(blocks):
+        raise InvalidBlockRange(
+            f"the checkpoint at block {checkpoint[1]} lies past the request's "
+            f"{len(blocks)} blocks (its allocation was refused)"
+        )
 
 
 def cache_checkpoint(

@@ -548,6 +548,8 @@ def cache_blocks(
     # Verify that the mask's alignment is not negative
     if mask_alignment < 0:
         raise InvalidTokenCount(f"mask_alignment={mask_alignment} is negative")
+    # Verify that a recorded checkpoint lies in the request's table (vLLM 0.33 asserts it)
+    reserve.verify_checkpoint(table.align, rid, table.req_to_blocks[rid])
     if spec.attention is AttentionType.MAMBA and not spec.mamba_align:
         return state, None
     num_cached = table.num_cached_block[rid]

@@ -286,3 +286,27 @@ def test_caching_off_checkpoints_use_the_hash_block() -> None:
     hash block size)."""
     assert reserve.checkpoint_valid(2, 12, 8, 4, 2, hash_block_size=2)
     assert not reserve.checkpoint_valid(2, 12, 8, 4, 2)
+
+
+def test_invalid_caching_with_a_checkpoint_past_the_table() -> None:
+    """An allocation refused after its count recorded a checkpoint past the table: caching
+    the request then fails by name (vLLM 0.33 asserts), in the model and the impl alike,
+    and neither changes."""
+    from kvpool.model.errors import InvalidBlockRange
+
+    specs = (mamba_reserving(1, 0, 1),)
+    a = new_request("a", [5, 6, 7, 8], 1)
+    kv = manager.new_kv_cache_manager(2, specs, 16, hash_block_size=1)
+    impl = KVCacheManager(KVCacheConfig(2, specs), 16, hash_block_size=1)
+    kv, _ = manager.allocate_slots(kv, a, 1)
+    impl.allocate_slots(a, 1)
+    kv, refused = manager.allocate_slots(kv, with_computed(a, 1), 2)
+    assert refused is None and impl.allocate_slots(with_computed(a, 1), 2) is None
+    assert kv.managers.tables[0].align.checkpoints == {"a": (2, 1)}
+    before = kv
+    with pytest.raises(InvalidBlockRange):
+        manager.cache_blocks(kv, with_computed(a, 1), 1)
+    assert kv == before
+    with pytest.raises(InvalidBlockRange):
+        impl.cache_blocks(with_computed(a, 1), 1)
+    assert impl.snapshot() == before
