@@ -206,3 +206,41 @@ class MambaReservingManager(MambaAlignManager):
     def table(self) -> GroupTable:
         table = super().table()
         return replace(table, align=replace(table.align, checkpoints=dict(self._checkpoints)))
+
+
+def admission_blocks(
+    manager: MambaAlignManager,
+    request_id: str,
+    num_tokens: int,
+    hits: Sequence[KVCacheBlock],
+    query_start: int,
+) -> int:
+    """The blocks a Mamba "align" group counts when the whole sequence must fit: what an
+    allocation of ``num_tokens`` main-model tokens from ``query_start`` would count, its
+    checkpoint decided but not recorded (vLLM 0.33.0's ``get_num_blocks_to_allocate`` with
+    ``apply_admission_cap``). A bare "align" group reserves nothing."""
+    if not isinstance(manager, MambaReservingManager):
+        return manager.get_num_blocks_to_allocate(request_id, num_tokens, hits)
+    saved = manager._checkpoints.get(request_id)
+    manager.plan_checkpoint(request_id, query_start, num_tokens)
+    try:
+        return manager.get_num_blocks_to_allocate(request_id, num_tokens, hits)
+    finally:
+        if saved is None:
+            manager._checkpoints.pop(request_id, None)
+        else:
+            manager._checkpoints[request_id] = saved
+
+
+def forget_align_records(manager: MambaAlignManager, request_id: str) -> None:
+    """Drop what a Mamba "align" group records about the request, its blocks aside (its
+    states, retired mark, checkpoint and offers not yet taken), as vLLM 0.33.0's
+    ``MambaManager.pop_blocks_for_free`` does before handing the blocks back."""
+    manager._allocated_block_reqs.discard(request_id)
+    manager.last_state_block_idx.pop(request_id, None)
+    manager._num_retired_blocks.pop(request_id, None)
+    manager._pending_boundary_state_offloads = [
+        entry for entry in manager._pending_boundary_state_offloads if entry[0] != request_id
+    ]
+    if isinstance(manager, MambaReservingManager):
+        manager._checkpoints.pop(request_id, None)

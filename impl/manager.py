@@ -23,7 +23,11 @@ import kvpool.impl.geometry as geometry
 from kvpool.impl.block import KVCacheBlock
 from kvpool.impl.eagle import cacheable, check_eagle_config, check_eagle_flags
 from kvpool.impl.mamba_align import MambaAlignManager, take_boundary_state_offloads
-from kvpool.impl.mamba_reserve import MambaReservingManager
+from kvpool.impl.mamba_reserve import (
+    MambaReservingManager,
+    admission_blocks,
+    forget_align_records,
+)
 from kvpool.impl.pool import BlockPool, Unchecked
 from kvpool.impl.single_type import (
     SingleTypeKVCacheManager,
@@ -596,7 +600,9 @@ class KVCacheManager:
             if self._caches_prompt_tail:
                 num_prompt_tokens(request)
 
-        if full_sequence_must_fit and not self._full_sequence_fits(request, hits, partial):
+        if full_sequence_must_fit and not self._full_sequence_fits(
+            request, hits, partial, num_computed
+        ):
             return None
         for manager in managers:
             manager.remove_skipped_blocks(rid, request.num_computed_tokens)
@@ -639,7 +645,11 @@ class KVCacheManager:
         return self.create_kv_cache_blocks(tuple(new_blocks))
 
     def _full_sequence_fits(
-        self, request: Any, hits: tuple[Sequence[KVCacheBlock], ...], partial: list[bool]
+        self,
+        request: Any,
+        hits: tuple[Sequence[KVCacheBlock], ...],
+        partial: list[bool],
+        num_computed: int,
     ) -> bool:
         """Whether the free queue holds the blocks the request's whole sequence needs: per
         group those it lacks beyond its blocks and hits, at most the group's admission cap,
@@ -648,6 +658,11 @@ class KVCacheManager:
         rid = request.request_id
         needed = 0
         for g, manager in enumerate(self.managers):
+            if isinstance(manager, MambaAlignManager):
+                # counted as an allocation of the whole sequence would be, capped like one
+                start = num_computed if num_computed < self.max_model_len else self.max_model_len
+                needed += admission_blocks(manager, rid, num_tokens, hits[g], start)
+                continue
             required = _cdiv(num_tokens, manager.block_size)
             cap = self._admission_caps[g]
             if cap is not None and cap < required:
@@ -872,6 +887,8 @@ class KVCacheManager:
         rid = request.request_id
         popped: list[KVCacheBlock] = []
         for manager in self.managers:
+            if isinstance(manager, MambaAlignManager):
+                forget_align_records(manager, rid)  # as vLLM 0.33.0's MambaManager does
             blocks = manager.req_to_blocks.pop(rid, None)
             if blocks is None:
                 continue

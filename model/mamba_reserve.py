@@ -229,6 +229,57 @@ def allocate(
     return pool, table, tuple(row), tuple(row[prev:])
 
 
+def admission_blocks(
+    pool: PoolState,
+    table: AlignTable,
+    spec: "KVCacheSpec",
+    request_id: str,
+    held: Sequence[int],
+    num_tokens: int,
+    hits: Sequence[int],
+    query_start: int,
+    cache_alignment: int,
+) -> int:
+    """The blocks a Mamba "align" group counts when the whole sequence must fit.
+
+    vLLM 0.33.0 counts the group as for an allocation of ``num_tokens`` main-model
+    tokens from ``query_start`` (``get_num_blocks_to_allocate`` with
+    ``apply_admission_cap``): at most one block, plus a checkpoint's, plus the
+    speculative blocks on a first allocation, plus the free hits, the pool's size
+    plus one for a hit cached this step; the checkpoint is decided as for that chunk
+    but not recorded. A bare "align" group is one reserving nothing.
+
+    Complexity: O(len(hits)).
+
+    >>> from kvpool.model.pool import new_pool
+    >>> from kvpool.model.single_type import mamba_align
+    >>> admission_blocks(new_pool(8), AlignTable(), mamba_align(2), "r", (), 12, (), 0, 2)
+    1
+    """
+    planned = plan_checkpoint(
+        table,
+        spec.block_size,
+        spec.num_speculative_blocks,
+        spec.prefill_checkpoint_alignment,
+        request_id,
+        held,
+        query_start,
+        num_tokens,
+        cache_alignment or spec.block_size,
+        pool.config.hash_block_size,
+    )
+    return num_blocks_to_allocate(
+        pool,
+        planned,
+        spec.block_size,
+        spec.num_speculative_blocks,
+        request_id,
+        held,
+        num_tokens,
+        hits,
+    )
+
+
 def verify_checkpoint(table: AlignTable, request_id: str, blocks: Sequence[int]) -> None:
     """InvalidBlockRange if the request's recorded checkpoint lies past its table.
 

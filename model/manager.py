@@ -596,7 +596,15 @@ def allocate_slots(
         in_flight = config.max_in_flight_tokens or config.max_model_len
         full = min(request.num_tokens, config.max_model_len)
         if not admission.full_sequence_fits(
-            m, rid, full, hits, partial, in_flight, config.max_model_len
+            m,
+            rid,
+            full,
+            hits,
+            partial,
+            in_flight,
+            config.max_model_len,
+            min(num_computed, config.max_model_len),
+            _scheduler_block_size(state),
         ):
             return state, None
     for g in groups:

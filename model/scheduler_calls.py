@@ -83,10 +83,13 @@ def pop_blocks_for_free(
                 num_cached_block={
                     r: n for r, n in table.num_cached_block.items() if r != request_id
                 },
+                # a Mamba "align" group forgets the request's records, as vLLM 0.33.0's
+                # MambaManager.pop_blocks_for_free does, and keeps every other request's
+                align=mamba_align.forget(table.align, request_id),
             )
         )
     if not any(request_id in t.req_to_blocks for t in m.tables):
-        return state, ()
+        return replace(state, managers=replace(m, tables=tuple(tables))), ()
     return replace(state, managers=replace(m, tables=tuple(tables))), tuple(popped)
 
 

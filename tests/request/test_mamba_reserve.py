@@ -310,3 +310,34 @@ def test_invalid_caching_with_a_checkpoint_past_the_table() -> None:
     with pytest.raises(InvalidBlockRange):
         impl.cache_blocks(with_computed(a, 1), 1)
     assert impl.snapshot() == before
+
+
+def admission_and_pop(target: object) -> tuple[object, ...]:
+    """A whole-sequence admission that fits only with "align"'s cap; a request popped for
+    freeing, then a sibling hitting the state it cached in this step."""
+    t = target
+    a = new_request("a", list(range(40)), 4)
+    admitted = t.allocate_slots(a, 12, 0, None, 0, False, full_sequence_must_fit=True)  # type: ignore[attr-defined]
+    popped = t.pop_blocks_for_free(a)  # type: ignore[attr-defined]
+    b = new_request("b", list(range(40)), 4)
+    hit = t.get_computed_blocks(b)  # type: ignore[attr-defined]
+    waits = t.allocate_slots(b, 4, hit[1], hit[0])  # type: ignore[attr-defined]
+    return admitted, popped, hit, waits
+
+
+@pytest.mark.parametrize("reserved", [(0, 0), *RESERVES])
+def test_admission_and_pop_answer_as_vllm(reserved: tuple[int, int]) -> None:
+    """vLLM 0.33 counts an "align" group's whole sequence as one allocation would (at most a
+    block, a checkpoint's and the speculative ones), and ``pop_blocks_for_free`` forgets
+    only the popped request's "align" records: the state it cached this step still makes
+    a sibling wait."""
+    _require_vllm()
+    from kvpool.specs.request.model_target import ModelManagerTarget
+    from kvpool.specs.targets.vllm.request import VllmManagerTarget
+
+    spec = mamba_reserving(4, *reserved) if reserved != (0, 0) else mamba_align(4)
+    setup = ManagerSetup(16, (full_attention(4), spec), 64, 4)  # 10 + 1 to 4 blocks
+    vllm = admission_and_pop(VllmManagerTarget(setup))
+    assert vllm[0] is not None and vllm[3] is None  # admitted; the sibling waits
+    assert admission_and_pop(ModelManagerTarget(setup)) == vllm
+    assert admission_and_pop(ImplManagerTarget(setup)) == vllm
