@@ -261,9 +261,9 @@ def test_vllm_with_reserved_blocks_conforms_at_level_1() -> None:
     from kvpool.specs.targets.vllm.request import mamba_align_scope
 
     scope = replace(mamba_align_scope(), mamba_reserves=((0, 1), (0, 2), (1, 0), (2, 0), (1, 1)))
-    report = run_request_conformance(scope, hypothesis_profile="ci", max_examples=100)
+    report = run_request_conformance(scope, hypothesis_profile="ci", max_examples=200)
     assert report.conforms, f"{report.failure}\n{report.program}"
-    assert report.examples_run >= 100
+    assert report.examples_run >= 200
 
 
 def test_invalid_reserved_blocks_off_the_modelled_geometry() -> None:
