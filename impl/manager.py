@@ -227,15 +227,6 @@ class KVCacheManager:
             )
         except ValueError as error:
             raise InvalidManagerConfig(str(error)) from error
-        # Verify that prefill checkpoints leave the one token vLLM's checkpoint leaves (a
-        # look-ahead of L > 1 hashed tokens moves the checkpoint back: not modelled)
-        if self.block_pool.num_hash_lookahead_tokens > 1 and any(
-            s.prefill_checkpoint_alignment for s in specs
-        ):
-            raise InvalidManagerConfig(
-                f"prefill checkpoints with num_hash_lookahead_tokens="
-                f"{self.block_pool.num_hash_lookahead_tokens} are not modelled (at most 1)"
-            )
         # Verify each group's block size, window and chunk (as the model's new_managers does)
         for spec in specs:
             if spec.block_size < hbs or spec.block_size % hbs != 0:
@@ -260,6 +251,15 @@ class KVCacheManager:
         geometry.check_scheduler_block_size(specs, hbs, scheduler)
         # Verify that a Mamba "align" group's block is every group's and the scheduler's
         geometry.check_align_geometry(specs, scheduler)
+        # Verify that prefill checkpoints leave the one token vLLM's checkpoint leaves (a
+        # look-ahead of L > 1 hashed tokens moves the checkpoint back: not modelled)
+        if self.block_pool.num_hash_lookahead_tokens > 1 and any(
+            s.prefill_checkpoint_alignment for s in specs
+        ):
+            raise InvalidManagerConfig(
+                f"prefill checkpoints with num_hash_lookahead_tokens="
+                f"{self.block_pool.num_hash_lookahead_tokens} are not modelled (at most 1)"
+            )
         # Verify that reserved blocks sit where kvpool models them: hash block = block = scheduler
         for spec in specs:
             if (spec.num_speculative_blocks or spec.prefill_checkpoint_alignment) and (
@@ -1238,10 +1238,9 @@ def _reserved_blocks_of(spec: Any) -> tuple[int, int]:
 def _verify_reserved(spec: KVCacheSpec) -> None:
     """InvalidManagerConfig unless the spec's reserved blocks are non-negative ints, and any
     only on a Mamba "align" group (as the model's ``new_managers``)."""
-    for name, value in (
-        ("num_speculative_blocks", spec.num_speculative_blocks),
-        ("prefill_checkpoint_alignment", spec.prefill_checkpoint_alignment),
-    ):
+    for name in ("num_speculative_blocks", "prefill_checkpoint_alignment"):
+        # read untyped: a compiled build would coerce an int-typed read (True to 1)
+        value: object = getattr(spec, name)
         if type(value) is not int or value < 0:
             raise InvalidManagerConfig(f"{name}={value!r} must be a non-negative int")
         if value and not spec.mamba_align:
