@@ -714,7 +714,9 @@ class KVCacheManager:
             blocks = manager.req_to_blocks.get(request.request_id)
             if isinstance(manager, MambaReservingManager):
                 manager.verify_checkpoint(request.request_id)
-            if blocks is None or manager.kv_cache_spec.attention is AttentionType.MAMBA:
+            spec = manager.kv_cache_spec
+            # a whole-request Mamba group caches nothing; an "align" group caches its states
+            if blocks is None or (spec.attention is AttentionType.MAMBA and not spec.mamba_align):
                 continue
             num_full = (count if count < hashed else hashed) // manager.block_size
             if num_full > len(blocks) and num_full > manager.num_cached_block[request.request_id]:

@@ -341,3 +341,24 @@ def test_admission_and_pop_answer_as_vllm(reserved: tuple[int, int]) -> None:
     assert vllm[0] is not None and vllm[3] is None  # admitted; the sibling waits
     assert admission_and_pop(ModelManagerTarget(setup)) == vllm
     assert admission_and_pop(ImplManagerTarget(setup)) == vllm
+
+
+def test_invalid_caching_past_an_align_table_changes_no_group() -> None:
+    """Caching past the end of a Mamba "align" group's table is refused before any group
+    caches: the impl had let the full-attention group cache first (found by the impl's
+    lock-step at level 2 with the scheduler calls)."""
+    from kvpool.model.errors import InvalidBlockRange
+
+    specs = (full_attention(1), mamba_align(1))
+    a = new_request("r0", [1, 2, 2, 1, 1, 2, 1, 2, 2, 2, 1, 1], 1)
+    kv = manager.new_kv_cache_manager(9, specs, 16, hash_block_size=1)
+    impl = KVCacheManager(KVCacheConfig(9, specs), 16, hash_block_size=1)
+    for request, num_new, lookahead in ((a, 4, 0), (with_computed(a, 4), 1, 1)):
+        kv, _ = manager.allocate_slots(kv, request, num_new, num_lookahead_tokens=lookahead)
+        impl.allocate_slots(request, num_new, num_lookahead_tokens=lookahead)
+    before = kv
+    with pytest.raises(InvalidBlockRange):
+        manager.cache_blocks(kv, with_computed(a, 5), 6)
+    with pytest.raises(InvalidBlockRange):
+        impl.cache_blocks(with_computed(a, 5), 6)
+    assert impl.snapshot() == before
