@@ -215,7 +215,10 @@ def test_the_json_protocol_carries_reserved_blocks() -> None:
 # --------------------------------------------------------------------------
 
 
-def test_impl_conforms_with_reserved_blocks() -> None:
+@pytest.mark.parametrize("level", [1, 2])
+def test_impl_conforms_with_reserved_blocks(level: int) -> None:
+    """In lock-step with the model, the scheduler's further calls included (admission of
+    whole sequences, popping for a deferred free); level 2 adds rejected calls."""
     scope = ManagerTargetSpec(
         ImplManagerTarget,
         layouts=MAMBA_ALIGN_LAYOUTS,
@@ -225,8 +228,9 @@ def test_impl_conforms_with_reserved_blocks() -> None:
         min_window=2,
         hash_sized_layouts=MAMBA_ALIGN_LAYOUTS,
         mamba_reserves=((0, 1), (0, 2), (1, 0), (2, 0), (1, 1)),
+        scheduler_calls=True,
     )
-    report = run_request_conformance(scope, hypothesis_profile="ci", max_examples=100)
+    report = run_request_conformance(scope, hypothesis_profile="ci", max_examples=100, level=level)
     assert report.conforms, f"{report.failure}\n{report.program}"
     assert report.examples_run >= 100
 
