@@ -91,16 +91,25 @@ def check_scheduler_block_size(
             )
 
 
-def check_align_geometry(specs: Sequence[KVCacheSpec], scheduler: int) -> None:
+def check_align_geometry(
+    specs: Sequence[KVCacheSpec], scheduler: int, hash_block_size: int, dcp: int
+) -> None:
     """InvalidManagerConfig where a Mamba "align" group is beside blocks of another size or a
-    larger scheduler block (the model's ``verify_align_geometry``)."""
+    larger scheduler block, unless every "align" block is one hash block and there is no
+    decode context parallelism: vLLM keeps fine-grained hits off there, so hits end on
+    scheduler blocks (the model's ``verify_align_geometry``)."""
     if not any(spec.mamba_align for spec in specs):
         return
     sizes = [spec.block_size for spec in specs]
-    if any(size != sizes[0] for size in sizes) or scheduler != sizes[0]:
+    if all(size == scheduler for size in sizes):
+        return
+    one_hash_block = all(spec.block_size == hash_block_size for spec in specs if spec.mamba_align)
+    if dcp != 1 or not one_hash_block:
         raise InvalidManagerConfig(
             f'Mamba "align" beside blocks of sizes {sizes} with '
-            f"scheduler_block_size={scheduler} is not modelled (one size only)"
+            f"scheduler_block_size={scheduler} is not modelled unless every "
+            f"align block is one hash block ({hash_block_size} tokens) and "
+            f"dcp_world_size=1 (got {dcp})"
         )
 
 

@@ -26,7 +26,7 @@ from kvpool.impl.single_type import (
     num_prompt_tokens,
 )
 from kvpool.model.mamba_align import AlignTable, Offload
-from kvpool.model.single_type import GroupTable, KVCacheSpec
+from kvpool.model.single_type import AttentionType, GroupTable, KVCacheSpec
 from kvpool.model.state import HashKey
 
 
@@ -177,13 +177,18 @@ class MambaAlignManager(MambaManager):
 
     def free(self, request_id: str) -> None:
         """Forget the request's states and its offers not yet taken, then release its blocks."""
+        self.forget(request_id)
+        super().free(request_id)
+
+    def forget(self, request_id: str) -> None:
+        """Forget the request's states and its offers not yet taken (``free``, and the
+        manager's ``pop_blocks_for_free`` as vLLM 0.33.0's ``MambaManager``'s)."""
         self._allocated_block_reqs.discard(request_id)
         self.last_state_block_idx.pop(request_id, None)
         self._num_retired_blocks.pop(request_id, None)
         self._pending_boundary_state_offloads = [
             entry for entry in self._pending_boundary_state_offloads if entry[0] != request_id
         ]
-        super().free(request_id)
 
     def new_step_starts(self) -> None:
         """States cached in the last step are written now: hits on them may go ahead."""
@@ -233,3 +238,37 @@ def take_boundary_state_offloads(
             for rid, group, block, tokens in manager.take_pending_boundary_state_offloads():
                 offers.setdefault(rid, []).append((group, block.block_id, tokens))
     return offers
+
+
+def per_group_lookup(
+    managers: Sequence[SingleTypeKVCacheManager],
+    kinds: Sequence[tuple[KVCacheSpec, list[int]]],
+    block_pool: BlockPool,
+    scheduler_block_size: int,
+    block_hashes: Sequence[bytes],
+    max_length: int,
+) -> tuple[tuple[list[KVCacheBlock], ...], int, bool] | None:
+    """vLLM 0.33.0's connector lookup beside a Mamba "align" group: every group searched on
+    its own (same-spec groups together, hits on scheduler blocks); None when some group hit
+    deeper than the first full-attention group (the plain lookup answers then); otherwise
+    each group's own blocks, full attention's length and whether some group lags behind it.
+    The caller checks that caching is on and that there are an "align" group and a
+    full-attention one (``kvpool.model.per_group_hit``)."""
+    hits: list[list[KVCacheBlock]] = [[] for _ in managers]
+    lengths = [0] * len(managers)
+    for spec, ids in kinds:
+        cls = type(managers[ids[0]])
+        found = cls.find_longest_cache_hit(
+            block_hashes, max_length, ids, block_pool, spec, False, scheduler_block_size
+        )
+        for g, blocks in zip(ids, found, strict=True):
+            hits[g] = blocks
+            lengths[g] = len(found[0]) * spec.block_size
+    full = 0
+    while managers[full].kv_cache_spec.attention is not AttentionType.FULL:
+        full += 1
+    num_local = lengths[full]
+    for length in lengths:
+        if length > num_local:
+            return None
+    return tuple(hits), num_local, min(lengths) < num_local

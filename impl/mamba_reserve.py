@@ -203,6 +203,11 @@ class MambaReservingManager(MambaAlignManager):
         self._checkpoints.pop(request_id, None)
         super().free(request_id)
 
+    def forget(self, request_id: str) -> None:
+        """Forget the request's checkpoint too (vLLM 0.33.0's ``pop_blocks_for_free``)."""
+        self._checkpoints.pop(request_id, None)
+        super().forget(request_id)
+
     def table(self) -> GroupTable:
         table = super().table()
         return replace(table, align=replace(table.align, checkpoints=dict(self._checkpoints)))
@@ -230,17 +235,3 @@ def admission_blocks(
             manager._checkpoints.pop(request_id, None)
         else:
             manager._checkpoints[request_id] = saved
-
-
-def forget_align_records(manager: MambaAlignManager, request_id: str) -> None:
-    """Drop what a Mamba "align" group records about the request, its blocks aside (its
-    states, retired mark, checkpoint and offers not yet taken), as vLLM 0.33.0's
-    ``MambaManager.pop_blocks_for_free`` does before handing the blocks back."""
-    manager._allocated_block_reqs.discard(request_id)
-    manager.last_state_block_idx.pop(request_id, None)
-    manager._num_retired_blocks.pop(request_id, None)
-    manager._pending_boundary_state_offloads = [
-        entry for entry in manager._pending_boundary_state_offloads if entry[0] != request_id
-    ]
-    if isinstance(manager, MambaReservingManager):
-        manager._checkpoints.pop(request_id, None)

@@ -21,12 +21,16 @@ from mypy_extensions import mypyc_attr
 
 import kvpool.impl.geometry as geometry
 from kvpool.impl.block import KVCacheBlock
+from kvpool.impl.coordinator import CoordinatorView
 from kvpool.impl.eagle import cacheable, check_eagle_config, check_eagle_flags
-from kvpool.impl.mamba_align import MambaAlignManager, take_boundary_state_offloads
+from kvpool.impl.mamba_align import (
+    MambaAlignManager,
+    per_group_lookup,
+    take_boundary_state_offloads,
+)
 from kvpool.impl.mamba_reserve import (
     MambaReservingManager,
     admission_blocks,
-    forget_align_records,
 )
 from kvpool.impl.pool import BlockPool, Unchecked
 from kvpool.impl.single_type import (
@@ -207,11 +211,12 @@ class KVCacheManager:
                     f"a Mamba block of {spec.block_size} tokens cannot hold {max_model_len} tokens"
                 )
         # Verify that Mamba "align" hits, if any, end on whole blocks (hash block = block)
-        if enable_caching and any(s.mamba_align for s in specs) and hbs != specs[0].block_size:
-            raise InvalidManagerConfig(
-                f'Mamba "align" with hash blocks of {hbs} tokens in blocks of '
-                f"{specs[0].block_size} (hits inside a block) is not modelled"
-            )
+        for spec in specs:
+            if enable_caching and spec.mamba_align and hbs != spec.block_size:
+                raise InvalidManagerConfig(
+                    f'Mamba "align" with hash blocks of {hbs} tokens in blocks of '
+                    f"{spec.block_size} (hits inside a block) is not modelled"
+                )
         # Verify that EAGLE does not run beside a Mamba "align" group (not modelled)
         if use_eagle and any(s.mamba_align for s in specs):
             raise InvalidManagerConfig('EAGLE beside a Mamba "align" group is not modelled')
@@ -249,8 +254,9 @@ class KVCacheManager:
         )
         # Verify that the scheduler block size is a multiple of every block size
         geometry.check_scheduler_block_size(specs, hbs, scheduler)
-        # Verify that a Mamba "align" group's block is every group's and the scheduler's
-        geometry.check_align_geometry(specs, scheduler)
+        # Verify that a Mamba "align" group's block is every group's and the scheduler's, or
+        # one hash block beside larger blocks without decode context parallelism
+        geometry.check_align_geometry(specs, scheduler, hbs, dcp_world_size)
         # Verify that prefill checkpoints leave the one token vLLM's checkpoint leaves (a
         # look-ahead of L > 1 hashed tokens moves the checkpoint back: not modelled)
         if self.block_pool.num_hash_lookahead_tokens > 1 and any(
@@ -890,7 +896,7 @@ class KVCacheManager:
         popped: list[KVCacheBlock] = []
         for manager in self.managers:
             if isinstance(manager, MambaAlignManager):
-                forget_align_records(manager, rid)  # as vLLM 0.33.0's MambaManager does
+                manager.forget(rid)
             blocks = manager.req_to_blocks.pop(rid, None)
             if blocks is None:
                 continue
@@ -947,9 +953,40 @@ class KVCacheManager:
     def get_computed_blocks_for_connector(
         self, request: Any
     ) -> tuple[KVCacheBlocks, int, int, bool]:
-        """The lookup for a request with a KV connector: ``get_computed_blocks`` and whether
-        per-group hits diverged. Only Mamba "align" groups make the per-group lookup differ
-        from the plain one; kvpool has none, so it is the plain lookup and False."""
+        """The lookup for a request with a KV connector: ``get_computed_blocks`` and False,
+        or beside a Mamba "align" group and full attention each group's own hit, full
+        attention's length, boundary 0 and whether some group lags (``per_group_lookup``)."""
+        specs = self.specs
+        if (
+            self.enable_caching
+            and len(specs) > 1
+            and any(s.mamba_align for s in specs)
+            and any(s.attention is AttentionType.FULL for s in specs)
+        ):
+            # Verify that the request has the fields the manager reads, of their types
+            _verify_request(request, lookup_only=True)
+            # Verify that the request is hashed in the pool's hash blocks
+            verify_hash_block_size(request, self.block_pool.hash_block_size)
+            if getattr(request, "skip_reading_prefix_cache", False):
+                return self.empty_kv_cache_blocks, 0, 0, False
+            found = per_group_lookup(
+                self.managers,
+                self._kinds,
+                self.block_pool,
+                self.scheduler_block_size,
+                request.block_hashes,
+                request.num_tokens - 1,
+            )
+            if found is not None:
+                hits, num_local, diverged = found
+                if self.prefix_cache_stats is not None:
+                    self.prefix_cache_stats = record(
+                        self.prefix_cache_stats,
+                        request.num_tokens,
+                        num_local,
+                        request.num_preemptions > 0,
+                    )
+                return self.create_kv_cache_blocks(hits), num_local, 0, diverged
         blocks, num_tokens, boundary = self.get_computed_blocks(request)
         return blocks, num_tokens, boundary, False
 
@@ -994,6 +1031,14 @@ class KVCacheManager:
     def usage(self) -> float:
         """The fraction of usable blocks held."""
         return self.block_pool.get_usage()
+
+    @property
+    def coordinator(self) -> CoordinatorView:
+        """The groups under the names vLLM's scheduler and engine read from its manager's
+        coordinator, read-only (``kvpool.impl.coordinator``)."""
+        return CoordinatorView(
+            self.managers, self.kv_cache_config, self.fine_grained_hits, self._reprefillable
+        )
 
     def get_num_common_prefix_blocks(self, running_request_id: Unchecked) -> list[int]:
         """Per group, the leading blocks every request holding blocks shares."""

@@ -8,7 +8,8 @@ with None, changing nothing, when the free queue has fewer. Groups that
 recycle blocks as the request advances (sliding window, chunked local) count
 at most their per-request cap: the most blocks such a group holds at once,
 given that up to ``max_in_flight_tokens`` tokens may be scheduled and not yet
-processed.
+processed. A Mamba "align" group counts what a chunk would (at most one
+new state block, its free hits; ``kvpool.model.mamba_align.num_blocks_to_allocate``).
 
 Sources: ``KVCacheManager.allocate_slots`` in ``vllm/v1/core/kv_cache_manager.py``,
 ``SingleTypeKVCacheManager.get_num_blocks_to_allocate`` and
@@ -19,6 +20,7 @@ in ``vllm/v1/kv_cache_interface.py``, all vLLM 0.33.0; docs/semantics.md.
 
 from collections.abc import Sequence
 
+import kvpool.model.mamba_align as mamba_align
 import kvpool.model.mamba_reserve as reserve
 from kvpool.model.pool import get_num_free_blocks
 from kvpool.model.single_type import AttentionType, KVCacheSpec, ManagersState
@@ -86,19 +88,27 @@ def full_sequence_fits(
     for g, spec in enumerate(m.specs):
         table = m.tables[g]
         if spec.mamba_align:
-            # counted as an allocation of the whole sequence from ``query_start`` (the
-            # computed tokens and the hit), capped like one (kvpool.model.mamba_reserve)
-            held_blocks = table.req_to_blocks.get(request_id, ())
-            needed += reserve.admission_blocks(
-                m.pool,
-                table.align,
-                spec,
-                request_id,
-                held_blocks,
-                num_tokens,
-                hits[g],
-                query_start,
-                scheduler_block_size,
+            if spec.num_speculative_blocks or spec.prefill_checkpoint_alignment:
+                # counted as an allocation of the whole sequence from ``query_start`` (the
+                # computed tokens and the hit), capped like one (kvpool.model.mamba_reserve)
+                held_blocks = table.req_to_blocks.get(request_id, ())
+                needed += reserve.admission_blocks(
+                    m.pool,
+                    table.align,
+                    spec,
+                    request_id,
+                    held_blocks,
+                    num_tokens,
+                    hits[g],
+                    query_start,
+                    scheduler_block_size,
+                )
+                continue
+            # at most one state block, as for a chunk: vLLM 0.33.0's MambaManager counts the
+            # whole sequence as it counts a chunk (get_num_blocks_to_allocate, align mode)
+            states = table.req_to_blocks.get(request_id, ())
+            needed += mamba_align.num_blocks_to_allocate(
+                m.pool, table.align, spec.block_size, states, num_tokens, hits[g]
             )
             continue
         required = _cdiv(num_tokens, spec.block_size)

@@ -225,8 +225,9 @@ def new_kv_cache_manager(
     ``dcp_world_size`` > 1 a sharded group's blocks hold that many times its
     ``block_size`` tokens; the state keeps those effective sizes. A Mamba
     group's block must hold a whole request (``block_size >= max_model_len``)
-    unless it is in "align" mode, which needs every group's block, the hash
-    block and the scheduler block to be one size. EAGLE and multi-module MTP's
+    unless it is in "align" mode, which needs its block to be one hash block and
+    either every group's block and the scheduler block of that size too, or no
+    decode context parallelism (``verify_align_geometry``). EAGLE and multi-module MTP's
     ``num_prefill_lookahead`` as ``kvpool.model.eagle.verify_eagle_config``
     allows. ``fine_grained_hits`` asks for hits ending inside a block; it takes
     effect only where ``copy_on_write.fine_grained_hits_enabled`` allows it
@@ -263,11 +264,12 @@ def new_kv_cache_manager(
                 f"a Mamba block of {spec.block_size} tokens cannot hold {max_model_len} tokens"
             )
     # Verify that Mamba "align" hits, if any, end on whole blocks (hash block = block)
-    if enable_caching and any(s.mamba_align for s in specs) and hbs != specs[0].block_size:
-        raise InvalidManagerConfig(
-            f'Mamba "align" with hash blocks of {hbs} tokens in blocks of '
-            f"{specs[0].block_size} (hits inside a block) is not modelled"
-        )
+    for spec in specs:
+        if enable_caching and spec.mamba_align and hbs != spec.block_size:
+            raise InvalidManagerConfig(
+                f'Mamba "align" with hash blocks of {hbs} tokens in blocks of '
+                f"{spec.block_size} (hits inside a block) is not modelled"
+            )
     # Verify that EAGLE does not run beside a Mamba "align" group (not modelled)
     if use_eagle and any(s.mamba_align for s in specs):
         raise InvalidManagerConfig('EAGLE beside a Mamba "align" group is not modelled')
@@ -283,9 +285,9 @@ def new_kv_cache_manager(
     )
     # Verify that the scheduler block size is a multiple of every block size
     geometry.verify_scheduler_block_size(specs, hbs, scheduler)
-    # Verify that a Mamba "align" group's block is every group's and the scheduler's (not
-    # modelled otherwise: its checkpoints and tail keys follow the scheduler block in vLLM)
-    verify_align_geometry(specs, scheduler)
+    # Verify that a Mamba "align" group's block is every group's and the scheduler's, or one
+    # hash block beside larger blocks (not modelled otherwise: hits inside a Mamba block)
+    verify_align_geometry(specs, scheduler, hbs, dcp_world_size)
     # Verify that reserved blocks sit where kvpool models them: hash block = block = scheduler
     reserve.verify_reserving_geometry(specs, hbs if enable_caching else 0, scheduler)
     # Verify that EAGLE and the look-ahead are settings vLLM 0.33 runs
@@ -313,31 +315,48 @@ def new_kv_cache_manager(
     )
 
 
-def verify_align_geometry(specs: Sequence[KVCacheSpec], scheduler_block_size: int) -> None:
+def verify_align_geometry(
+    specs: Sequence[KVCacheSpec],
+    scheduler_block_size: int,
+    hash_block_size: int | None = None,
+    dcp_world_size: int = 1,
+) -> None:
     """Raise InvalidManagerConfig where a Mamba "align" group meets a block geometry kvpool
-    does not model: groups of different (effective) block sizes, or a scheduler block
-    larger than the blocks.
+    does not model.
 
-    vLLM 0.33.0 places an "align" group's prefill checkpoints and partial-tail keys on
-    ``cache_hit_alignment_tokens`` (the scheduler block; ``MambaManager``'s
-    ``get_num_blocks_to_allocate`` and ``_cache_partial_tail_block`` in
-    ``vllm/v1/core/single_type_kv_cache_manager.py``); ``kvpool.model.mamba_align``
-    models the subset where that is the group's own block. docs/limits.md.
+    Modelled: every group's (effective) block and the scheduler block of one size; or,
+    without decode context parallelism, every "align" group's block one hash block long
+    beside groups of larger blocks and a scheduler block that is a multiple of them all.
+    There vLLM 0.33.0 keeps fine-grained hits off (``partial_hash_hits_enabled`` in
+    ``vllm/v1/core/kv_cache_utils.py`` wants a Mamba block longer than a hash block, or
+    ``dcp_world_size > 1``), so hits end on multiples of the scheduler block
+    (``HybridKVCacheCoordinator._cache_hit_alignment_tokens``) and a Mamba block never
+    holds a hit's end inside it: ``kvpool.model.mamba_align`` with ``find_hit``'s
+    ``alignment`` is the whole of it. Refused: Mamba blocks of several hash blocks beside
+    other sizes (hits inside a Mamba block, copy-on-write of its state and producer
+    tails; ``MambaManager`` in ``vllm/v1/core/single_type_kv_cache_manager.py``).
+    docs/limits.md.
 
     >>> from kvpool.model.single_type import full_attention, mamba_align
     >>> verify_align_geometry([full_attention(4), mamba_align(4)], 4)
-    >>> verify_align_geometry([full_attention(8), mamba_align(4)], 8)
+    >>> verify_align_geometry([full_attention(8), mamba_align(4)], 8, 4)
+    >>> verify_align_geometry([full_attention(4), mamba_align(8)], 8, 4)
     Traceback (most recent call last):
     ...
-    kvpool.model.errors.InvalidManagerConfig: Mamba "align" beside blocks of sizes [8, 4] ...
+    kvpool.model.errors.InvalidManagerConfig: Mamba "align" beside blocks of sizes [4, 8] ...
     """
     if not any(s.mamba_align for s in specs):
         return
     sizes = [s.block_size for s in specs]
-    if len(set(sizes)) != 1 or scheduler_block_size != sizes[0]:
+    if len(set(sizes)) == 1 and scheduler_block_size == sizes[0]:
+        return
+    # Verify that every "align" block is one hash block, without decode context parallelism
+    if dcp_world_size != 1 or any(s.mamba_align and s.block_size != hash_block_size for s in specs):
         raise InvalidManagerConfig(
             f'Mamba "align" beside blocks of sizes {sizes} with '
-            f"scheduler_block_size={scheduler_block_size} is not modelled (one size only)"
+            f"scheduler_block_size={scheduler_block_size} is not modelled unless every "
+            f"align block is one hash block ({hash_block_size} tokens) and "
+            f"dcp_world_size=1 (got {dcp_world_size})"
         )
 
 

@@ -14,9 +14,10 @@ Mamba "align" states to offload (``take_boundary_state_offloads``,
 Three of these differ from the plain calls only with Mamba "align" groups
 (``kvpool.model.mamba_align``), each through one function below:
 ``_pending_boundary_states`` drains the "align" groups' offers;
-``_partial_tail`` and ``_per_group_hit`` answer the plain result, because
-what would make them differ (a prompt boundary inside a Mamba block; the
-per-group connector lookup) is not modelled (docs/limits.md).
+``_partial_tail`` answers the plain result, because what would make it
+differ (a prompt boundary inside a Mamba block) is not modelled
+(docs/limits.md); ``_per_group_hit`` looks each group up on its own
+(``kvpool.model.per_group_hit``).
 
 Sources: ``vllm/v1/core/kv_cache_manager.py``, ``kv_cache_coordinator.py`` and
 ``single_type_kv_cache_manager.py`` in vLLM 0.33.0; docs/semantics.md, "The
@@ -26,6 +27,7 @@ request layer".
 from dataclasses import replace
 
 import kvpool.model.mamba_align as mamba_align
+import kvpool.model.per_group_hit as per_group_hit
 import kvpool.model.single_type as single
 from kvpool.model.errors import InvalidTokenCount
 from kvpool.model.manager import (
@@ -83,8 +85,7 @@ def pop_blocks_for_free(
                 num_cached_block={
                     r: n for r, n in table.num_cached_block.items() if r != request_id
                 },
-                # a Mamba "align" group forgets the request's records, as vLLM 0.33.0's
-                # MambaManager.pop_blocks_for_free does, and keeps every other request's
+                # an "align" group forgets the request's states and offers, as free does
                 align=mamba_align.forget(table.align, request_id),
             )
         )
@@ -167,10 +168,10 @@ def get_computed_blocks_for_connector(
     and whether the per-group hits diverged (``hit_diverged``).
 
     vLLM 0.33 looks each group up on its own only in a hybrid with Mamba and
-    full attention and prefix caching on, where the Mamba state may run deeper
-    than the full-attention tail that survived; ``_per_group_hit`` is that
-    path. In every configuration kvpool models it agrees with the plain
-    lookup, which is the answer, with ``False``.
+    full attention and prefix caching on, where the groups' hits may disagree;
+    ``_per_group_hit`` is that path (``kvpool.model.per_group_hit``). Elsewhere,
+    and where a group hit deeper than full attention, the plain lookup is the
+    answer, with ``False``.
 
     Complexity: that of ``find_hit``.
 
@@ -191,17 +192,9 @@ def get_computed_blocks_for_connector(
 def _per_group_hit(
     state: KVCacheManagerState, request: Request
 ) -> tuple[KVCacheManagerState, tuple[Blocks, int, int, bool]] | None:
-    """Seam for Mamba "align": the per-group lookup where it differs from the plain one.
-
-    vLLM 0.33.0 ``get_computed_blocks_for_connector``: with Mamba layers, a hybrid
-    coordinator and a full-attention group, every group is searched on its own; a group
-    reaching past full attention falls back to the plain lookup, otherwise the answer is
-    each group's own hit, full attention's length, boundary 0, and whether some group
-    lags. kvpool's Mamba (vLLM's "none" mode) never hits and its blocks hold a whole
-    request, so every group's own hit is empty there, as the plain lookup's: None (use the
-    plain lookup) for every configuration kvpool models.
-    """
-    return None
+    """Seam for Mamba "align": the per-group lookup where it differs from the plain one
+    (``kvpool.model.per_group_hit``; None: the plain lookup answers)."""
+    return per_group_hit.per_group_hit(state, request)
 
 
 def record_blocks_for_zeroing(

@@ -86,7 +86,28 @@ OPERATIONS = (
     *TARGET_OPERATIONS,
     *HASHER_OPERATIONS,
 )
-"""Every operation of the dialect besides ``hello`` and ``new_manager``."""
+"""Every operation of the dialect besides ``hello``, ``new_manager`` and ``FEATURE_OPERATIONS``."""
+
+FEATURE_OPERATIONS = (*OPERATIONS_033, *OPERATIONS_SCHEDULER)
+"""The operations asked only of a target whose hello announces their feature (``FEATURES``)."""
+
+FEATURES: dict[str, str] = {
+    "fine_grained": "vLLM 0.33's fine-grained hits: setups may carry fine_grained_hits, and "
+    "the target answers OPERATIONS_033",
+    "scheduler_calls": "the rest of vLLM 0.33's scheduler calls (OPERATIONS_SCHEDULER and "
+    "free_blocks), allocate_slots' full_sequence_must_fit, setups' max_in_flight_tokens",
+    "prefill_lookahead": "setups may carry num_prefill_lookahead (multi-module MTP)",
+    "eagle_hybrids": "use_eagle on every layout vLLM 0.33 runs EAGLE on, hybrids included",
+    "context_parallel": "setups may carry dcp_world_size and pcp_world_size (and group specs "
+    "dcp_sharded)",
+}
+"""The optional features a request-layer target may announce in hello's ``features``, and
+what each lets the kit send it. A target is never sent what it does not announce; a name
+the kit does not know is ignored, so a program may announce features of a later kit."""
+
+MAX_FEATURES = 64
+"""The most names hello's ``features`` may list (each at most ``MAX_FEATURE_NAME`` long)."""
+MAX_FEATURE_NAME = 64
 
 
 def _rejections() -> dict[str, type[PoolError]]:
@@ -581,8 +602,8 @@ def _call(target: ManagerTarget, op: str, args: Mapping[str, Json]) -> Any:
 
 
 def _call_scheduler(target: ManagerTarget, op: str, args: Mapping[str, Json]) -> Any:
-    """One of the rest of vLLM 0.33's scheduler calls (``ManagerTargetScheduler``), for the
-    kit's own replays (counterexamples); the JSON protocol does not carry them."""
+    """One of the rest of vLLM 0.33's scheduler calls (``ManagerTargetScheduler``) on a target
+    that has them (hello's ``scheduler_calls`` feature)."""
     method = getattr(target, op, None)
     if method is None:
         raise ProtocolError(f"this target has no {op}")
@@ -708,9 +729,19 @@ def apply(target: ManagerTarget, op: str, args: Mapping[str, Json]) -> Json:
 
 def check_result(op: str, value: Json) -> None:
     """Raise ProtocolError unless ``value`` has the shape of ``op``'s JSON result."""
-    if op in ("free", "cache_blocks", "evict_blocks", "free_blocks", "new_step_starts"):
+    if op in (
+        "free",
+        "cache_blocks",
+        "evict_blocks",
+        "free_blocks",
+        "new_step_starts",
+        "remove_skipped_blocks",
+        "record_blocks_for_zeroing",
+    ):
         if value is not None:
-            raise ProtocolError(f"{op} returns null, got {value!r}")
+            raise ProtocolError(f"{op} returns null, got {value!r:.100}")
+    elif op in OPERATIONS_SCHEDULER:
+        _check_scheduler_result(op, value)
     elif op == "get_computed_blocks_with_boundary":
         obj = _object(value, f"{op}'s result")
         if decode_blocks(obj.get("blocks")) is None:
@@ -762,9 +793,52 @@ def check_result(op: str, value: Json) -> None:
         decode_hash(value)
 
 
+def _check_scheduler_result(op: str, value: Json) -> None:
+    """``check_result`` for the rest of vLLM 0.33's scheduler calls (``OPERATIONS_SCHEDULER``)."""
+    if op == "pop_blocks_for_free":
+        _ints(value, f"{op}'s result")
+    elif op == "get_block_ids_for_computed_tokens":
+        if decode_blocks(value) is None:
+            raise ProtocolError(f"{op} returns blocks per group, got null")
+    elif op == "get_computed_blocks_for_connector":
+        obj = _object(value, f"{op}'s result")
+        if decode_blocks(obj.get("blocks")) is None:
+            raise ProtocolError(f"{op} returns blocks per group, got null")
+        _int(obj.get("num_tokens"), "num_tokens")
+        _int(obj.get("boundary"), "boundary")
+        _bool(obj.get("hit_diverged"), "hit_diverged")
+    elif op == "take_boundary_state_offloads":
+        for request_id, entries in _object(value, f"{op}'s result").items():
+            _offload_entries(entries, f"{op}'s entries of {request_id[:100]!r}")
+    elif op == "finalize_partial_tail_offloads":
+        _offload_entries(value, f"{op}'s result")
+
+
+def _offload_entries(value: Json, what: str) -> tuple[tuple[int, int, int], ...]:
+    """Offloaded states as ``[group, block, tokens]`` triples."""
+    entries = []
+    for entry in _list(value, what):
+        numbers = _ints(entry, what)
+        if len(numbers) != 3:
+            raise ProtocolError(f"{what}: an offload is [group, block, tokens], got {entry!r:.100}")
+        entries.append((numbers[0], numbers[1], numbers[2]))
+    return tuple(entries)
+
+
 def decode_result(op: str, value: Json) -> Any:
     """A JSON result as the Python value ``ManagerTarget`` returns (shape checked first)."""
     check_result(op, value)
+    if op == "pop_blocks_for_free":
+        return tuple(value)
+    if op == "get_block_ids_for_computed_tokens":
+        return decode_blocks(value)
+    if op == "get_computed_blocks_for_connector":
+        hit = decode_blocks(value["blocks"]), value["num_tokens"], value["boundary"]
+        return (*hit, value["hit_diverged"])
+    if op == "take_boundary_state_offloads":
+        return {rid: _offload_entries(entries, op) for rid, entries in value.items()}
+    if op == "finalize_partial_tail_offloads":
+        return _offload_entries(value, op)
     if op == "get_computed_blocks":
         return decode_blocks(value["blocks"]), value["num_tokens"]
     if op == "get_computed_blocks_with_boundary":

@@ -130,6 +130,12 @@ def narrowed(target: ManagerTargetSpec, claimed: dict[str, Any]) -> ManagerTarge
         fine_grained=fine,
         prefill_lookaheads=lookaheads,
         eagle_hybrids=bool(claimed.get("eagle_hybrids", target.eagle_hybrids)),
+        # the rest of the scheduler calls and the in-flight caps: where both allow them
+        scheduler_calls=target.scheduler_calls and bool(claimed.get("scheduler_calls", True)),
+        in_flight=tuple(
+            n for n in target.in_flight if n in claimed.get("in_flight", target.in_flight)
+        )
+        or (None,),
         # and context parallelism: only the world sizes both allow, else none
         context_parallel=tuple(
             cp

@@ -127,6 +127,14 @@ def layout_specs(
         return (mamba(-(-max_model_len // hbs) * hbs),)
     if layout == "full+sliding_window":
         return (full_attention(block_size), sliding_window(block_size, window))
+    if layout.startswith("wide_") and layout.endswith("+mamba_align"):
+        # a Mamba block of one hash block beside blocks of 2 or 4 (kvpool.model.manager's
+        # verify_align_geometry): hits end on the attention group's larger blocks
+        wide = {
+            "wide_full+": full_attention(2 * block_size),
+            "wide_sliding_window+": sliding_window(2 * block_size, window),
+        }
+        return (wide[layout.removesuffix("mamba_align")], mamba_align(hbs))
     if layout.endswith("mamba_align"):
         first = {
             "full+": full_attention(block_size),
@@ -370,7 +378,8 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
             dcp, pcp = 1, 1
         hbs *= dcp
         specs = layout_specs(layout, hbs // dcp * factor, window, chunk_blocks, MAX_MODEL_LEN, hbs)
-        specs = reserving(specs, *reserve)
+        if not layout.startswith("wide_"):  # reserved blocks: one block size only (modelled)
+            specs = reserving(specs, *reserve)
         if eagle_hybrids:
             # vLLM 0.33's chunked-local finder cannot drop EAGLE's block (kvpool.model.eagle)
             eagle = eagle and not (caching and "chunked_local" in layout)
@@ -396,6 +405,8 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
         )
         self.states = [s.mamba_align for s in specs]
         """Groups holding a recurrent state per block (Mamba "align"), not a token's KV per slot."""
+        self.align_block = next((s.block_size for s in specs if s.mamba_align), 0)
+        """The Mamba "align" block the scheduler splits prefill chunks on (0: none)."""
         align = [s for s in specs if s.mamba_align]
         self.checkpoint_alignment = align[0].prefill_checkpoint_alignment if align else 0
         """The Mamba "align" group's prefill checkpoint alignment (0: no checkpoint blocks)."""
@@ -455,14 +466,17 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
         request = self.requests[rid]
         hit: Blocks | None = None
         num_hit = 0
+        diverged = False
         if self.setup.enable_caching and connector:
             self._record("get_computed_blocks_for_connector", request_id=rid)
-            hit, num_hit, _, _ = self._do(
+            hit, num_hit, _, diverged = self._do(
                 f"get_computed_blocks_for_connector({rid})",
                 lambda s: scheduler_calls.get_computed_blocks_for_connector(s, request),
                 lambda t: _connector_hit(_sched(t).get_computed_blocks_for_connector(request)),
             )
-        elif self.setup.enable_caching:
+        if self.setup.enable_caching and (diverged or not connector):
+            # a diverged per-group hit that no external tokens back is looked up again
+            # (vLLM 0.33's Scheduler.schedule after get_computed_blocks_for_connector)
             self._record("get_computed_blocks", request_id=rid)
             hit, num_hit = self._do(
                 f"get_computed_blocks({rid})",
@@ -484,7 +498,7 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
                 request,
                 num_hit,
                 num_new,
-                self.block_sizes[0],
+                self.align_block,
                 self.checkpoint_alignment,
                 self.setup.hash_block_size,
             )
@@ -680,7 +694,7 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
                 request,
                 start,
                 num_real,
-                self.block_sizes[0],
+                self.align_block,
                 self.checkpoint_alignment,
                 self.setup.hash_block_size,
             )

@@ -45,7 +45,7 @@ OPERATIONS_033 = (
 """vLLM 0.33's further scheduler calls (``ManagerTarget033``): the machine sends them
 to a target that has them, and programs ask for fine-grained hits only where
 ``ManagerTargetSpec.fine_grained`` allows. Optional in the JSON request protocol
-(hello's ``fine_grained``); ``OPERATIONS`` keeps the calls every target answers."""
+(the feature ``fine_grained``); ``OPERATIONS`` keeps the calls every target answers."""
 
 OPERATIONS_SCHEDULER = (
     "pop_blocks_for_free",
@@ -59,8 +59,9 @@ OPERATIONS_SCHEDULER = (
 """The rest of vLLM 0.33's scheduler calls (``ManagerTargetScheduler``): the deferred free
 and a KV connector's calls, and ``allocate_slots(..., full_sequence_must_fit=True)``. The
 machine sends them to a target (kvpool's model and impl, vLLM's manager) where
-``ManagerTargetSpec.scheduler_calls`` says so; the JSON request protocol does not carry
-them (yet)."""
+``ManagerTargetSpec.scheduler_calls`` says so. In the JSON request protocol they are
+the feature ``scheduler_calls`` (``free_blocks`` with them), asked of a program that
+announces it."""
 
 LAYOUTS = ("full", "sliding_window", "chunked_local", "mamba", "full+sliding_window")
 """The KV cache layouts: one group of each attention type, and a hybrid of two."""
@@ -82,6 +83,11 @@ MAMBA_ALIGN_LAYOUTS = ("mamba_align", "full+mamba_align", "sliding_window+mamba_
 """Mamba in vLLM's "align" mode (``kvpool.model.mamba_align``), alone and beside full
 attention or a sliding window. Drawn only for targets whose scope lists them (blocks of
 one hash block when caching is on): not every target has the mode."""
+
+MAMBA_ALIGN_GEOMETRY_LAYOUTS = ("wide_full+mamba_align", "wide_sliding_window+mamba_align")
+"""Mamba "align" blocks of one hash block beside full attention or a sliding window of
+blocks two or four times larger (the scheduler block): hits end on the larger blocks
+(``kvpool.model.manager.verify_align_geometry``). Drawn only where a scope lists them."""
 
 
 @dataclass(frozen=True)
@@ -269,7 +275,7 @@ class ManagerTargetSpec:
     eagle_hybrids: bool = False
     """EAGLE is drawn on every layout vLLM 0.33 runs it on, hybrids included (else on one
     full-attention or sliding-window group only, as before EAGLE on several groups was
-    modelled: a ``cmd:`` program need not implement it)."""
+    modelled: a ``cmd:`` program has it when it announces the feature ``eagle_hybrids``)."""
     context_parallel: tuple[tuple[int, int], ...] = ((1, 1),)
     """The (decode, prefill) context-parallel world sizes programs draw (full-attention
     layouts only; the others run with (1, 1))."""

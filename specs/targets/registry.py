@@ -263,13 +263,16 @@ def _request(spec: str) -> TargetDescriptor:
             },
         )
     if spec.startswith("cmd:"):
-        from kvpool.specs.targets.cmd.request import CmdManagerFactory
+        from kvpool.specs.targets.cmd.request import CMD_SCOPE, CmdManagerFactory
 
         try:
             factory = CmdManagerFactory.from_spec(spec)
         except ValueError as error:
             raise TargetSpecError(f"bad cmd: target {spec!r}: {error}") from error
-        return TargetDescriptor("request", spec, factory, preflight=factory.preflight)
+        # every optional feature, narrowed to what the program's hello announces
+        return TargetDescriptor(
+            "request", spec, factory, preflight=factory.preflight, scope=dict(CMD_SCOPE)
+        )
     if is_vllm_target(spec):
         return _vllm_request(spec)
     return _module_factory("request", spec)

@@ -242,18 +242,27 @@ def test_invalid_pcp_on_a_sharded_sliding_window() -> None:
 
 
 def test_invalid_mamba_align_beside_another_block_size() -> None:
-    """Mamba "align" with blocks of several sizes: not modelled, refused by name."""
-    _rejected_by_both([full_attention(8), mamba_align(4)], hash_block_size=4)
+    """Mamba "align" of several hash blocks beside blocks of other sizes (hits inside a Mamba
+    block), or any size mix with decode context parallelism: not modelled, refused by name."""
+    _rejected_by_both([full_attention(4), mamba_align(8)], hash_block_size=4)
     # decode context parallelism widens the attention group but not the (replicated) Mamba
     _rejected_by_both([full_attention(4), mamba_align(4)], dcp_world_size=2)
 
 
-def test_invalid_mamba_align_with_a_wider_scheduler_block() -> None:
-    _rejected_by_both([full_attention(4), mamba_align(4)], scheduler_block_size=8)
+def test_invalid_mamba_align_of_several_hash_blocks_with_a_wider_scheduler_block() -> None:
+    _rejected_by_both(
+        [full_attention(4), mamba_align(4)],
+        hash_block_size=2,
+        enable_caching=False,
+        scheduler_block_size=8,
+    )
 
 
-def test_mamba_align_of_one_block_size_is_accepted() -> None:
+def test_mamba_align_of_one_hash_block_beside_larger_blocks_is_accepted() -> None:
+    """kvpool.model.manager.verify_align_geometry: vLLM keeps fine-grained hits off there."""
     Both([full_attention(4), mamba_align(4)], scheduler_block_size=4)
+    Both([full_attention(4), mamba_align(4)], scheduler_block_size=8)
+    Both([full_attention(8), mamba_align(4)], hash_block_size=4)
 
 
 def test_the_eagle_look_ahead_is_bounded_by_the_scheduler_block_not_the_smallest_block() -> None:

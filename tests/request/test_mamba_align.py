@@ -25,7 +25,11 @@ from kvpool.model.single_type import (
 )
 from kvpool.specs.request.check import run_request_conformance
 from kvpool.specs.request.machine import mamba_aligned_chunk
-from kvpool.specs.request.target import MAMBA_ALIGN_LAYOUTS, ManagerTargetSpec
+from kvpool.specs.request.target import (
+    MAMBA_ALIGN_GEOMETRY_LAYOUTS,
+    MAMBA_ALIGN_LAYOUTS,
+    ManagerTargetSpec,
+)
 from kvpool.specs.targets.impl.request import ImplManagerTarget
 
 PROMPT = [i for i in range(3) for _ in range(4)] + [3, 3]
@@ -291,12 +295,13 @@ def test_impl_conforms_on_the_mamba_align_layouts() -> None:
 
     scope = ManagerTargetSpec(
         ImplManagerTarget,
-        layouts=MAMBA_ALIGN_LAYOUTS,
+        layouts=MAMBA_ALIGN_LAYOUTS + MAMBA_ALIGN_GEOMETRY_LAYOUTS,
         profiles=(DEFAULT_PROFILE,),
         events=(False, True),
         block_factors=(1, 2),
         min_window=2,
         hash_sized_layouts=MAMBA_ALIGN_LAYOUTS,
+        scheduler_calls=True,
     )
     report = run_request_conformance(scope, hypothesis_profile="ci", max_examples=100)
     assert report.conforms, f"{report.failure}\n{report.program}"

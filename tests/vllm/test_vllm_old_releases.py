@@ -307,13 +307,35 @@ def _check_request_layer(release: str, hasher: str) -> tuple[int, str]:
 
 @pytest.mark.usefixtures("require_vllm")
 def test_an_old_release_s_manager_gets_a_verdict_and_its_key_collision_is_found() -> None:
-    """vLLM 0.24 lacks 0.28's and 0.33's calls: the check still runs to a verdict (never the
-    exit 2 of an API mismatch), and with vLLM's own hasher it finds that a LoRA named like
-    another request's cache salt gets the same block hashes."""
+    """vLLM 0.24 lacks 0.28's and 0.33's calls: the check still runs, and with kvpool's
+    hasher conforms (never the exit 2 of an API mismatch); with vLLM's own hasher it finds
+    that a LoRA named like another request's cache salt gets the same block hashes."""
     require_cached_release(UNTAGGED_KEYS_RELEASE)
+    # With kvpool's hasher the release conforms: its events carry the LoRA of the
+    # request the adapter hands it (the adapter once dropped it, a kit bug).
     code, output = _check_request_layer(UNTAGGED_KEYS_RELEASE, "kvpool")
-    assert code in (0, 1) and "could not be run" not in output, output[-3000:]
+    assert code == 0 and "conforms" in output, output[-3000:]
     code, output = _check_request_layer(UNTAGGED_KEYS_RELEASE, "vllm")
     assert code == 1, output[-3000:]
     assert "target_hashes_name_prefixes" in output and "different prefixes hash equal" in output
     assert "lora=" in output and "salt=" in output, output[-3000:]
+
+
+@pytest.mark.usefixtures("require_vllm")
+def test_the_stand_in_request_carries_the_lora_every_era_reads() -> None:
+    """With kvpool's hasher the adapter hands vLLM a stand-in request: the pool stamps each
+    BlockStored with its ``lora_request``, read as ``adapter_id``/``name`` (0.24) or
+    ``lora_int_id``/``lora_name`` (others), so the stand-in must carry the LoRA."""
+    from vllm.lora.request import LoRARequest
+
+    from kvpool.model.hashing import LoraAdapter
+    from kvpool.model.request import new_request
+    from kvpool.specs.targets.vllm.request import VllmRequest
+
+    adapter = LoraAdapter(lora_id=7, name="a", path="/a")
+    with_lora = VllmRequest(new_request("r", [1, 2], 1, lora=adapter), None, LoRARequest)
+    lora = with_lora.lora_request
+    assert lora is not None
+    assert (lora.adapter_id, lora.name, lora.lora_int_id, lora.lora_name) == (7, "a", 7, "a")
+    plain = VllmRequest(new_request("s", [1, 2], 1), None, LoRARequest)
+    assert plain.lora_request is None

@@ -9,7 +9,9 @@ whether it has a ``snapshot``, and whether it hashes requests itself
 (``"hasher": "own"`` or ``"kvpool"``: then the kit asks for its hashes and
 checks them against the token ground truth,
 ``kvpool.specs.request.invariants``; ``"kvpool"`` also says it is kvpool's
-hash function, so the hash vectors apply).
+hash function, so the hash vectors apply), and the optional features it has
+(``features``, ``request_codec.FEATURES``): it is asked the calls and sent the
+setups of those only (``FEATURE_SCOPES``).
 
 A program that crashes, hangs, prints garbage or answers out of turn is a
 ``TargetError`` naming the operation, exactly as at the pool layer: both
@@ -28,7 +30,14 @@ from kvpool.model.profiles import profile_named
 from kvpool.model.request import Request
 from kvpool.specs.protocol import request_codec as codec
 from kvpool.specs.protocol.codec import Json, ProtocolError
-from kvpool.specs.request.target import HYBRID_LAYOUTS, LAYOUTS, OPERATIONS_033, ManagerSetup
+from kvpool.specs.request.target import (
+    HYBRID_LAYOUTS,
+    LAYOUTS,
+    OPERATIONS_033,
+    OPERATIONS_SCHEDULER,
+    ManagerSetup,
+    geometry_arguments,
+)
 from kvpool.specs.targets.cmd.session import Dialect, Session, SessionFailure
 
 QUERIES = frozenset({"get_block_ids", "usage", "num_free_blocks", "snapshot", "block_hashes"})
@@ -36,6 +45,35 @@ QUERIES = frozenset({"get_block_ids", "usage", "num_free_blocks", "snapshot", "b
 
 SCOPE_FIELDS = ("layouts", "events", "block_factors", "min_window")
 """What a hello may say about the part of the machine's space the target supports."""
+
+FEATURE_SCOPES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "fine_grained": ({"fine_grained": (False, True)}, {"fine_grained": (False,)}),
+    "scheduler_calls": (
+        {"scheduler_calls": True, "in_flight": (None, 1, 3)},
+        {"scheduler_calls": False, "in_flight": (None,)},
+    ),
+    "prefill_lookahead": (
+        # those drawn for kvpool's own targets (registry.PREFILL_LOOKAHEADS: a test keeps
+        # them equal; importing the registry here would load every engine's adapter module)
+        {"prefill_lookaheads": (0, 0, 1, 2, 3)},
+        {"prefill_lookaheads": (0,)},
+    ),
+    "eagle_hybrids": ({"eagle_hybrids": True}, {"eagle_hybrids": False}),
+    "context_parallel": (
+        {"context_parallel": ((1, 1), (2, 1), (1, 2), (2, 2))},
+        {"context_parallel": ((1, 1),)},
+    ),
+}
+"""For each optional feature of the protocol (``request_codec.FEATURES``), the
+``ManagerTargetSpec`` fields a program that announces it is checked with, and those of one
+that does not (never sent the feature's calls or setup fields). A feature joins the
+protocol here, in ``request_codec.FEATURES`` and in docs/formats.md."""
+
+CMD_SCOPE: dict[str, Any] = {
+    name: value for claimed, _ in FEATURE_SCOPES.values() for name, value in claimed.items()
+}
+"""The widest scope of a ``cmd:`` target (``resolve("request", "cmd:...")``): every optional
+feature on, narrowed to what the program's hello announces (``declared_scope``)."""
 
 
 def _known_profile(name: str) -> bool:
@@ -99,6 +137,16 @@ def _check_hello(hello: dict[str, Json]) -> dict[str, Json]:
         raise SessionFailure(
             f"hello: min_window must be an integer from 1 to 6, got {window!r:.200}"
         )
+    features = hello.get("features", [])
+    if (
+        not isinstance(features, list)
+        or len(features) > codec.MAX_FEATURES
+        or not all(isinstance(f, str) and len(f) <= codec.MAX_FEATURE_NAME for f in features)
+    ):
+        raise SessionFailure(
+            f"hello: features must be a list of at most {codec.MAX_FEATURES} names "
+            f"(among {', '.join(codec.FEATURES)}), got {features!r:.200}"
+        )
     return hello
 
 
@@ -107,7 +155,8 @@ REQUEST_DIALECT = Dialect(
     check_hello=_check_hello,
     is_rejection=lambda name: codec.request_error_class(name) is not None,
     check_result=codec.check_result,
-    hello_args={"layer": codec.LAYER},
+    # the kit names the features it can check, so a program may tell kits apart
+    hello_args={"layer": codec.LAYER, "features": list(codec.FEATURES)},
     unchecked=frozenset({"hello", "new_manager"}),
     queries=QUERIES,
 )
@@ -180,14 +229,31 @@ class CmdManagerFactory:
                 claimed[name] = tuple(hello[name])
         if "min_window" in hello:
             claimed["min_window"] = int(hello["min_window"])
-        if hello.get("fine_grained", False):
-            claimed["fine_grained"] = (False, True)
+        # every optional feature, on or off: a program is asked only what it announces
+        for feature, (on, off) in FEATURE_SCOPES.items():
+            claimed.update(on if feature in self.features else off)
         return claimed
 
     @property
+    def features(self) -> frozenset[str]:
+        """The optional features the program announces that the kit knows (hello's
+        ``features``, and the ``fine_grained`` boolean of earlier programs)."""
+        hello = self.session.hello_answer()
+        announced = set(hello.get("features", ()))
+        if hello.get("fine_grained", False):
+            announced.add("fine_grained")
+        return frozenset(announced & set(codec.FEATURES))
+
+    @property
     def fine_grained(self) -> bool:
-        """Whether the program answers vLLM 0.33's further calls (hello's ``fine_grained``)."""
-        return bool(self.session.hello_answer().get("fine_grained", False))
+        """Whether the program answers vLLM 0.33's further calls (feature ``fine_grained``)."""
+        return "fine_grained" in self.features
+
+    @property
+    def scheduler_calls(self) -> bool:
+        """Whether the program answers the rest of vLLM 0.33's scheduler calls (feature
+        ``scheduler_calls``; ``free_blocks`` among them)."""
+        return "scheduler_calls" in self.features
 
     def preflight(self, level: int, profiles: Sequence[str]) -> None:
         """Start the program; raise TargetError if it cannot run ``level`` and ``profiles``."""
@@ -265,7 +331,10 @@ def _model_manager(setup: ManagerSetup) -> KVCacheManagerState:
         log_stats=setup.log_stats,
         enable_events=setup.enable_events,
         profile=setup.profile,
+        fine_grained_hits=setup.fine_grained_hits,
+        max_in_flight_tokens=setup.max_in_flight_tokens,
         num_prefill_lookahead=setup.num_prefill_lookahead,
+        **geometry_arguments(setup),
     )
 
 
@@ -278,9 +347,13 @@ class CmdManagerTarget:
         self.generation = generation
 
     def __getattr__(self, name: str) -> Any:
-        # vLLM 0.33's further calls, only for a program whose hello says fine_grained
+        # vLLM 0.33's further calls, only for a program whose hello announces them: the
+        # machine asks a target for the calls it has
         factory = self.__dict__.get("factory")
-        if name in OPERATIONS_033 and factory is not None and factory.fine_grained:
+        if factory is not None and (
+            (name in OPERATIONS_033 and factory.fine_grained)
+            or (name in (*OPERATIONS_SCHEDULER, "free_blocks") and factory.scheduler_calls)
+        ):
             return lambda *args: self._call(name, *args)
         raise AttributeError(name)
 
@@ -302,7 +375,10 @@ class CmdManagerTarget:
         new_computed_blocks: Blocks | None = None,
         num_lookahead_tokens: int = 0,
         delay_cache_blocks: bool = False,
+        full_sequence_must_fit: bool = False,
     ) -> Blocks | None:
+        if full_sequence_must_fit and not self.factory.scheduler_calls:
+            raise RuntimeError("full_sequence_must_fit asked of a program that did not announce it")
         result: Blocks | None = self._call(
             "allocate_slots",
             request,
@@ -311,6 +387,7 @@ class CmdManagerTarget:
             new_computed_blocks,
             num_lookahead_tokens,
             delay_cache_blocks,
+            full_sequence_must_fit,
         )
         return result
 

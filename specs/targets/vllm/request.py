@@ -82,7 +82,7 @@ HASHERS = ("vllm", "kvpool")
 class VllmRequest:
     """The attributes of ``vllm.v1.request.Request`` that the KV cache manager reads."""
 
-    def __init__(self, request: Request, status: Any) -> None:
+    def __init__(self, request: Request, status: Any, lora_class: Any = None) -> None:
         self.request_id = request.request_id
         self.block_hashes = list(request.block_hashes)
         self.all_token_ids = list(request.all_token_ids)
@@ -94,7 +94,15 @@ class VllmRequest:
         self.num_in_flight_tokens = 0
         self.shared_prefix_boundary = 0
         self.status = status
-        self.lora_request = None
+        # The pool stamps each BlockStored with the request's LoRA (``lora_request``
+        # read as ``adapter_id``/``name`` in 0.24, ``lora_int_id``/``lora_name`` in
+        # others): vLLM's own LoRARequest answers every era's names.
+        lora = request.lora
+        self.lora_request = (
+            None
+            if lora is None
+            else lora_class(lora_name=lora.name, lora_int_id=lora.lora_id, lora_path=lora.path)
+        )
         self.mm_features: list[Any] = []
         self.cache_salt = request.cache_salt
         self.prompt_embeds = None
@@ -163,6 +171,7 @@ class VllmManagerTarget(SchedulerCalls):
             utils = importlib.import_module("vllm.v1.core.kv_cache_utils")
             interface = importlib.import_module("vllm.v1.kv_cache_interface")
             request_module = importlib.import_module("vllm.v1.request")
+            self._lora_class = importlib.import_module("vllm.lora.request").LoRARequest
         except Exception as error:  # ImportError, or a dependency failing at import
             raise TargetError(f"vLLM's KVCacheManager cannot be imported: {error!r}") from error
         # reset_prefix_cache logs a warning each time it refuses; the machine asks often.
@@ -279,7 +288,7 @@ class VllmManagerTarget(SchedulerCalls):
         duck = (
             self._requests.get(request)
             if self._requests is not None
-            else VllmRequest(request, self._status)
+            else VllmRequest(request, self._status, self._lora_class)
         )
         # vLLM's hash of each hash block, as its events carry it, names the model's hash
         # of the same hash block (both hashers name prefixes; the machine checks it).
@@ -780,19 +789,23 @@ def fine_grained_scope(factory: VllmManagerFactory | None = None) -> ManagerTarg
 def mamba_align_scope(factory: VllmManagerFactory | None = None) -> ManagerTargetSpec:
     """Where vLLM's Mamba "align" mode is compared (``kvpool.model.mamba_align``): a Mamba
     group alone, beside full attention and beside a sliding window, blocks of one hash block
-    when caching is on, events on and off. Not in ``VLLM_SCOPE``: the machine drives these
-    layouts with the scheduler's block-aligned chunks and no drafts."""
+    when caching is on, events on and off; and a Mamba block of one hash block beside blocks
+    two or four times larger (``MAMBA_ALIGN_GEOMETRY_LAYOUTS``); the scheduler's further calls,
+    the connector's per-group lookup among them. Not in ``VLLM_SCOPE``: the machine drives
+    these layouts with the scheduler's block-aligned chunks and no drafts."""
     from kvpool.model import DEFAULT_PROFILE
-    from kvpool.specs.request.target import MAMBA_ALIGN_LAYOUTS
+    from kvpool.specs.request.target import MAMBA_ALIGN_GEOMETRY_LAYOUTS, MAMBA_ALIGN_LAYOUTS
 
     return ManagerTargetSpec(
         factory or VllmManagerFactory(),
-        layouts=MAMBA_ALIGN_LAYOUTS,
+        layouts=MAMBA_ALIGN_LAYOUTS + MAMBA_ALIGN_GEOMETRY_LAYOUTS,
         profiles=(DEFAULT_PROFILE,),
         events=(False, True),
         block_factors=(1, 2),
         min_window=2,
         hash_sized_layouts=MAMBA_ALIGN_LAYOUTS,
+        # the connector's per-group lookup (hit_diverged) among the scheduler's calls
+        scheduler_calls=True,
         # bare, and with checkpoint blocks 1 or 2 blocks apart, speculative blocks, or both
         mamba_reserves=((0, 0), (0, 0), (0, 1), (0, 2), (1, 0), (2, 0), (1, 1)),
     )

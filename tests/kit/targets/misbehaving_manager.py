@@ -58,7 +58,10 @@ def misbehave(request: dict[str, Any], reply: dict[str, Any], seen: int) -> dict
 
 
 def main() -> None:
-    server = RequestServer(ModelManagerTarget, name="misbehaving-manager")
+    # the features it announced before hello listed them, so its runs draw what they did
+    server = RequestServer(
+        ModelManagerTarget, name="misbehaving-manager", features=("fine_grained",)
+    )
     seen: Counter[str] = Counter()
     for line in sys.stdin:
         request = json.loads(line)
