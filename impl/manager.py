@@ -35,6 +35,10 @@ from kvpool.impl.mamba_align import (
     per_group_lookup,
     take_boundary_state_offloads,
 )
+from kvpool.impl.mamba_reserve import (
+    MambaReservingManager,
+    admission_blocks,
+)
 from kvpool.impl.pool import BlockPool, Unchecked
 from kvpool.impl.retention import check_retention, shared_prefix_boundary
 from kvpool.impl.single_type import (
@@ -257,6 +261,7 @@ class KVCacheManager:
                 )
             if spec.mamba_align and spec.attention is not AttentionType.MAMBA:
                 raise InvalidManagerConfig(f"{spec.attention.value} groups have no align mode")
+            _verify_reserved(spec)
         scheduler = (
             geometry.common_multiple(specs)
             if scheduler_block_size is None
@@ -273,6 +278,25 @@ class KVCacheManager:
         # Verify that the groups flagged as EAGLE's exist
         flagged = flagged_groups(kv_cache_config)
         eagle_flags = group_flags(specs, use_eagle, flagged)
+        # Verify that prefill checkpoints leave the one token vLLM's checkpoint leaves (a
+        # look-ahead of L > 1 hashed tokens moves the checkpoint back: not modelled)
+        if self.block_pool.num_hash_lookahead_tokens > 1 and any(
+            s.prefill_checkpoint_alignment for s in specs
+        ):
+            raise InvalidManagerConfig(
+                f"prefill checkpoints with num_hash_lookahead_tokens="
+                f"{self.block_pool.num_hash_lookahead_tokens} are not modelled (at most 1)"
+            )
+        # Verify that reserved blocks sit where kvpool models them: hash block = block = scheduler
+        for spec in specs:
+            if (spec.num_speculative_blocks or spec.prefill_checkpoint_alignment) and (
+                spec.block_size != scheduler or (enable_caching and spec.block_size != hbs)
+            ):
+                raise InvalidManagerConfig(
+                    f'Mamba "align" with reserved blocks in blocks of {spec.block_size} tokens, '
+                    f"hash blocks of {hbs} and scheduler blocks of {scheduler} is not modelled "
+                    "(a block of the scheduler's, and of one hash block with caching on)"
+                )
         # Verify that EAGLE and the look-ahead are settings vLLM 0.33 runs
         reprefillable = check_eagle_config(
             specs, enable_caching, use_eagle, num_prefill_lookahead, scheduler, eagle_flags
@@ -305,7 +329,7 @@ class KVCacheManager:
         self.log_stats = log_stats
         self.prefix_cache_stats: PrefixCacheStats | None = PrefixCacheStats() if log_stats else None
         self.managers: list[SingleTypeKVCacheManager] = [
-            MambaAlignManager(spec, self.block_pool, g)
+            _align_manager(spec, self.block_pool, g)
             if spec.mamba_align
             else get_manager_for_kv_cache_spec(spec, self.block_pool, g)
             for g, spec in enumerate(specs)
@@ -629,7 +653,7 @@ class KVCacheManager:
                 num_prompt_tokens(request)
 
         if full_sequence_must_fit and not self._full_sequence_fits(
-            request, hits, partial, total if ext > 0 else -1
+            request, hits, partial, num_computed, total if ext > 0 else -1
         ):
             return None
         for manager in managers:
@@ -644,8 +668,11 @@ class KVCacheManager:
         for g, (manager, group_hits) in enumerate(zip(managers, hits, strict=True)):
             if ext > 0:
                 needed += external.blocks_to_allocate(manager, slots[g], group_hits, total)
-            else:
-                needed += manager.get_num_blocks_to_allocate(rid, slots[g], group_hits)
+                continue
+            if isinstance(manager, MambaReservingManager):
+                # a Mamba "align" group with checkpoint blocks records its checkpoint as it counts
+                manager.plan_checkpoint(rid, num_computed, slots[g])
+            needed += manager.get_num_blocks_to_allocate(rid, slots[g], group_hits)
         needed += sum(partial)
         if needed > self.block_pool.get_num_free_blocks() - reserved_blocks:
             return None
@@ -721,6 +748,7 @@ class KVCacheManager:
         request: Any,
         hits: tuple[Sequence[KVCacheBlock], ...],
         partial: list[bool],
+        num_computed: int,
         num_total_computed: int = -1,
     ) -> bool:
         """Whether the free queue holds the blocks the request's whole sequence needs: per
@@ -739,8 +767,9 @@ class KVCacheManager:
         needed = 0
         for g, manager in enumerate(self.managers):
             if isinstance(manager, MambaAlignManager):
-                # at most one state block, as for a chunk (vLLM 0.33 counts it the same way)
-                needed += manager.get_num_blocks_to_allocate(rid, num_tokens, hits[g])
+                # counted as an allocation of the whole sequence would be, capped like one
+                start = num_computed if num_computed < self.max_model_len else self.max_model_len
+                needed += admission_blocks(manager, rid, num_tokens, hits[g], start)
                 continue
             required = _cdiv(num_tokens, manager.block_size)
             cap = self._admission_caps[g]
@@ -791,7 +820,11 @@ class KVCacheManager:
         hashed = len(request.block_hashes) * self.block_pool.hash_block_size
         for manager, count in zip(self.managers, counts, strict=True):
             blocks = manager.req_to_blocks.get(request.request_id)
-            if blocks is None or manager.kv_cache_spec.attention is AttentionType.MAMBA:
+            if isinstance(manager, MambaReservingManager):
+                manager.verify_checkpoint(request.request_id)
+            spec = manager.kv_cache_spec
+            # a whole-request Mamba group caches nothing; an "align" group caches its states
+            if blocks is None or (spec.attention is AttentionType.MAMBA and not spec.mamba_align):
                 continue
             num_full = (count if count < hashed else hashed) // manager.block_size
             if num_full > len(blocks) and num_full > manager.num_cached_block[request.request_id]:
@@ -1300,6 +1333,7 @@ def _specs_of(kv_cache_config: Any) -> tuple[KVCacheSpec, ...]:
                 if kind is AttentionType.CHUNKED_LOCAL
                 else 0,
                 mamba_align=align,
+                **_reserved_fields(spec, align),
                 # vLLM 0.33's attention specs are sharded by default, its Mamba spec is not
                 dcp_sharded=bool(getattr(spec, "dcp_sharded", kind is not AttentionType.MAMBA)),
             )
@@ -1308,13 +1342,55 @@ def _specs_of(kv_cache_config: Any) -> tuple[KVCacheSpec, ...]:
 
 
 def _mamba_align_of(spec: Any) -> bool:
-    """Whether vLLM's ``MambaSpec`` is in "align" mode; InvalidManagerConfig for the parts of
-    that mode kvpool does not model (speculative and prefill-checkpoint blocks)."""
+    """Whether vLLM's ``MambaSpec`` is in "align" mode; InvalidManagerConfig for a mode kvpool
+    does not model, and for reserved blocks outside "align" mode."""
     mode = getattr(spec, "mamba_cache_mode", "none")
     if mode not in ("none", "align"):
         raise InvalidManagerConfig(f"mamba_cache_mode={mode!r}: kvpool models 'none' and 'align'")
-    for name in ("num_speculative_blocks", "num_prefill_checkpoint_blocks"):
-        # Verify that the Mamba spec reserves no block kvpool does not model
-        if getattr(spec, name, 0):
-            raise InvalidManagerConfig(f"{name}={getattr(spec, name)!r}: kvpool models only 0")
+    if mode != "align":
+        for name in ("num_speculative_blocks", "num_prefill_checkpoint_blocks"):
+            # Verify that a whole-request Mamba spec reserves no block (not modelled)
+            if getattr(spec, name, 0):
+                raise InvalidManagerConfig(
+                    f"{name}={getattr(spec, name)!r}: kvpool models only 0 outside 'align' mode"
+                )
     return bool(mode == "align")
+
+
+def _reserved_blocks_of(spec: Any) -> tuple[int, int]:
+    """A vLLM "align" ``MambaSpec``'s speculative blocks and prefill-checkpoint alignment as
+    kvpool's spec holds them: the alignment counts only with checkpoint blocks (vLLM 0.33.0,
+    ``MambaManager.__init__`` and ``is_mamba_prefill_checkpoint_valid``: no alignment, no
+    checkpoint), and how many checkpoint blocks only sizes vLLM's memory, not its tables."""
+    speculative = getattr(spec, "num_speculative_blocks", 0)
+    alignment = getattr(spec, "prefill_checkpoint_alignment", None)
+    if not getattr(spec, "num_prefill_checkpoint_blocks", 0) or alignment is None:
+        alignment = 0
+    return speculative, alignment
+
+
+def _verify_reserved(spec: KVCacheSpec) -> None:
+    """InvalidManagerConfig unless the spec's reserved blocks are non-negative ints, and any
+    only on a Mamba "align" group (as the model's ``new_managers``)."""
+    for name in ("num_speculative_blocks", "prefill_checkpoint_alignment"):
+        # read untyped: a compiled build would coerce an int-typed read (True to 1)
+        value: object = getattr(spec, name)
+        if type(value) is not int or value < 0:
+            raise InvalidManagerConfig(f"{name}={value!r} must be a non-negative int")
+        if value and not spec.mamba_align:
+            raise InvalidManagerConfig(f'{name}={value}: only Mamba "align" groups reserve blocks')
+
+
+def _reserved_fields(spec: Any, align: bool) -> dict[str, int]:
+    """The reserved-block fields of kvpool's spec for vLLM's ``spec`` (none unless "align")."""
+    if not align:
+        return {}
+    speculative, alignment = _reserved_blocks_of(spec)
+    return {"num_speculative_blocks": speculative, "prefill_checkpoint_alignment": alignment}
+
+
+def _align_manager(spec: KVCacheSpec, pool: BlockPool, group: int) -> MambaAlignManager:
+    """A Mamba "align" group's manager: the reserving one when its spec reserves blocks."""
+    if spec.num_speculative_blocks or spec.prefill_checkpoint_alignment:
+        return MambaReservingManager(spec, pool, group)
+    return MambaAlignManager(spec, pool, group)

@@ -21,6 +21,7 @@ in ``vllm/v1/kv_cache_interface.py``, all vLLM 0.33.0; docs/semantics.md.
 from collections.abc import Sequence
 
 import kvpool.model.mamba_align as mamba_align
+import kvpool.model.mamba_reserve as reserve
 from kvpool.model.pool import get_num_free_blocks
 from kvpool.model.single_type import AttentionType, KVCacheSpec, ManagersState
 from kvpool.model.state import NULL_BLOCK_ID
@@ -62,13 +63,18 @@ def full_sequence_fits(
     partial: Sequence[bool],
     max_in_flight_tokens: int,
     max_model_len: int,
+    query_start: int = 0,
+    scheduler_block_size: int = 0,
 ) -> bool:
     """Whether the free queue holds the blocks ``num_tokens`` tokens of the request need.
 
     Per group: the blocks it lacks beyond those it holds and its hits, at most
     the group's cap (``max_admission_blocks``), plus each hit block that is free
     now (taking it empties a free slot) and the copy a hit ending inside a block
-    takes (``partial``). A running request takes no hits.
+    takes (``partial``). A running request takes no hits. A Mamba "align" group counts
+    as an allocation of the whole sequence from ``query_start`` tokens would
+    (``kvpool.model.mamba_reserve.admission_blocks``; ``scheduler_block_size`` is
+    where hits end).
 
     Complexity: O(groups + hit blocks).
 
@@ -82,6 +88,22 @@ def full_sequence_fits(
     for g, spec in enumerate(m.specs):
         table = m.tables[g]
         if spec.mamba_align:
+            if spec.num_speculative_blocks or spec.prefill_checkpoint_alignment:
+                # counted as an allocation of the whole sequence from ``query_start`` (the
+                # computed tokens and the hit), capped like one (kvpool.model.mamba_reserve)
+                held_blocks = table.req_to_blocks.get(request_id, ())
+                needed += reserve.admission_blocks(
+                    m.pool,
+                    table.align,
+                    spec,
+                    request_id,
+                    held_blocks,
+                    num_tokens,
+                    hits[g],
+                    query_start,
+                    scheduler_block_size,
+                )
+                continue
             # at most one state block, as for a chunk: vLLM 0.33.0's MambaManager counts the
             # whole sequence as it counts a chunk (get_num_blocks_to_allocate, align mode)
             states = table.req_to_blocks.get(request_id, ())

@@ -23,8 +23,8 @@ more blocks than the pool has) and admitted in the next.
 Every function is pure: it takes the pool, the group's ``AlignTable`` and the
 request's block list, and returns new ones. ``kvpool.model.single_type``
 calls them for a group whose spec has ``mamba_align``. What is modelled is
-vLLM 0.33.0's ``MambaManager`` with ``mamba_cache_mode == "align"``, no
-speculative blocks, no prefill checkpoint blocks, no sparse retention and
+vLLM 0.33.0's ``MambaManager`` with ``mamba_cache_mode == "align"`` (speculative and
+prefill checkpoint blocks: ``kvpool.model.mamba_reserve``), no sparse retention and
 hits on whole blocks only (hash block = block); the manager refuses the rest
 (``kvpool.model.manager.new_kv_cache_manager``). Source:
 ``vllm/v1/core/single_type_kv_cache_manager.py`` in vLLM 0.33.0
@@ -63,6 +63,9 @@ class AlignTable:
     """Keys cached since the step began; a hit ending on one waits for the next step."""
     offloads: tuple[Offload, ...] = ()
     """Boundary states cached and not yet taken by a connector, oldest first."""
+    checkpoints: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    """Request to its prefill checkpoint (tokens, block index) as the latest count recorded
+    it (vLLM's ``_checkpoints``; ``kvpool.model.mamba_reserve``)."""
 
 
 def find_hit(
@@ -265,7 +268,7 @@ def cache_prompt_boundary(
     >>> req = CacheRequest((b"a", b"ab"))
     >>> cache_prompt_boundary(new_pool(4), AlignTable(), 0, 2, req, 5, (0, 0), 3)[1]
     AlignTable(last_state={}, retired={}, allocated=frozenset(), cached_this_step=frozenset(), \
-offloads=())
+offloads=(), checkpoints={})
     """
     boundary = (num_prompt_tokens - 1) // block_size * block_size
     index = num_tokens // block_size - 1
@@ -293,6 +296,7 @@ def forget(table: AlignTable, request_id: str) -> AlignTable:
         retired={r: i for r, i in table.retired.items() if r != request_id},
         allocated=table.allocated - {request_id},
         offloads=tuple(o for o in table.offloads if o[0] != request_id),
+        checkpoints={r: c for r, c in table.checkpoints.items() if r != request_id},
     )
 
 

@@ -30,6 +30,7 @@ import kvpool.model.eagle as eagle_ops
 import kvpool.model.external as external
 import kvpool.model.geometry as geometry
 import kvpool.model.mamba_align as mamba_align
+import kvpool.model.mamba_reserve as reserve
 import kvpool.model.pool as pool_ops
 import kvpool.model.retention as retention
 import kvpool.model.single_type as single
@@ -308,6 +309,8 @@ def new_kv_cache_manager(
     verify_retention_interval(retention_interval, specs, scheduler)
     # Verify that the groups flagged as EAGLE's exist
     eagle_ops.verify_eagle_groups(specs, eagle_groups)
+    # Verify that reserved blocks sit where kvpool models them: hash block = block = scheduler
+    reserve.verify_reserving_geometry(specs, hbs if enable_caching else 0, scheduler)
     # Verify that EAGLE and the look-ahead are settings vLLM 0.33 runs
     eagle_ops.verify_eagle_config(
         specs, enable_caching, use_eagle, num_prefill_lookahead, scheduler, eagle_groups
@@ -669,7 +672,15 @@ def allocate_slots(
             )
         else:
             fits = admission.full_sequence_fits(
-                m, rid, full, hits, partial, in_flight, config.max_model_len
+                m,
+                rid,
+                full,
+                hits,
+                partial,
+                in_flight,
+                config.max_model_len,
+                min(num_computed, config.max_model_len),
+                _scheduler_block_size(state),
             )
         if not fits:
             return state, None
@@ -686,6 +697,11 @@ def allocate_slots(
             for g in groups
         )
     else:
+        # a Mamba "align" group with checkpoint blocks records its checkpoint as it counts
+        for g in groups:
+            m, _ = single.plan_checkpoint(
+                m, g, rid, num_computed, slots[g], _scheduler_block_size(state)
+            )
         needed = sum(
             single.get_num_blocks_to_allocate(m, g, rid, slots[g], hits[g]) for g in groups
         )

@@ -90,7 +90,7 @@ def pop_blocks_for_free(
             )
         )
     if not any(request_id in t.req_to_blocks for t in m.tables):
-        return state, ()
+        return replace(state, managers=replace(m, tables=tuple(tables))), ()
     return replace(state, managers=replace(m, tables=tuple(tables))), tuple(popped)
 
 

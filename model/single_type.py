@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 
 import kvpool.model.mamba_align as align_mode
+import kvpool.model.mamba_reserve as reserve
 from kvpool.model.alignment import aligned_length, ends_aligned, sliding_window_cache_mask
 from kvpool.model.errors import (
     HitOnRunningRequest,
@@ -80,6 +81,13 @@ class KVCacheSpec:
     """Decode context parallelism shards the group's tokens across ranks, so the manager's
     blocks hold ``block_size * dcp_world_size`` tokens (``kvpool.model.geometry``). vLLM
     0.33's attention specs default to True, its Mamba spec to False."""
+    num_speculative_blocks: int = 0
+    """Blocks a Mamba "align" group keeps past the one its tokens end in, for drafts
+    (vLLM's ``MambaSpec.num_speculative_blocks``; ``kvpool.model.mamba_reserve``)."""
+    prefill_checkpoint_alignment: int = 0
+    """A Mamba "align" group's prefill checkpoints are this many tokens apart from a chunk's
+    start; 0: no checkpoint blocks (vLLM's ``num_prefill_checkpoint_blocks`` > 0 with its
+    ``prefill_checkpoint_alignment``; ``kvpool.model.mamba_reserve``)."""
 
 
 def full_attention(block_size: int) -> KVCacheSpec:
@@ -125,6 +133,21 @@ def mamba_align(block_size: int) -> KVCacheSpec:
     True
     """
     return KVCacheSpec(AttentionType.MAMBA, block_size, mamba_align=True, dcp_sharded=False)
+
+
+def mamba_reserving(
+    block_size: int, num_speculative_blocks: int = 0, prefill_checkpoint_alignment: int = 0
+) -> KVCacheSpec:
+    """A Mamba "align" group that also keeps speculative blocks and prefill checkpoints.
+
+    >>> mamba_reserving(4, 1, 4).num_speculative_blocks
+    1
+    """
+    return replace(
+        mamba_align(block_size),
+        num_speculative_blocks=num_speculative_blocks,
+        prefill_checkpoint_alignment=prefill_checkpoint_alignment,
+    )
 
 
 @dataclass(frozen=True)
@@ -174,6 +197,10 @@ def new_managers(pool: PoolState, specs: Sequence[KVCacheSpec]) -> ManagersState
         # Verify that only Mamba groups are in "align" mode
         if spec.mamba_align and spec.attention is not AttentionType.MAMBA:
             raise InvalidManagerConfig(f"{spec.attention.value} groups have no align mode")
+        # Verify that only Mamba "align" groups reserve blocks, never a negative number
+        reserve.verify_reserving(
+            spec.mamba_align, spec.num_speculative_blocks, spec.prefill_checkpoint_alignment
+        )
         # Verify that windows and chunks are positive
         if spec.attention is AttentionType.SLIDING_WINDOW and spec.sliding_window < 1:
             raise InvalidManagerConfig(f"sliding_window={spec.sliding_window} must be positive")
@@ -334,6 +361,17 @@ def get_num_blocks_to_allocate(
     3
     """
     spec, table = _group(state, group)
+    if _reserves(spec):
+        return reserve.num_blocks_to_allocate(
+            state.pool,
+            table.align,
+            spec.block_size,
+            spec.num_speculative_blocks,
+            request_id,
+            table.req_to_blocks.get(request_id, ()),
+            num_tokens,
+            new_computed_blocks,
+        )
     if spec.mamba_align:
         held_blocks = table.req_to_blocks.get(request_id, ())
         return align_mode.num_blocks_to_allocate(
@@ -345,6 +383,49 @@ def get_num_blocks_to_allocate(
         1 for b in new_computed_blocks if b != NULL_BLOCK_ID and state.pool.blocks[b].ref_cnt == 0
     )
     return lacking + evictable
+
+
+def plan_checkpoint(
+    state: ManagersState,
+    group: int,
+    request_id: str,
+    query_start: int,
+    query_end: int,
+    cache_alignment: int,
+) -> tuple[ManagersState, None]:
+    """Record whether a chunk ``query_start..query_end`` keeps a prefill checkpoint in ``group``.
+
+    What vLLM 0.33.0's ``MambaManager.get_num_blocks_to_allocate`` records while it
+    counts (``kvpool.model.mamba_reserve.plan_checkpoint``); every group but a
+    Mamba "align" group with checkpoint blocks is left as it is. ``cache_alignment``
+    is what hits are a multiple of (the scheduler block size).
+
+    Complexity: O(1).
+
+    >>> from kvpool.model.pool import new_pool
+    >>> m = new_managers(new_pool(8), [mamba_reserving(4, 0, 4)])
+    >>> dict(plan_checkpoint(m, 0, "r", 0, 8, 4)[0].tables[0].align.checkpoints)
+    {'r': (4, 0)}
+    """
+    spec, table = _group(state, group)
+    if not spec.prefill_checkpoint_alignment:
+        return state, None
+    # Verify that the chunk's bounds are counts of tokens in order
+    if not 0 <= query_start <= query_end:
+        raise InvalidTokenCount(f"a chunk {query_start}..{query_end} is not in order")
+    align = reserve.plan_checkpoint(
+        table.align,
+        spec.block_size,
+        spec.num_speculative_blocks,
+        spec.prefill_checkpoint_alignment,
+        request_id,
+        table.req_to_blocks.get(request_id, ()),
+        query_start,
+        query_end,
+        cache_alignment or spec.block_size,
+        state.pool.config.hash_block_size,
+    )
+    return _with_table(state, group, replace(table, align=align)), None
 
 
 def save_new_computed_blocks(
@@ -398,8 +479,20 @@ def allocate_new_blocks(
     _verify_request(table, request_id)
     blocks = table.req_to_blocks[request_id]
     if spec.mamba_align:
-        pool, tables, blocks, new = align_mode.allocate(
-            state.pool, table.align, spec.block_size, request_id, blocks, num_tokens
+        pool, tables, blocks, new = (
+            reserve.allocate(
+                state.pool,
+                table.align,
+                spec.block_size,
+                spec.num_speculative_blocks,
+                request_id,
+                blocks,
+                num_tokens,
+            )
+            if _reserves(spec)
+            else align_mode.allocate(
+                state.pool, table.align, spec.block_size, request_id, blocks, num_tokens
+            )
         )
         table = replace(
             table, align=tables, req_to_blocks={**table.req_to_blocks, request_id: blocks}
@@ -470,6 +563,8 @@ def cache_blocks(
         raise InvalidTokenCount(
             f"shared_prefix_boundary={request.shared_prefix_boundary} is negative"
         )
+    # Verify that a recorded checkpoint lies in the request's table (vLLM 0.33 asserts it)
+    reserve.verify_checkpoint(table.align, rid, table.req_to_blocks[rid])
     if spec.attention is AttentionType.MAMBA and not spec.mamba_align:
         return state, None
     num_cached = table.num_cached_block[rid]
@@ -517,7 +612,19 @@ def cache_blocks(
             )
             table = replace(table, align=tables)
         state = _with_table(replace(state, pool=pool), group, table)
-    if spec.mamba_align:
+    if spec.mamba_align and rid in state.tables[group].align.checkpoints:
+        table = state.tables[group]
+        pool, tables = reserve.cache_checkpoint(
+            state.pool,
+            table.align,
+            group,
+            spec.block_size,
+            cache_request(request),
+            rid,
+            table.req_to_blocks[rid],
+        )
+        state = _with_table(replace(state, pool=pool), group, replace(table, align=tables))
+    elif spec.mamba_align:
         table = state.tables[group]
         pool, tables = align_mode.cache_prompt_boundary(
             state.pool,
@@ -602,6 +709,9 @@ def free(state: ManagersState, group: int, request_id: str) -> tuple[ManagersSta
     """
     _, table = _group(state, group)
     if request_id not in table.req_to_blocks:
+        if request_id in table.align.checkpoints:  # recorded by a refused allocation
+            table = replace(table, align=align_mode.forget(table.align, request_id))
+            return _with_table(state, group, table), None
         return state, None
     blocks = table.req_to_blocks[request_id]
     pool, _ = free_blocks(state.pool, blocks[::-1])
@@ -706,6 +816,13 @@ def get_num_common_prefix_blocks(
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _reserves(spec: KVCacheSpec) -> bool:
+    """Whether the group is Mamba "align" with checkpoint or speculative blocks."""
+    return spec.mamba_align and bool(
+        spec.num_speculative_blocks or spec.prefill_checkpoint_alignment
+    )
 
 
 def _group(state: ManagersState, group: int) -> tuple[KVCacheSpec, GroupTable]:

@@ -149,6 +149,11 @@ def encode_spec(spec: KVCacheSpec) -> Json:
     }
     if spec.mamba_align:  # only when set: every other group's JSON is what it always was
         encoded["mamba_align"] = True
+    # likewise a Mamba "align" group's reserved blocks (kvpool.model.mamba_reserve)
+    if spec.num_speculative_blocks:
+        encoded["num_speculative_blocks"] = spec.num_speculative_blocks
+    if spec.prefill_checkpoint_alignment:
+        encoded["prefill_checkpoint_alignment"] = spec.prefill_checkpoint_alignment
     # only when it is not the attention type's default, so older files keep their shape
     if spec.dcp_sharded != _default_dcp_sharded(spec.attention):
         encoded["dcp_sharded"] = spec.dcp_sharded
@@ -175,6 +180,12 @@ def decode_spec(value: Json) -> KVCacheSpec:
             obj.get("attention_chunk_size", 0), "attention_chunk_size", MAX_TOKENS
         ),
         mamba_align=_mamba_align(obj.get("mamba_align", False)),
+        num_speculative_blocks=_bounded(
+            obj.get("num_speculative_blocks", 0), "num_speculative_blocks", MAX_TOKENS
+        ),
+        prefill_checkpoint_alignment=_bounded(
+            obj.get("prefill_checkpoint_alignment", 0), "prefill_checkpoint_alignment", MAX_TOKENS
+        ),
         dcp_sharded=_bool(
             obj.get("dcp_sharded", _default_dcp_sharded(names[attention])), "dcp_sharded"
         ),

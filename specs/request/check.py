@@ -80,6 +80,7 @@ def run_request_conformance(
         retentions=target.retentions,
         connector_loads=target.connector_loads,
         eagle_flags=target.eagle_flags,
+        mamba_reserves=target.mamba_reserves,
     )
 
     def stop() -> None:

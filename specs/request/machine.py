@@ -39,6 +39,7 @@ from kvpool.model import manager as model_manager
 from kvpool.model.errors import PoolError
 from kvpool.model.geometry import default_scheduler_block_size, effective_specs
 from kvpool.model.hashing import LoraAdapter, MultiModalInput
+from kvpool.model.mamba_reserve import checkpoint_position, checkpoint_valid
 from kvpool.model.manager import Blocks, KVCacheManagerState
 from kvpool.model.profiles import profile_named
 from kvpool.model.request import Request, append_tokens, new_request, preempted, with_computed
@@ -174,6 +175,25 @@ def layout_specs(
     raise ValueError(f"unknown layout {layout!r}")
 
 
+def reserving(
+    specs: tuple[KVCacheSpec, ...], speculative: int, checkpoint_blocks: int
+) -> tuple[KVCacheSpec, ...]:
+    """``specs`` with every Mamba "align" group keeping ``speculative`` speculative blocks and
+    prefill checkpoints ``checkpoint_blocks`` of its blocks apart (0: none)."""
+    if not (speculative or checkpoint_blocks):
+        return specs
+    return tuple(
+        replace(
+            s,
+            num_speculative_blocks=speculative,
+            prefill_checkpoint_alignment=checkpoint_blocks * s.block_size,
+        )
+        if s.mamba_align
+        else s
+        for s in specs
+    )
+
+
 # --------------------------------------------------------------------------
 # The machine
 # --------------------------------------------------------------------------
@@ -194,6 +214,7 @@ def _start_rule(
     context_parallel: Sequence[tuple[int, int]] = ((1, 1),),
     retentions: Sequence[int | None] = (None,),
     eagle_flags: bool = False,
+    mamba_reserves: Sequence[tuple[int, int]] = ((0, 0),),
 ) -> Callable[..., None]:
     """The machine's first step, drawing only from the configurations given.
 
@@ -218,6 +239,8 @@ def _start_rule(
     if eagle_flags:  # likewise: the groups flagged as EAGLE's, of those the layout has
         extra["flags"] = st.sets(st.integers(0, 2), max_size=2)
         eagle = st.sampled_from([False, True])  # the flags matter with EAGLE only
+    if any(r != (0, 0) for r in mamba_reserves):
+        extra["reserve"] = st.sampled_from(list(mamba_reserves))
 
     decorate = cast(
         Callable[[Callable[..., None]], Callable[..., None]],
@@ -248,31 +271,51 @@ def _start_rule(
     return decorate(start)
 
 
-def mamba_aligned_chunk(request: Request, start: int, num_new: int, block_size: int) -> int:
+def mamba_aligned_chunk(
+    request: Request,
+    start: int,
+    num_new: int,
+    block_size: int,
+    checkpoint_alignment: int = 0,
+    hash_block_size: int = 0,
+) -> int:
     """How many of ``num_new`` tokens from ``start`` vLLM 0.33's scheduler schedules when a
     Mamba "align" group is present (``Scheduler._mamba_block_aligned_split`` in
-    ``vllm/v1/core/sched/scheduler.py``, without checkpoint blocks, partial hits or
-    shared-prefix stops).
+    ``vllm/v1/core/sched/scheduler.py``, without partial hits or shared-prefix stops).
 
     The manager caches the block of position ``(i + 1) * block_size`` once that many tokens
     are computed, as the state after them; the state is written where a chunk ends. So a
     prefill chunk ends on a block boundary unless it ends the prefill, never runs past the
     next boundary when it starts inside a block, nor past the last boundary before the last
-    token. Decoding is not split. 0: nothing is scheduled this step.
+    token. With prefill checkpoint blocks (``checkpoint_alignment`` > 0: the Mamba group's
+    ``prefill_checkpoint_alignment``) a last chunk that can export the prefill's checkpoint
+    itself (``kvpool.model.mamba_reserve.checkpoint_valid``, with ``hash_block_size``: 0
+    for the block's) runs to the end. Decoding is not split. 0: nothing is scheduled this
+    step.
 
     >>> from kvpool.model.request import new_request
     >>> mamba_aligned_chunk(new_request("r", range(10), 4), 0, 6, 4)
     4
+    >>> mamba_aligned_chunk(new_request("r", range(10), 4), 0, 10, 4, 4)
+    10
     """
     prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
     if start >= prefill_end:
         return num_new
     end = start + num_new
+    position = checkpoint_position(prefill_end, block_size)
+    internal = (
+        checkpoint_alignment > 0
+        and end >= prefill_end
+        and checkpoint_valid(
+            start, end, position, block_size, checkpoint_alignment, hash_block_size
+        )
+    )
     if end < prefill_end:
         end = end // block_size * block_size
     stops = (
-        (start // block_size + 1) * block_size if start % block_size else 0,
-        max((request.num_tokens - 1) // block_size * block_size, 0),
+        (start // block_size + 1) * block_size if start % block_size and not internal else 0,
+        0 if internal else max((request.num_tokens - 1) // block_size * block_size, 0),
     )
     end = min((stop for stop in stops if start < stop < end), default=end)
     return max(end - start, 0)
@@ -335,8 +378,12 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
         cp: tuple[int, int] = (1, 1),
         retention: int | None = None,
         flags: frozenset[int] | set[int] = frozenset(),
+        reserve: tuple[int, int] = (0, 0),
     ) -> None:
         """Build the model and the target; the first requests arrive.
+
+        ``reserve`` is a Mamba "align" group's (speculative blocks, checkpoint alignment in
+        blocks) (``kvpool.model.mamba_reserve``).
 
         With context parallelism (``cp``: decode and prefill world sizes; full-attention
         layouts only) requests are hashed in blocks of ``hbs`` times the decode world
@@ -350,6 +397,8 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
             dcp, pcp = 1, 1
         hbs *= dcp
         specs = layout_specs(layout, hbs // dcp * factor, window, chunk_blocks, MAX_MODEL_LEN, hbs)
+        if not layout.startswith("wide_"):  # reserved blocks: one block size only (modelled)
+            specs = reserving(specs, *reserve)
         if eagle_hybrids:
             # vLLM 0.33's chunked-local finder cannot drop EAGLE's block (kvpool.model.eagle)
             eagle = eagle and not (caching and "chunked_local" in layout)
@@ -397,6 +446,9 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
         """Groups holding a recurrent state per block (Mamba "align"), not a token's KV per slot."""
         self.align_block = next((s.block_size for s in specs if s.mamba_align), 0)
         """The Mamba "align" block the scheduler splits prefill chunks on (0: none)."""
+        align = [s for s in specs if s.mamba_align]
+        self.checkpoint_alignment = align[0].prefill_checkpoint_alignment if align else 0
+        """The Mamba "align" group's prefill checkpoint alignment (0: no checkpoint blocks)."""
         self.model = model_manager.new_kv_cache_manager(
             num_blocks,
             specs,
@@ -501,7 +553,14 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
             )
         num_new = min(chunk, request.num_tokens - num_hit)
         if any(self.states):
-            num_new = mamba_aligned_chunk(request, num_hit, num_new, self.align_block)
+            num_new = mamba_aligned_chunk(
+                request,
+                num_hit,
+                num_new,
+                self.align_block,
+                self.checkpoint_alignment,
+                self.setup.hash_block_size,
+            )
             if num_new == 0:
                 return  # the scheduler does not schedule a chunk that would end mid-block
         self._record(
@@ -693,7 +752,14 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
         num_real = min(chunk, request.num_tokens - request.num_computed_tokens)
         if any(self.states):
             start = request.num_computed_tokens
-            num_real = mamba_aligned_chunk(request, start, num_real, self.align_block)
+            num_real = mamba_aligned_chunk(
+                request,
+                start,
+                num_real,
+                self.align_block,
+                self.checkpoint_alignment,
+                self.setup.hash_block_size,
+            )
             if num_real == 0:
                 return  # the scheduler does not schedule a chunk that would end mid-block
         reaches_end = request.num_computed_tokens + num_real == request.num_tokens
@@ -701,7 +767,7 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
         draft = tuple(drafts[: max(0, room)]) if reaches_end else ()
         if any(self.states):
             # a recurrent state cannot take back rejected drafts without speculative blocks,
-            # which kvpool's Mamba "align" does not model
+            # and where the worker keeps the drafts' states in them is not modelled
             draft = ()
         num_new = num_real + len(draft)
         self._record(
@@ -864,6 +930,33 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
     # The GPU: writing KV, sampling tokens
     # ------------------------------------------------------------------
 
+    def _write_checkpoint(
+        self,
+        rid: str,
+        group: int,
+        blocks: Sequence[int],
+        start: int,
+        computed: int,
+        content: Any,
+        tables: Mapping[str, Any],
+    ) -> None:
+        """With prefill checkpoint blocks, the worker also exports the state at the chunk's
+        checkpoint into the block before the one the chunk ends in, when the chunk can
+        export it (vLLM 0.33.0, ``compute_mamba_prefill_checkpoints`` in
+        ``vllm/model_executor/layers/mamba/checkpoint.py``; a null there is not written)."""
+        if not self.checkpoint_alignment:
+            return
+        size = self.block_sizes[group]
+        position = checkpoint_position(computed, size)
+        every, hbs = self.checkpoint_alignment, self.setup.hash_block_size
+        if not checkpoint_valid(start, computed, position, size, every, hbs):
+            return
+        column = -(-computed // size) - 2
+        if column >= len(blocks) or blocks[column] == NULL_BLOCK_ID:
+            return
+        check(("write_is_exclusive", write_is_exclusive(blocks[column], rid, tables)))
+        self.truth.write(group, blocks[column], STATE, content.prefix(position))
+
     def _compute(
         self,
         request: Request,
@@ -906,6 +999,7 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
                 )
             check(("write_is_exclusive", write_is_exclusive(blocks[index], rid, tables)))
             self.truth.write(group, blocks[index], STATE, content.prefix(computed))
+            self._write_checkpoint(rid, group, blocks, start, computed, content, tables)
         if computed < request.num_tokens:
             self._record("run_model", request_id=rid, num_computed_tokens=computed, sampled=[])
             self.requests[rid] = with_computed(request, computed)
@@ -1471,6 +1565,7 @@ def manager_machine(
     retentions: Sequence[int | None] = (None,),
     connector_loads: bool = False,
     eagle_flags: bool = False,
+    mamba_reserves: Sequence[tuple[int, int]] = ((0, 0),),
 ) -> type[ManagerMachine]:
     """A state machine class that checks ``make_target`` on the given layouts and profiles.
 
@@ -1509,6 +1604,7 @@ def manager_machine(
             context_parallel,
             retentions,
             eagle_flags,
+            mamba_reserves,
         ),
         "make_target": staticmethod(make_target),
         "lockstep": lockstep,

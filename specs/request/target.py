@@ -327,3 +327,6 @@ class ManagerTargetSpec:
     """Whether programs admit requests with a KV connector's loads: external tokens,
     reserved blocks, groups whose loaded blocks are not zeroed (``kvpool.model.external``;
     True needs ``ManagerTargetScheduler`` and its ``allocate_slots``' further arguments)."""
+    mamba_reserves: tuple[tuple[int, int], ...] = ((0, 0),)
+    """The (speculative blocks, prefill checkpoint alignment in blocks) a Mamba "align"
+    group is drawn with (``kvpool.model.mamba_reserve``; (0, 0): neither)."""

@@ -170,19 +170,21 @@ def test_invalid_hash_blocks_smaller_than_the_align_block() -> None:
 @pytest.mark.parametrize(
     "field",
     [
-        {"num_speculative_blocks": 1},
-        {"num_prefill_checkpoint_blocks": 1},
+        # reserved blocks are modelled in "align" mode only (kvpool.model.mamba_reserve)
+        {"mamba_cache_mode": "none", "num_speculative_blocks": 1},
+        {"mamba_cache_mode": "none", "num_prefill_checkpoint_blocks": 1},
         {"mamba_cache_mode": "all"},
     ],
 )
 def test_invalid_mamba_spec_parts_not_modelled(field: dict[str, object]) -> None:
     MambaSpec = type("MambaSpec", (), {})  # read by class name, as vLLM's is
     spec = MambaSpec()
-    for name, value in {"block_size": 4, "mamba_cache_mode": "align", **field}.items():
+    # blocks of a whole request: a "none" group is refused for the field, not its size
+    for name, value in {"block_size": 64, "mamba_cache_mode": "align", **field}.items():
         setattr(spec, name, value)
     config = SimpleNamespace(num_blocks=8, kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec)])
-    with pytest.raises(InvalidManagerConfig):
-        KVCacheManager(config, 64)
+    with pytest.raises(InvalidManagerConfig, match=list(field)[-1]):
+        KVCacheManager(config, 64, enable_caching=False)
 
 
 @pytest.mark.parametrize("interval", [0, 32])

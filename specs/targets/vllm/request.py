@@ -244,6 +244,9 @@ class VllmManagerTarget(SchedulerCalls):
                     shapes=((1,),),
                     dtypes=(torch.float32,),
                     mamba_cache_mode="align" if spec.mamba_align else "none",
+                    # reserved blocks (kvpool.model.mamba_reserve): only when set, so the
+                    # releases before them build the spec they always did
+                    **_reserved(spec),
                 )
             else:
                 vllm_spec = interface.FullAttentionSpec(block_size=spec.block_size, **shape)
@@ -478,6 +481,18 @@ def enable_fine_grained_hits(coordinator: Any, hash_block_size: int) -> None:
     coordinator.enable_partial_hash_hits = True
     for manager in coordinator.single_type_managers:
         manager.cache_hit_alignment_tokens = hash_block_size
+
+
+def _reserved(spec: KVCacheSpec) -> dict[str, Any]:
+    """vLLM 0.33's ``MambaSpec`` arguments for the spec's speculative and checkpoint blocks
+    (one checkpoint block: how many only sizes vLLM's memory)."""
+    reserved: dict[str, Any] = {}
+    if spec.num_speculative_blocks:
+        reserved["num_speculative_blocks"] = spec.num_speculative_blocks
+    if spec.prefill_checkpoint_alignment:
+        reserved["num_prefill_checkpoint_blocks"] = 1
+        reserved["prefill_checkpoint_alignment"] = spec.prefill_checkpoint_alignment
+    return reserved
 
 
 def vllm_refuses(setup: ManagerSetup) -> str | None:
@@ -832,6 +847,8 @@ def mamba_align_scope(factory: VllmManagerFactory | None = None) -> ManagerTarge
         hash_sized_layouts=MAMBA_ALIGN_LAYOUTS,
         # the connector's per-group lookup (hit_diverged) among the scheduler's calls
         scheduler_calls=True,
+        # bare, and with checkpoint blocks 1 or 2 blocks apart, speculative blocks, or both
+        mamba_reserves=((0, 0), (0, 0), (0, 1), (0, 2), (1, 0), (2, 0), (1, 1)),
     )
 
 
