@@ -672,6 +672,10 @@ class VllmManagerFactory:
             claimed["eagle_hybrids"] = False
             claimed["eagle_flags"] = False
             claimed["context_parallel"] = ((1, 1),)
+            # 0.33's hybrid coordinator also keys the prompt's last hash-block boundary
+            # inside a full-attention block (a partial BlockStored of one hash block);
+            # 0.24 does not: before 0.33, blocks of one hash block only
+            claimed["block_factors"] = (1,)
             claimed["retentions"] = (None,)
         if not eras.takes(api.manager_class, "allocate_slots", "reserved_blocks"):
             # a release before a KV connector's reserved blocks (0.33) is not sent its loads
