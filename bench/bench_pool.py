@@ -15,6 +15,9 @@ compiled column is skipped with a note.
 ``--scale`` lengthens or shortens the traces, ``--only serving`` picks traces by
 name (``--only requests`` and ``--only scaling`` run that part alone),
 ``--no-model``, ``--no-requests`` and ``--no-scaling`` skip parts.
+``--per-call`` adds, per trace, each target's time in each kind of call (a
+diagnostic: a timer around every call adds the same few tens of ns per call
+to every target, which pulls every ratio towards 1).
 
 How it measures:
 
@@ -529,6 +532,49 @@ def bench_traces(
         print(f"{pair:16} on {trace_name:36} {ratio:8.2f}x")
 
 
+def replay_per_call(
+    make: PoolFactory, trace: Trace, setup: list[Call], calls: list[Call]
+) -> dict[str, float]:
+    """Seconds spent in each kind of call while replaying ``calls`` on a fresh pool."""
+    pool = make(trace.num_blocks, trace.caching, trace.events)
+    for method, args in bind(pool, setup):
+        method(*args)
+    bound = bind(pool, calls)
+    spent = dict.fromkeys((call.name for call in calls), 0)
+    clock = time.perf_counter_ns
+    gc.collect()
+    gc.freeze()
+    for call, (method, args) in zip(calls, bound, strict=True):
+        start = clock()
+        method(*args)
+        spent[call.name] += clock() - start
+    gc.unfreeze()
+    return {name: ns / 1e9 for name, ns in spent.items()}
+
+
+def bench_per_call(
+    targets: dict[str, PoolFactory], scale: float, repeat: int, only: str | None = None
+) -> None:
+    print(f"\n== Traces: milliseconds per kind of call (median of {repeat}, timer included) ==")
+    runs = {name: make for name, make in targets.items() if name != "model"}
+    for trace in traces(scale):
+        if only is not None and only not in trace.name:
+            continue
+        setup, calls = record(trace)
+        spent: dict[str, dict[str, list[float]]] = {name: {} for name in runs}
+        for _ in range(repeat):
+            for name, make in runs.items():
+                for kind, seconds in replay_per_call(make, trace, setup, calls).items():
+                    spent[name].setdefault(kind, []).append(seconds)
+        print(trace.name)
+        for kind in dict.fromkeys(call.name for call in calls):
+            count = sum(1 for call in calls if call.name == kind)
+            ms = {name: statistics.median(spent[name][kind]) * 1e3 for name in runs}
+            cells = "  ".join(f"{name} {value:7.2f}" for name, value in ms.items())
+            ratio = f"  vllm/pure {ms['vllm'] / ms['pure']:5.2f}x" if "vllm" in ms else ""
+            print(f"  {kind:20} {count:7d}  {cells}{ratio}")
+
+
 RATIOS = [("pure", "vllm"), ("compiled", "vllm"), ("compiled", "pure"), ("pure", "model")]
 """The ratios printed, where both sides ran: (numerator, denominator)."""
 
@@ -738,6 +784,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-requests", action="store_true", help="skip the request layer")
     parser.add_argument("--only", help="run only the traces whose name contains this")
     parser.add_argument("--compiled", help="site-packages directory of a compiled kvpool")
+    parser.add_argument(
+        "--per-call", action="store_true", help="also time each kind of call (diagnostic)"
+    )
     args = parser.parse_args(argv)
 
     print(f"Python {sys.version.split()[0]} on {platform.machine()}, {os.cpu_count()} CPUs")
@@ -751,6 +800,8 @@ def main(argv: list[str] | None = None) -> None:
         targets["model"] = make_model
     if args.only not in ("requests", "scaling"):
         bench_traces(targets, args.scale, args.repeat, args.only)
+        if args.per_call:
+            bench_per_call(targets, args.scale, args.repeat, args.only)
     if not args.no_requests and args.only != "scaling":
         managers = {name: impl_manager_factory(impl) for name, impl in builds.items()}
         found = vllm_manager_factory() if vllm is not None else None
