@@ -23,7 +23,20 @@ from pathlib import Path
 from setuptools import setup
 from setuptools.command.build_ext import build_ext
 
-COMPILED = ["block", "free_queue", "pool", "single_type", "manager"]
+COMPILED = [
+    "block",
+    "free_queue",
+    "pool",
+    "single_type",
+    "manager",
+    "eagle",
+    "geometry",
+    "mamba_align",
+    "mamba_reserve",
+    "retention",
+    "external",
+    "coordinator",
+]
 """The modules of impl/ mypyc compiles (``__init__`` stays Python: it reports the build)."""
 
 HERE = Path(__file__).resolve().parent

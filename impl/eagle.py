@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvpool.impl.pool import Unchecked
 from kvpool.model.errors import InvalidManagerConfig
 from kvpool.model.single_type import AttentionType, KVCacheSpec
 
@@ -18,7 +19,7 @@ def check_eagle_config(
     specs: Sequence[KVCacheSpec],
     enable_caching: bool,
     use_eagle: bool,
-    num_prefill_lookahead: int,
+    num_prefill_lookahead: Unchecked,
     scheduler_block_size: int,
     flags: Sequence[bool] | None = None,
 ) -> int:
@@ -29,25 +30,27 @@ def check_eagle_config(
     >>> check_eagle_config([full_attention(4)], True, True, 3, 4)
     2
     """
+    # Unchecked: the compiled build would raise TypeError (or take True as 1) at the call
     if type(num_prefill_lookahead) is not int:
         raise InvalidManagerConfig(
             f"num_prefill_lookahead must be an int, got {type(num_prefill_lookahead).__name__}"
         )
-    if num_prefill_lookahead < 0:
-        raise InvalidManagerConfig(f"num_prefill_lookahead={num_prefill_lookahead} is negative")
+    lookahead: int = num_prefill_lookahead
+    if lookahead < 0:
+        raise InvalidManagerConfig(f"num_prefill_lookahead={lookahead} is negative")
     if use_eagle and enable_caching:
         for g, spec in enumerate(specs):
             if spec.attention is AttentionType.CHUNKED_LOCAL and (flags is None or flags[g]):
                 raise InvalidManagerConfig(
                     "EAGLE with prefix caching cannot have a chunked-local group"
                 )
-        if scheduler_block_size < num_prefill_lookahead:
+        if scheduler_block_size < lookahead:
             raise InvalidManagerConfig(
                 "multi-module MTP with prefix caching needs "
                 f"scheduler_block_size={scheduler_block_size} "
-                f">= num_prefill_lookahead={num_prefill_lookahead}"
+                f">= num_prefill_lookahead={lookahead}"
             )
-    return num_prefill_lookahead - 1 if num_prefill_lookahead > 1 else 0
+    return lookahead - 1 if lookahead > 1 else 0
 
 
 def cacheable(
