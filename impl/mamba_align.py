@@ -142,21 +142,7 @@ class MambaAlignManager(MambaManager):
 
     def cache_blocks(self, request: Any, num_tokens: int) -> None:
         """Cache the full positions' states, noting each as cached this step and offered."""
-        rid = request.request_id
-        before = self.num_cached_block.get(rid, 0)
-        SingleTypeKVCacheManager.cache_blocks(self, request, num_tokens)
-        after = self.num_cached_block[rid]
-        blocks = self.req_to_blocks[rid]
-        for i in range(before, after):
-            block = blocks[i]
-            key = block._primary_key()
-            if block.is_null or key is None:
-                continue
-            self.cached_blocks_this_step.add(key)
-            tokens = block.block_hash_num_tokens or 0
-            self._pending_boundary_state_offloads.append(
-                (rid, self.kv_cache_group_id, block, tokens)
-            )
+        blocks = self._cache_and_offer(request, num_tokens)
         # The prompt's last reusable boundary, keyed again if its block lost its key; with
         # several groups (vLLM's hybrid coordinator) what is cached is rounded to whole blocks
         if self.hybrid:
@@ -174,6 +160,26 @@ class MambaAlignManager(MambaManager):
         key = block._primary_key()
         if key is not None:
             self.cached_blocks_this_step.add(key)
+
+    def _cache_and_offer(self, request: Any, num_tokens: int) -> list[KVCacheBlock]:
+        """Cache the request's full blocks; note each newly keyed one as cached this step and
+        offer its state (``take_boundary_state_offloads``). The request's table is returned."""
+        rid = request.request_id
+        before = self.num_cached_block.get(rid, 0)
+        SingleTypeKVCacheManager.cache_blocks(self, request, num_tokens)
+        after = self.num_cached_block[rid]
+        blocks = self.req_to_blocks[rid]
+        for i in range(before, after):
+            block = blocks[i]
+            key = block._primary_key()
+            if block.is_null or key is None:
+                continue
+            self.cached_blocks_this_step.add(key)
+            tokens = block.block_hash_num_tokens or 0
+            self._pending_boundary_state_offloads.append(
+                (rid, self.kv_cache_group_id, block, tokens)
+            )
+        return blocks
 
     def free(self, request_id: str) -> None:
         """Forget the request's states and its offers not yet taken, then release its blocks."""

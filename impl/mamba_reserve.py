@@ -169,20 +169,7 @@ class MambaReservingManager(MambaAlignManager):
         if checkpoint is None:
             MambaAlignManager.cache_blocks(self, request, num_tokens)
             return
-        before = self.num_cached_block.get(rid, 0)
-        SingleTypeKVCacheManager.cache_blocks(self, request, num_tokens)
-        after = self.num_cached_block[rid]
-        blocks = self.req_to_blocks[rid]
-        for i in range(before, after):
-            block = blocks[i]
-            key = block._primary_key()
-            if block.is_null or key is None:
-                continue
-            self.cached_blocks_this_step.add(key)
-            tokens = block.block_hash_num_tokens or 0
-            self._pending_boundary_state_offloads.append(
-                (rid, self.kv_cache_group_id, block, tokens)
-            )
+        blocks = self._cache_and_offer(request, num_tokens)
         position, index = checkpoint
         if index >= len(blocks):
             return
