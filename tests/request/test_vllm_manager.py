@@ -5,7 +5,6 @@ when ``KVPOOL_REQUIRE_VLLM=1``.
 """
 
 import importlib
-import os
 from typing import Any
 
 import pytest
@@ -16,16 +15,7 @@ from kvpool.specs.request.check import run_request_conformance as run_manager_co
 from kvpool.specs.request.model_target import ModelManagerTarget
 from kvpool.specs.request.target import ManagerSetup, ManagerTargetSpec
 
-
-@pytest.fixture(scope="module", autouse=True)
-def require_vllm() -> None:
-    try:
-        importlib.import_module("vllm.v1.core.kv_cache_manager")
-    except Exception as error:  # ImportError, or a dependency failing at import time
-        reason = f"vLLM's KVCacheManager cannot be imported: {error!r}"
-        if os.environ.get("KVPOOL_REQUIRE_VLLM") == "1":
-            pytest.fail(f"KVPOOL_REQUIRE_VLLM=1 but {reason}", pytrace=False)
-        pytest.skip(f"{reason} (set KVPOOL_REQUIRE_VLLM=1 to make this an error)")
+pytestmark = pytest.mark.usefixtures("require_vllm_manager")
 
 
 def test_vllm_manager_conforms_at_level_1() -> None:

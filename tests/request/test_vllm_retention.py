@@ -5,7 +5,6 @@ vLLM is optional: these tests skip, visibly, without it, and fail without it
 when ``KVPOOL_REQUIRE_VLLM=1``.
 """
 
-import importlib
 import os
 from dataclasses import replace
 
@@ -21,15 +20,7 @@ EXAMPLES = 3000 if os.environ.get("KVPOOL_HYPOTHESIS") == "deep" else 300
 """Programs drawn: 300 by default, ten times more in a deep run (tests/conftest.py)."""
 
 
-@pytest.fixture(scope="module", autouse=True)
-def require_vllm() -> None:
-    try:
-        importlib.import_module("vllm.v1.core.kv_cache_manager")
-    except Exception as error:  # ImportError, or a dependency failing at import time
-        reason = f"vLLM's KVCacheManager cannot be imported: {error!r}"
-        if os.environ.get("KVPOOL_REQUIRE_VLLM") == "1":
-            pytest.fail(f"KVPOOL_REQUIRE_VLLM=1 but {reason}", pytrace=False)
-        pytest.skip(f"{reason} (set KVPOOL_REQUIRE_VLLM=1 to make this an error)")
+pytestmark = pytest.mark.usefixtures("require_vllm_manager")
 
 
 def test_vllm_sparse_retention_conforms_at_level_1() -> None:
