@@ -773,6 +773,46 @@ class BlockPool:
         (b'b', 0)
         """
         hbs = self.hash_block_size
+        # The decode step's call (one new, unhashed block of one hash block in group 0,
+        # no mask, events off) in one pass of fewer tests. Only a call that passes every
+        # test of the general path ends here; any other, valid or not, goes on to it, so
+        # errors keep the model's order. (request.block_hashes may be read twice then.)
+        if (
+            type(num_cached_blocks) is int
+            and type(num_full_blocks) is int
+            and num_full_blocks - num_cached_blocks == 1
+            and num_cached_blocks >= 0
+            and type(block_size) is int
+            and block_size == hbs
+            and type(kv_cache_group_id) is int
+            and kv_cache_group_id == 0
+            and block_mask is None
+            and type(blocks) is list
+            and num_full_blocks <= len(blocks)
+            and self.enable_caching
+            and not self.enable_kv_cache_events
+        ):
+            block_hashes = getattr(request, "block_hashes", None)
+            if (type(block_hashes) is list or type(block_hashes) is tuple) and len(
+                block_hashes
+            ) >= num_full_blocks:
+                fast: Any = blocks[num_cached_blocks]
+                block_hash = block_hashes[num_cached_blocks]
+                if (
+                    type(fast) is KVCacheBlock
+                    and fast.pool is self
+                    and fast.ref_cnt != 0
+                    and fast._block_hash_num_tokens == 0
+                    and not fast.is_null
+                    and type(block_hash) is bytes
+                ):
+                    fast._hash = block_hash  # (_group is 0 already: it is without a key)
+                    fast._block_hash_num_tokens = num_full_blocks * block_size
+                    cached = self._map0
+                    entry = cached.setdefault(block_hash, fast)
+                    if entry is not fast:
+                        self._add_beside(cached, block_hash, entry, fast)
+                    return
         # Verify that the arguments have the operation's types
         if (
             type(num_cached_blocks) is not int
@@ -1538,6 +1578,8 @@ class BlockPool:
             assert (key is None) == (block._block_hash_num_tokens == 0), (
                 f"block {bid}: primary key and token count disagree"
             )
+            # Without a primary key the group field is 0 (so caching a block need not set it).
+            assert key is not None or block._group == 0, f"block {bid}: group without a key"
             # Extra keys exist only beside a primary key, never empty, none repeated.
             if extra is not None:
                 assert key is not None, f"block {bid} has extra keys but no primary key"

@@ -417,6 +417,43 @@ def test_cache_full_blocks_checks_every_hash_after_the_blocks(mask: list[bool] |
     pool.check_invariants()
 
 
+def test_cache_full_blocks_one_block_calls_reject_what_the_model_rejects() -> None:
+    """The decode step's shape (one block, block = hash block, group 0, events off) has its
+    own fast path in the impl: each way to get one of its inputs wrong, alone."""
+    pool = BlockPool(6, True, 2)
+    a, b = pool.get_new_blocks(2)
+    other = BlockPool(4, True, 2)
+    (foreign,) = other.get_new_blocks(1)
+    stranger = KVCacheBlock(3, ref_cnt=1)
+    free = pool.blocks[5]
+    bad_hash = CacheRequest(block_hashes=(b"h0", 7), all_token_ids=(1, 2))  # type: ignore[arg-type]
+    one_hash = CacheRequest(block_hashes=(b"h0",), all_token_ids=(1,))
+    for blocks, stop, error in (
+        ([a, foreign], 2, UnknownBlock),
+        ([a, stranger], 2, UnknownBlock),
+        ([a, "b"], 2, UnknownBlock),
+        ([a, None], 2, UnknownBlock),
+        ([a, free], 2, BlockNotHeld),
+    ):
+        assert_rejected(pool, error, pool.cache_full_blocks, REQ, blocks, stop - 1, stop, 2, 0)
+    assert_rejected(pool, InvalidArgument, pool.cache_full_blocks, bad_hash, [a, b], 1, 2, 2, 0)
+    assert_rejected(pool, NotEnoughHashes, pool.cache_full_blocks, one_hash, [a, b], 1, 2, 2, 0)
+    no_hashes: list[Any] = [object(), VllmStyleRequest(None, [1]), VllmStyleRequest(7, [1])]  # type: ignore[arg-type]
+    for request in no_hashes:
+        assert_rejected(pool, InvalidArgument, pool.cache_full_blocks, request, [a, b], 1, 2, 2, 0)
+    # Nothing to do: the null block, and a range that ends before it starts.
+    before = pool.snapshot()
+    pool.cache_full_blocks(REQ, [a, pool.null_block], 1, 2, 2, 0)
+    pool.cache_full_blocks(REQ, [a, b], 1, 0, 2, 0)
+    assert pool.snapshot() == before
+    assert (foreign.ref_cnt, foreign.block_hash) == (1, None)
+    other.check_invariants()
+    # And the call itself: block 2 of the request gets the request's second hash.
+    pool.cache_full_blocks(REQ, [a, b], 1, 2, 2, 0)
+    assert (b.block_hash, b.block_hash_num_tokens, a.block_hash) == ((b"h1", 0), 4, None)
+    pool.check_invariants()
+
+
 def test_cache_full_blocks_does_not_read_blocks_outside_the_range() -> None:
     """Only blocks[num_cached:num_full] are read, so a stranger before them is fine."""
     pool = BlockPool(4, True, 2)
