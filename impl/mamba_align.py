@@ -49,6 +49,15 @@ class MambaAlignManager(MambaManager):
         self._pending_boundary_state_offloads: list[tuple[str, int, KVCacheBlock, int]] = []
         self.hybrid = False
         """One of several groups (the manager sets it): caching rounds to whole blocks."""
+        self.fine = False
+        """Whether hits may end inside a block (``kvpool.impl.mamba_fine.MambaFineManager``)."""
+
+    def find_fine_hit(
+        self, block_hashes: Sequence[bytes], max_length: int, kv_cache_group_ids: Sequence[int]
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        """The hit and its tokens where hits may end inside a block: only a
+        ``MambaFineManager`` searches so; this one refuses."""
+        raise NotImplementedError("hits inside a block need a MambaFineManager")
 
     @classmethod
     def find_longest_cache_hit(
@@ -263,13 +272,18 @@ def per_group_lookup(
     hits: list[list[KVCacheBlock]] = [[] for _ in managers]
     lengths = [0] * len(managers)
     for spec, ids in kinds:
-        cls = type(managers[ids[0]])
-        found = cls.find_longest_cache_hit(
-            block_hashes, max_length, ids, block_pool, spec, False, scheduler_block_size
-        )
+        first = managers[ids[0]]
+        if isinstance(first, MambaAlignManager) and first.fine:
+            # hits inside a Mamba block (kvpool.impl.mamba_fine): on hash blocks
+            found, length = first.find_fine_hit(block_hashes, max_length, ids)
+        else:
+            found = type(first).find_longest_cache_hit(
+                block_hashes, max_length, ids, block_pool, spec, False, scheduler_block_size
+            )
+            length = len(found[0]) * spec.block_size
         for g, blocks in zip(ids, found, strict=True):
             hits[g] = blocks
-            lengths[g] = len(found[0]) * spec.block_size
+            lengths[g] = length
     full = 0
     while managers[full].kv_cache_spec.attention is not AttentionType.FULL:
         full += 1

@@ -66,6 +66,12 @@ class AlignTable:
     checkpoints: Mapping[str, tuple[int, int]] = field(default_factory=dict)
     """Request to its prefill checkpoint (tokens, block index) as the latest count recorded
     it (vLLM's ``_checkpoints``; ``kvpool.model.mamba_reserve``)."""
+    partial_hits: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    """Request to (block index, source block) of a state it keyed inside a block and must copy
+    at its next allocation (vLLM's ``_partial_hit_reqs``; ``kvpool.model.mamba_fine``)."""
+    producer_tails: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    """Request to (source block, boundary tokens) of that state, offered once copied
+    (``_producer_partial_tail_reqs``; ``kvpool.model.mamba_fine``)."""
 
 
 def find_hit(
@@ -268,7 +274,7 @@ def cache_prompt_boundary(
     >>> req = CacheRequest((b"a", b"ab"))
     >>> cache_prompt_boundary(new_pool(4), AlignTable(), 0, 2, req, 5, (0, 0), 3)[1]
     AlignTable(last_state={}, retired={}, allocated=frozenset(), cached_this_step=frozenset(), \
-offloads=(), checkpoints={})
+offloads=(), checkpoints={}, partial_hits={}, producer_tails={})
     """
     boundary = (num_prompt_tokens - 1) // block_size * block_size
     index = num_tokens // block_size - 1
@@ -297,6 +303,8 @@ def forget(table: AlignTable, request_id: str) -> AlignTable:
         allocated=table.allocated - {request_id},
         offloads=tuple(o for o in table.offloads if o[0] != request_id),
         checkpoints={r: c for r, c in table.checkpoints.items() if r != request_id},
+        partial_hits={r: h for r, h in table.partial_hits.items() if r != request_id},
+        producer_tails={r: t for r, t in table.producer_tails.items() if r != request_id},
     )
 
 

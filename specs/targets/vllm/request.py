@@ -856,6 +856,27 @@ def mamba_align_scope(factory: VllmManagerFactory | None = None) -> ManagerTarge
     )
 
 
+def mamba_fine_scope(factory: VllmManagerFactory | None = None) -> ManagerTargetSpec:
+    """Where hits inside a Mamba "align" block are compared (``kvpool.model.mamba_fine``):
+    full attention of one hash block beside a Mamba block of two to four hash blocks, caching
+    on and off, events on and off, the scheduler's further calls (the connector's per-group
+    lookup, the copies, the producer's partial tail among them). Not in ``VLLM_SCOPE``: the
+    machine drives it with the scheduler's chunks (stopping at the prompt's partial boundary)
+    and no drafts."""
+    from kvpool.model import DEFAULT_PROFILE
+    from kvpool.specs.request.target import MAMBA_FINE_LAYOUTS
+
+    return ManagerTargetSpec(
+        factory or VllmManagerFactory(),
+        layouts=MAMBA_FINE_LAYOUTS,
+        profiles=(DEFAULT_PROFILE,),
+        events=(False, True),
+        block_factors=(2, 3, 4),
+        min_window=2,
+        scheduler_calls=True,
+    )
+
+
 def retention_scope(factory: VllmManagerFactory | None = None) -> ManagerTargetSpec:
     """Where vLLM 0.33's sparse retention (``prefix_cache_retention_interval``) is compared
     (``kvpool.model.retention``): the sliding-window layouts of ``VLLM_SCOPE`` under every
