@@ -1102,10 +1102,12 @@ class KVCacheManager:
                 self.managers,
                 self._kinds,
                 self.block_pool,
-                # hits on hash blocks where they may end inside a Mamba block
-                self.block_pool.hash_block_size if self._fine_mamba else self.scheduler_block_size,
+                # where hits may end inside a Mamba block: on hash blocks, full attention's
+                # extended into its next block
+                0 if self._fine_mamba else self.scheduler_block_size,
                 request.block_hashes,
                 request.num_tokens - 1,
+                self._extend if self._fine_mamba else None,
             )
             if found is not None:
                 hits, num_local, diverged = found

@@ -58,14 +58,11 @@ def verify(
             raise InvalidManagerConfig(
                 f"{where} with speculative or prefill checkpoint blocks is not modelled"
             )
-        # Verify that every other group is full attention of one hash block
-        if not spec.mamba_align and (
-            spec.attention is not AttentionType.FULL or spec.block_size != hash_block_size
-        ):
+        # Verify that every other group is full attention
+        if not spec.mamba_align and spec.attention is not AttentionType.FULL:
             raise InvalidManagerConfig(
                 f'Mamba "align" with hits inside a block beside a {spec.attention.value} group '
-                f"of {spec.block_size}-token blocks is not modelled (only full attention of "
-                f"one hash block, {hash_block_size} tokens)"
+                "is not modelled (only full attention)"
             )
     # Verify that neither EAGLE, sparse retention nor context parallelism is on
     if use_eagle:

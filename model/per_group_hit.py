@@ -27,6 +27,7 @@ Sources: ``KVCacheManager.get_computed_blocks_for_connector`` in
 
 from dataclasses import replace
 
+import kvpool.model.copy_on_write as cow
 import kvpool.model.mamba_fine as mamba_fine
 import kvpool.model.single_type as single
 from kvpool.model.manager import Blocks, KVCacheManagerState, record
@@ -106,6 +107,14 @@ def per_group_hit(
         if fine and spec.mamba_align:
             found, length = mamba_fine.find_hit(
                 m.pool, spec.block_size, request.block_hashes, max_length, ids
+            )
+        elif fine and spec.attention is AttentionType.FULL:
+            # whole blocks, then into the next block at its highest cached hash boundary
+            found = single.find_longest_cache_hit(
+                m.pool, spec, request.block_hashes, max_length, ids
+            )
+            found, length = cow.extend_into_partial_block(
+                m.pool, spec, request.block_hashes, max_length, ids, found
             )
         else:
             found = single.find_longest_cache_hit(

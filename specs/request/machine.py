@@ -130,10 +130,11 @@ def layout_specs(
         return (mamba(-(-max_model_len // hbs) * hbs),)
     if layout == "full+sliding_window":
         return (full_attention(block_size), sliding_window(block_size, window))
-    if layout == "hash_full+mamba_align":
-        # full attention of one hash block beside a Mamba block of several: hits may end
-        # inside the Mamba block (kvpool.model.mamba_fine)
-        return (full_attention(hbs), mamba_align(block_size))
+    if layout in ("hash_full+mamba_align", "pair_full+mamba_align"):
+        # full attention of one or two hash blocks beside a Mamba block of several: hits may
+        # end inside the Mamba block and the full-attention one (kvpool.model.mamba_fine)
+        pair = layout.startswith("pair_")
+        return (full_attention(2 * hbs if pair else hbs), mamba_align(block_size))
     if layout.startswith("wide_") and layout.endswith("+mamba_align"):
         # a Mamba block of one hash block beside blocks of 2 or 4 (kvpool.model.manager's
         # verify_align_geometry): hits end on the attention group's larger blocks

@@ -84,7 +84,7 @@ MAMBA_ALIGN_LAYOUTS = ("mamba_align", "full+mamba_align", "sliding_window+mamba_
 attention or a sliding window. Drawn only for targets whose scope lists them (blocks of
 one hash block when caching is on): not every target has the mode."""
 
-MAMBA_FINE_LAYOUTS = ("hash_full+mamba_align",)
+MAMBA_FINE_LAYOUTS = ("hash_full+mamba_align", "pair_full+mamba_align")
 """Full attention of one hash block beside a Mamba "align" block of several: with caching on
 hits may end inside the Mamba block (``kvpool.model.mamba_fine``). Drawn only where a scope
 lists them, with blocks of two or more hash blocks."""

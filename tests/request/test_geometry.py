@@ -243,9 +243,9 @@ def test_invalid_pcp_on_a_sharded_sliding_window() -> None:
 
 def test_invalid_mamba_align_beside_another_block_size() -> None:
     """Mamba "align" of several hash blocks (hits inside a Mamba block) beside anything but
-    full attention of one hash block (kvpool.model.mamba_fine_config), or any size mix with
-    decode context parallelism: not modelled, refused by name."""
-    _rejected_by_both([full_attention(8), mamba_align(16)], hash_block_size=4)
+    full attention (kvpool.model.mamba_fine_config), or any size mix with decode context
+    parallelism: not modelled, refused by name."""
+    _rejected_by_both([sliding_window(8, 4), mamba_align(16)], hash_block_size=4)
     _rejected_by_both([sliding_window(4, 4), mamba_align(8)], hash_block_size=4)
     # with caching off there are no hits, and the geometry checks of one hash block apply
     _rejected_by_both([full_attention(4), mamba_align(8)], hash_block_size=4, enable_caching=False)
@@ -267,6 +267,7 @@ def test_mamba_align_of_several_hash_blocks_beside_full_attention_of_one_is_acce
     partial hash hits on there)."""
     Both([full_attention(4), mamba_align(8)], hash_block_size=4)
     Both([full_attention(4), mamba_align(12)], hash_block_size=4, scheduler_block_size=12)
+    Both([full_attention(8), mamba_align(12)], hash_block_size=4)
 
 
 def test_mamba_align_of_one_hash_block_beside_larger_blocks_is_accepted() -> None:

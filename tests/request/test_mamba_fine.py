@@ -58,8 +58,8 @@ def test_invalid_fine_align_group_with_reserved_blocks() -> None:
 
 
 def test_invalid_fine_align_group_beside_other_groups() -> None:
-    _rejected((full_attention(8), mamba_align(12)), "beside a full_attention group of 8")
     _rejected((sliding_window(4, 8), mamba_align(12)), "beside a sliding_window group")
+    _rejected((sliding_window(8, 8), mamba_align(8)), "beside a sliding_window group")
 
 
 def test_invalid_fine_align_group_with_eagle() -> None:
@@ -89,6 +89,12 @@ def test_invalid_copying_allocation_in_a_group_not_align() -> None:
 # --------------------------------------------------------------------------
 # The semantics, call by call
 # --------------------------------------------------------------------------
+
+
+def test_full_attention_of_several_hash_blocks_beside_it_is_accepted() -> None:
+    """Its hits and copies may end inside its blocks too (kvpool.model.copy_on_write)."""
+    manager.new_kv_cache_manager(16, (full_attention(8), mamba_align(12)), 64, hash_block_size=4)
+    KVCacheManager(KVCacheConfig(16, (full_attention(8), mamba_align(12))), 64, hash_block_size=4)
 
 
 def test_partial_boundary_leaves_the_look_ahead_after_it() -> None:
