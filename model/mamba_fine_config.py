@@ -38,7 +38,7 @@ def verify(
     """Raise InvalidManagerConfig, naming it, for what kvpool does not model beside hits inside a
     Mamba "align" block: the "align" group alone (vLLM's one-group coordinator asserts hash
     block = block), reserved (speculative or checkpoint) blocks in the "align" group,
-    another group that is not full attention of one hash block, EAGLE, sparse retention,
+    another group that is not full attention, EAGLE, sparse retention,
     decode context parallelism.
 
     >>> from kvpool.model.single_type import full_attention, mamba_align

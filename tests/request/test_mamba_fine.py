@@ -1,6 +1,6 @@
 """Hits inside a Mamba "align" block (kvpool.model.mamba_fine): model, impl and vLLM 0.33.
 
-A Mamba block of several hash blocks beside full attention of one hash block:
+A Mamba block of several hash blocks beside full attention:
 a chunk ending on the prompt's partial boundary keys the state there, the
 producer's next step copies it, and a later request resumes from that state
 (inside the block) through a private copy of its own. vLLM is optional: the
@@ -69,6 +69,10 @@ def test_invalid_fine_align_group_with_eagle() -> None:
 def test_invalid_fine_align_group_with_sparse_retention() -> None:
     with pytest.raises(InvalidManagerConfig, match="sparse retention"):
         manager.new_kv_cache_manager(16, SPECS, 64, hash_block_size=4, retention_interval=0)
+
+
+def test_invalid_fine_align_group_with_decode_context_parallelism() -> None:
+    _rejected(SPECS, "dcp_world_size=2", dcp_world_size=2)
 
 
 def test_invalid_fine_hit_of_negative_length() -> None:

@@ -858,11 +858,11 @@ def mamba_align_scope(factory: VllmManagerFactory | None = None) -> ManagerTarge
 
 def mamba_fine_scope(factory: VllmManagerFactory | None = None) -> ManagerTargetSpec:
     """Where hits inside a Mamba "align" block are compared (``kvpool.model.mamba_fine``):
-    full attention of one hash block beside a Mamba block of two to four hash blocks, caching
-    on and off, events on and off, the scheduler's further calls (the connector's per-group
-    lookup, the copies, the producer's partial tail among them). Not in ``VLLM_SCOPE``: the
-    machine drives it with the scheduler's chunks (stopping at the prompt's partial boundary)
-    and no drafts."""
+    full attention of one or two hash blocks beside a Mamba block of two to four hash
+    blocks, caching on (off: blocks of one hash block), events on and off, the scheduler's
+    further calls (the connector's per-group lookup, the copies, the producer's partial tail
+    among them). Not in ``VLLM_SCOPE``: the machine drives it with the scheduler's chunks
+    (stopping at the prompt's partial boundary) and no drafts."""
     from kvpool.model import DEFAULT_PROFILE
     from kvpool.specs.request.target import MAMBA_FINE_LAYOUTS
 
