@@ -12,10 +12,13 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
+from hypothesis import Phase, settings
+from hypothesis.stateful import run_state_machine_as_test
 
 import kvpool.model.mamba_fine as fine
 import kvpool.model.manager as manager
 import kvpool.model.single_type as single
+from kvpool.impl.mamba_fine import MambaFineManager
 from kvpool.impl.manager import KVCacheConfig, KVCacheManager
 from kvpool.model.errors import InvalidManagerConfig, InvalidTokenCount, UnknownGroup
 from kvpool.model.pool import new_pool
@@ -28,6 +31,8 @@ from kvpool.model.single_type import (
     sliding_window,
 )
 from kvpool.specs.request.check import run_request_conformance
+from kvpool.specs.request.invariants import RequestInvariantViolation
+from kvpool.specs.request.machine import manager_machine
 from kvpool.specs.request.model_target import ModelManagerTarget
 from kvpool.specs.request.target import MAMBA_FINE_LAYOUTS, ManagerSetup, ManagerTargetSpec
 from kvpool.specs.targets.impl.request import ImplManagerTarget
@@ -229,3 +234,52 @@ def test_the_connector_lookup_hits_inside_the_block_as_vllm() -> None:
         answers.append(target.get_computed_blocks_for_connector(b))
     assert answers[0] == answers[1] == answers[2]
     assert answers[0][1:] == (20, 0, False)
+
+
+# --------------------------------------------------------------------------
+# A planted bug the ground truth finds without the model
+# --------------------------------------------------------------------------
+
+
+class KeysStayOnTheProducersBlock(MambaFineManager):
+    """BUG: the producer's next step makes no copy: the boundary's key stays on the
+    producer's own block, which its forward pass overwrites with a later state."""
+
+    def allocate_with_copy(self, request_id: str, num_tokens: int, hit: Any) -> Any:
+        if hit is None and request_id in self._partial_hit_reqs:
+            del self._partial_hit_reqs[request_id]
+            self._producer_partial_tail_reqs.pop(request_id, None)
+            return self.allocate_new_blocks(request_id, num_tokens), None
+        return super().allocate_with_copy(request_id, num_tokens, hit)
+
+
+class KeysStayTarget(ImplManagerTarget):
+    class manager_class(KVCacheManager):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            for g, m in enumerate(self.managers):
+                if isinstance(m, MambaFineManager):
+                    self.managers[g] = KeysStayOnTheProducersBlock(
+                        m.kv_cache_spec, self.block_pool, g
+                    )
+
+
+def test_the_ground_truth_alone_finds_a_key_left_on_the_producers_block() -> None:
+    """No model: after the producer's next step its block holds a later state under the
+    boundary's key (or a request resumes from it)."""
+    machine = manager_machine(
+        KeysStayTarget,
+        layouts=MAMBA_FINE_LAYOUTS,
+        block_factors=(2, 3, 4),
+        lockstep=False,
+    )
+    chosen = settings(
+        settings.get_profile("ci"),
+        max_examples=1000,
+        stateful_step_count=40,
+        report_multiple_bugs=False,
+        phases=[Phase.explicit, Phase.reuse, Phase.generate],
+    )
+    with pytest.raises(RequestInvariantViolation) as info:
+        run_state_machine_as_test(machine, settings=chosen)
+    assert info.value.name in ("cached_blocks_hold_their_prefix", "hit_matches_request")
