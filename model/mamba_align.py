@@ -24,9 +24,9 @@ Every function is pure: it takes the pool, the group's ``AlignTable`` and the
 request's block list, and returns new ones. ``kvpool.model.single_type``
 calls them for a group whose spec has ``mamba_align``. What is modelled is
 vLLM 0.33.0's ``MambaManager`` with ``mamba_cache_mode == "align"`` (speculative and
-prefill checkpoint blocks: ``kvpool.model.mamba_reserve``), no sparse retention and
-hits on whole blocks only (hash block = block); the manager refuses the rest
-(``kvpool.model.manager.new_kv_cache_manager``). Source:
+prefill checkpoint blocks: ``kvpool.model.mamba_reserve``; blocks of several hash
+blocks, whose hits may end inside a block: ``kvpool.model.mamba_fine``), no sparse
+retention; the manager refuses the rest (``kvpool.model.manager.new_kv_cache_manager``). Source:
 ``vllm/v1/core/single_type_kv_cache_manager.py`` in vLLM 0.33.0
 (``MambaManager.find_longest_cache_hit``, ``get_num_blocks_to_allocate``,
 ``allocate_new_blocks``, ``remove_skipped_blocks``, ``_remove_blocks_in_range``,
@@ -350,11 +350,12 @@ def take_boundary_state_offloads(
 
 
 def finalize_partial_tail_offloads(tables: Sequence[AlignTable], request_id: str) -> tuple[()]:
-    """The producer partial tails a finishing request hands off: none in what is modelled.
+    """The producer partial tails a finishing request hands off with blocks of one hash
+    block: none.
 
     vLLM 0.33.0 records a producer tail only when a prompt boundary falls
-    inside a Mamba block (hash blocks smaller than the block), which kvpool
-    refuses; the manager's ``finalize_partial_tail_offloads`` answers this.
+    inside a Mamba block (hash blocks smaller than the block:
+    ``kvpool.model.mamba_fine.finalize``).
 
     >>> finalize_partial_tail_offloads([AlignTable()], "r")
     ()

@@ -41,9 +41,9 @@ def verify(
     another group that is not full attention, EAGLE, sparse retention,
     decode context parallelism.
 
-    >>> from kvpool.model.single_type import full_attention, mamba_align
-    >>> verify([full_attention(4), mamba_align(8)], 4, False, None, 1)
+    >>> from kvpool.model.single_type import full_attention, mamba_align, sliding_window
     >>> verify([full_attention(8), mamba_align(8)], 4, False, None, 1)
+    >>> verify([sliding_window(4, 4), mamba_align(8)], 4, False, None, 1)
     Traceback (most recent call last):
     ...
     kvpool.model.errors.InvalidManagerConfig: Mamba "align" with hits inside a block beside ...

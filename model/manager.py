@@ -242,7 +242,9 @@ def new_kv_cache_manager(
     group's block must hold a whole request (``block_size >= max_model_len``)
     unless it is in "align" mode, which needs its block to be one hash block and
     either every group's block and the scheduler block of that size too, or no
-    decode context parallelism (``verify_align_geometry``). EAGLE and multi-module MTP's
+    decode context parallelism (``verify_align_geometry``); with caching on, a block of
+    several hash blocks beside full attention only, hits then ending inside it
+    (``kvpool.model.mamba_fine_config``). EAGLE and multi-module MTP's
     ``num_prefill_lookahead`` as ``kvpool.model.eagle.verify_eagle_config``
     allows; ``eagle_groups`` flags the groups EAGLE runs on (none: every group;
     ``kvpool.model.eagle.group_flags``). ``fine_grained_hits`` asks for hits
@@ -357,9 +359,8 @@ def verify_align_geometry(
     (``HybridKVCacheCoordinator._cache_hit_alignment_tokens``) and a Mamba block never
     holds a hit's end inside it: ``kvpool.model.mamba_align`` with ``find_hit``'s
     ``alignment`` is the whole of it. Refused: Mamba blocks of several hash blocks beside
-    other sizes (hits inside a Mamba block, copy-on-write of its state and producer
-    tails; ``MambaManager`` in ``vllm/v1/core/single_type_kv_cache_manager.py``).
-    docs/limits.md.
+    other sizes with caching off (with caching on ``kvpool.model.mamba_fine_config``
+    decides instead, and this is not called). docs/limits.md.
 
     >>> from kvpool.model.single_type import full_attention, mamba_align
     >>> verify_align_geometry([full_attention(4), mamba_align(4)], 4)

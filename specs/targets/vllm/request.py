@@ -27,7 +27,8 @@ What is compared, and what is not (docs/semantics.md, "The request layer"):
   caching off, and a single group's blocks of one hash block when caching is
   on: vLLM refuses the rest (``vllm_refuses``). Mamba's "align" mode, alone
   and beside full attention or a sliding window, is compared apart
-  (``mamba_align_scope()``);
+  (``mamba_align_scope()``), and hits inside a Mamba block too
+  (``mamba_fine_scope()``);
 * ``get_computed_blocks`` returns a 3-tuple in 0.33; the protocol's
   ``get_computed_blocks`` drops the third element (the shared-prefix boundary)
   and ``get_computed_blocks_with_boundary`` compares it;
