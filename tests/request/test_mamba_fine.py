@@ -95,6 +95,16 @@ def test_invalid_copying_allocation_in_a_group_not_align() -> None:
     assert m == before
 
 
+def test_invalid_copying_allocation_for_an_unknown_request() -> None:
+    from kvpool.model.errors import UnknownRequest
+
+    m = manager.new_kv_cache_manager(16, SPECS, 64, hash_block_size=4).managers
+    before = m
+    with pytest.raises(UnknownRequest):
+        single.allocate_mamba_copy(m, 1, "nobody", 4, None)
+    assert m == before
+
+
 # --------------------------------------------------------------------------
 # The semantics, call by call
 # --------------------------------------------------------------------------
