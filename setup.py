@@ -33,6 +33,7 @@ COMPILED = [
     "geometry",
     "mamba_align",
     "mamba_reserve",
+    "mamba_fine",
     "retention",
     "external",
     "coordinator",

@@ -11,7 +11,7 @@ describes: no speculative or checkpoint blocks, hash block = block.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from mypy_extensions import mypyc_attr
@@ -49,6 +49,15 @@ class MambaAlignManager(MambaManager):
         self._pending_boundary_state_offloads: list[tuple[str, int, KVCacheBlock, int]] = []
         self.hybrid = False
         """One of several groups (the manager sets it): caching rounds to whole blocks."""
+        self.fine = False
+        """Whether hits may end inside a block (``kvpool.impl.mamba_fine.MambaFineManager``)."""
+
+    def find_fine_hit(
+        self, block_hashes: Sequence[bytes], max_length: int, kv_cache_group_ids: Sequence[int]
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        """The hit and its tokens where hits may end inside a block: only a
+        ``MambaFineManager`` searches so; this one refuses."""
+        raise NotImplementedError("hits inside a block need a MambaFineManager")
 
     @classmethod
     def find_longest_cache_hit(
@@ -253,23 +262,37 @@ def per_group_lookup(
     scheduler_block_size: int,
     block_hashes: Sequence[bytes],
     max_length: int,
+    extend: Callable[
+        [tuple[list[KVCacheBlock], ...], Sequence[bytes], int, Sequence[int], KVCacheSpec], int
+    ]
+    | None = None,
 ) -> tuple[tuple[list[KVCacheBlock], ...], int, bool] | None:
     """vLLM 0.33.0's connector lookup beside a Mamba "align" group: every group searched on
     its own (same-spec groups together, hits on scheduler blocks); None when some group hit
     deeper than the first full-attention group (the plain lookup answers then); otherwise
     each group's own blocks, full attention's length and whether some group lags behind it.
     The caller checks that caching is on and that there are an "align" group and a
-    full-attention one (``kvpool.model.per_group_hit``)."""
+    full-attention one (``kvpool.model.per_group_hit``). Where hits may end inside a Mamba
+    block, ``scheduler_block_size`` is 0 and ``extend`` extends a full-attention hit into
+    its next block (the manager's)."""
     hits: list[list[KVCacheBlock]] = [[] for _ in managers]
     lengths = [0] * len(managers)
     for spec, ids in kinds:
-        cls = type(managers[ids[0]])
-        found = cls.find_longest_cache_hit(
-            block_hashes, max_length, ids, block_pool, spec, False, scheduler_block_size
-        )
+        first = managers[ids[0]]
+        if isinstance(first, MambaAlignManager) and first.fine:
+            # hits inside a Mamba block (kvpool.impl.mamba_fine): on hash blocks
+            found, length = first.find_fine_hit(block_hashes, max_length, ids)
+        else:
+            found = type(first).find_longest_cache_hit(
+                block_hashes, max_length, ids, block_pool, spec, False, scheduler_block_size
+            )
+            length = len(found[0]) * spec.block_size
+            if extend is not None:
+                # fine-grained: a full-attention hit may end inside its next block
+                length = extend(found, block_hashes, max_length, ids, spec)
         for g, blocks in zip(ids, found, strict=True):
             hits[g] = blocks
-            lengths[g] = len(found[0]) * spec.block_size
+            lengths[g] = length
     full = 0
     while managers[full].kv_cache_spec.attention is not AttentionType.FULL:
         full += 1

@@ -35,6 +35,7 @@ from kvpool.impl.mamba_align import (
     per_group_lookup,
     take_boundary_state_offloads,
 )
+from kvpool.impl.mamba_fine import MambaFineManager, check_fine_config, fine_hits_on
 from kvpool.impl.mamba_reserve import (
     MambaReservingManager,
     admission_blocks,
@@ -225,16 +226,19 @@ class KVCacheManager:
                 raise InvalidManagerConfig(
                     f"a Mamba block of {spec.block_size} tokens cannot hold {max_model_len} tokens"
                 )
-        # Verify that Mamba "align" hits, if any, end on whole blocks (hash block = block)
-        for spec in specs:
-            if enable_caching and spec.mamba_align and hbs != spec.block_size:
-                raise InvalidManagerConfig(
-                    f'Mamba "align" with hash blocks of {hbs} tokens in blocks of '
-                    f"{spec.block_size} (hits inside a block) is not modelled"
-                )
         # Verify that EAGLE does not run beside a Mamba "align" group (not modelled)
         if use_eagle and any(s.mamba_align for s in specs):
             raise InvalidManagerConfig('EAGLE beside a Mamba "align" group is not modelled')
+        # Verify that hits inside a Mamba "align" block come in a configuration kvpool models
+        fine_mamba = fine_hits_on(specs, hbs, enable_caching)
+        if fine_mamba:
+            check_fine_config(
+                specs,
+                hbs,
+                use_eagle,
+                getattr(kv_cache_config, "prefix_cache_retention_interval", None),
+                dcp_world_size,
+            )
         try:
             self.block_pool = BlockPool(
                 kv_cache_config.num_blocks,
@@ -271,7 +275,8 @@ class KVCacheManager:
         geometry.check_scheduler_block_size(specs, hbs, scheduler)
         # Verify that a Mamba "align" group's block is every group's and the scheduler's, or
         # one hash block beside larger blocks without decode context parallelism
-        geometry.check_align_geometry(specs, scheduler, hbs, dcp_world_size)
+        if not fine_mamba:
+            geometry.check_align_geometry(specs, scheduler, hbs, dcp_world_size)
         # Verify that the retention interval is one vLLM 0.33 takes for these groups
         retention = getattr(kv_cache_config, "prefix_cache_retention_interval", None)
         check_retention(retention, specs, scheduler)
@@ -329,7 +334,9 @@ class KVCacheManager:
         self.log_stats = log_stats
         self.prefix_cache_stats: PrefixCacheStats | None = PrefixCacheStats() if log_stats else None
         self.managers: list[SingleTypeKVCacheManager] = [
-            _align_manager(spec, self.block_pool, g)
+            MambaFineManager(spec, self.block_pool, g)
+            if fine_mamba and spec.mamba_align
+            else _align_manager(spec, self.block_pool, g)
             if spec.mamba_align
             else get_manager_for_kv_cache_spec(spec, self.block_pool, g)
             for g, spec in enumerate(specs)
@@ -348,7 +355,8 @@ class KVCacheManager:
             manager.pcp_world_size = pcp_world_size if sharded_group else 1
         self.num_kv_cache_groups = len(specs)
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in specs))
-        self.fine_grained_hits = (
+        self._fine_mamba = fine_mamba
+        self.fine_grained_hits = fine_mamba or (
             bool(fine_grained_hits)
             and not use_eagle
             and all(s.attention is AttentionType.FULL and s.block_size > hbs for s in specs)
@@ -430,10 +438,15 @@ class KVCacheManager:
                 if drop and spec.attention is not AttentionType.MAMBA:
                     # peek one block past the candidate, then drop back to it
                     reach = min(candidate + spec.block_size, num_hashed)
-                found = cls.find_longest_cache_hit(
-                    block_hashes, reach, ids, self.block_pool, spec, drop, alignment
-                )
-                found_length = self._extend(found, block_hashes, reach, ids, spec)
+                first = managers[ids[0]]
+                if isinstance(first, MambaFineManager):
+                    # hits inside a Mamba block (kvpool.impl.mamba_fine)
+                    found, found_length = first.find_fine_hit(block_hashes, reach, ids)
+                else:
+                    found = cls.find_longest_cache_hit(
+                        block_hashes, reach, ids, self.block_pool, spec, drop, alignment
+                    )
+                    found_length = self._extend(found, block_hashes, reach, ids, spec)
                 if drop:
                     verified.add(k)
                 elif found_length < candidate:
@@ -699,6 +712,15 @@ class KVCacheManager:
         new_blocks: list[list[KVCacheBlock]] = []
         for g, manager in enumerate(managers):
             copied: list[KVCacheBlock] = []
+            if isinstance(manager, MambaFineManager):
+                # the group copies a state a hit ends inside, or one the request keyed inside
+                # a block, itself (kvpool.impl.mamba_fine)
+                hit = (num_computed // manager.block_size, hits[g][-1]) if partial[g] else None
+                new, copy = manager.allocate_with_copy(rid, slots[g], hit)
+                if copy is not None:
+                    self.pending_copies.append(copy)
+                new_blocks.append(new)
+                continue
             if partial[g]:
                 copied.append(self._copy_on_write(manager, rid, num_computed, hits[g][-1]))
             new = manager.allocate_new_blocks(rid, slots[g])
@@ -770,6 +792,8 @@ class KVCacheManager:
                 # counted as an allocation of the whole sequence would be, capped like one
                 start = num_computed if num_computed < self.max_model_len else self.max_model_len
                 needed += admission_blocks(manager, rid, num_tokens, hits[g], start)
+                # a hit ending inside a block takes its copy too (kvpool.impl.mamba_fine)
+                needed += int(partial[g])
                 continue
             required = _cdiv(num_tokens, manager.block_size)
             cap = self._admission_caps[g]
@@ -1078,9 +1102,12 @@ class KVCacheManager:
                 self.managers,
                 self._kinds,
                 self.block_pool,
-                self.scheduler_block_size,
+                # where hits may end inside a Mamba block: on hash blocks, full attention's
+                # extended into its next block
+                0 if self._fine_mamba else self.scheduler_block_size,
                 request.block_hashes,
                 request.num_tokens - 1,
+                self._extend if self._fine_mamba else None,
             )
             if found is not None:
                 hits, num_local, diverged = found
@@ -1123,10 +1150,20 @@ class KVCacheManager:
 
     def finalize_partial_tail_offloads(self, request: Any) -> list[tuple[int, int, int]]:
         """A finished request's partial-tail Mamba "align" states safe to offload: only a
-        prompt boundary inside a Mamba block makes one, which kvpool refuses."""
+        prompt boundary inside a Mamba block makes one (``kvpool.impl.mamba_fine``)."""
         # Verify that the request has an id
         _verify_request_id(getattr(request, "request_id", None))
-        return []
+        found: list[tuple[int, int, int]] = []
+        for manager in self.managers:
+            if isinstance(manager, MambaFineManager):
+                tail = manager.finalize_partial_tail_offload(
+                    request.request_id,
+                    request.num_computed_tokens,
+                    getattr(request, "num_in_flight_tokens", 0),
+                )
+                if tail is not None:
+                    found.append((tail[0], tail[1].block_id, tail[2]))
+        return found
 
     # ------------------------------------------------------------------
     # Queries

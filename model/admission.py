@@ -20,7 +20,7 @@ in ``vllm/v1/kv_cache_interface.py``, all vLLM 0.33.0; docs/semantics.md.
 
 from collections.abc import Sequence
 
-import kvpool.model.mamba_align as mamba_align
+import kvpool.model.mamba_fine as mamba_fine
 import kvpool.model.mamba_reserve as reserve
 from kvpool.model.pool import get_num_free_blocks
 from kvpool.model.single_type import AttentionType, KVCacheSpec, ManagersState
@@ -107,9 +107,11 @@ def full_sequence_fits(
             # at most one state block, as for a chunk: vLLM 0.33.0's MambaManager counts the
             # whole sequence as it counts a chunk (get_num_blocks_to_allocate, align mode)
             states = table.req_to_blocks.get(request_id, ())
-            needed += mamba_align.num_blocks_to_allocate(
-                m.pool, table.align, spec.block_size, states, num_tokens, hits[g]
+            needed += mamba_fine.num_blocks_to_allocate(
+                m.pool, table.align, spec.block_size, request_id, states, num_tokens, hits[g]
             )
+            # a hit ending inside a block takes its copy too (kvpool.model.mamba_fine)
+            needed += int(partial[g])
             continue
         required = _cdiv(num_tokens, spec.block_size)
         cap = max_admission_blocks(spec, max_in_flight_tokens, max_model_len)

@@ -15,9 +15,10 @@ each end of a copy held meanwhile.
 vLLM turns the lookup on only in a hybrid coordinator with a Mamba
 "align" group (vllm/v1/core/kv_cache_utils.py, ``partial_hash_hits_enabled``,
 vLLM 0.33.0), and off again when any prefix-cacheable group's manager
-needs block-aligned lookups (vllm#51843). kvpool models no Mamba "align"
-group, so the lookup is a switch of the manager; the rule of vllm#51843
-is kept: every group must be full attention (``fine_grained_hits_enabled``).
+needs block-aligned lookups (vllm#51843). Beside a Mamba "align" group of
+several hash blocks kvpool turns it on as vLLM does (``kvpool.model.mamba_fine_config``);
+elsewhere the lookup is a switch of the manager, with the rule of vllm#51843
+kept: every group must be full attention (``fine_grained_hits_enabled``).
 docs/semantics.md, "Fine-grained hits and copy-on-write", records the
 decisions.
 """

@@ -24,9 +24,9 @@ Every function is pure: it takes the pool, the group's ``AlignTable`` and the
 request's block list, and returns new ones. ``kvpool.model.single_type``
 calls them for a group whose spec has ``mamba_align``. What is modelled is
 vLLM 0.33.0's ``MambaManager`` with ``mamba_cache_mode == "align"`` (speculative and
-prefill checkpoint blocks: ``kvpool.model.mamba_reserve``), no sparse retention and
-hits on whole blocks only (hash block = block); the manager refuses the rest
-(``kvpool.model.manager.new_kv_cache_manager``). Source:
+prefill checkpoint blocks: ``kvpool.model.mamba_reserve``; blocks of several hash
+blocks, whose hits may end inside a block: ``kvpool.model.mamba_fine``), no sparse
+retention; the manager refuses the rest (``kvpool.model.manager.new_kv_cache_manager``). Source:
 ``vllm/v1/core/single_type_kv_cache_manager.py`` in vLLM 0.33.0
 (``MambaManager.find_longest_cache_hit``, ``get_num_blocks_to_allocate``,
 ``allocate_new_blocks``, ``remove_skipped_blocks``, ``_remove_blocks_in_range``,
@@ -66,6 +66,12 @@ class AlignTable:
     checkpoints: Mapping[str, tuple[int, int]] = field(default_factory=dict)
     """Request to its prefill checkpoint (tokens, block index) as the latest count recorded
     it (vLLM's ``_checkpoints``; ``kvpool.model.mamba_reserve``)."""
+    partial_hits: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    """Request to (block index, source block) of a state it keyed inside a block and must copy
+    at its next allocation (vLLM's ``_partial_hit_reqs``; ``kvpool.model.mamba_fine``)."""
+    producer_tails: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    """Request to (source block, boundary tokens) of that state, offered once copied
+    (``_producer_partial_tail_reqs``; ``kvpool.model.mamba_fine``)."""
 
 
 def find_hit(
@@ -268,7 +274,7 @@ def cache_prompt_boundary(
     >>> req = CacheRequest((b"a", b"ab"))
     >>> cache_prompt_boundary(new_pool(4), AlignTable(), 0, 2, req, 5, (0, 0), 3)[1]
     AlignTable(last_state={}, retired={}, allocated=frozenset(), cached_this_step=frozenset(), \
-offloads=(), checkpoints={})
+offloads=(), checkpoints={}, partial_hits={}, producer_tails={})
     """
     boundary = (num_prompt_tokens - 1) // block_size * block_size
     index = num_tokens // block_size - 1
@@ -297,6 +303,8 @@ def forget(table: AlignTable, request_id: str) -> AlignTable:
         allocated=table.allocated - {request_id},
         offloads=tuple(o for o in table.offloads if o[0] != request_id),
         checkpoints={r: c for r, c in table.checkpoints.items() if r != request_id},
+        partial_hits={r: h for r, h in table.partial_hits.items() if r != request_id},
+        producer_tails={r: t for r, t in table.producer_tails.items() if r != request_id},
     )
 
 
@@ -342,11 +350,12 @@ def take_boundary_state_offloads(
 
 
 def finalize_partial_tail_offloads(tables: Sequence[AlignTable], request_id: str) -> tuple[()]:
-    """The producer partial tails a finishing request hands off: none in what is modelled.
+    """The producer partial tails a finishing request hands off with blocks of one hash
+    block: none.
 
     vLLM 0.33.0 records a producer tail only when a prompt boundary falls
-    inside a Mamba block (hash blocks smaller than the block), which kvpool
-    refuses; the manager's ``finalize_partial_tail_offloads`` answers this.
+    inside a Mamba block (hash blocks smaller than the block:
+    ``kvpool.model.mamba_fine.finalize``).
 
     >>> finalize_partial_tail_offloads([AlignTable()], "r")
     ()

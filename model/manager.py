@@ -30,6 +30,8 @@ import kvpool.model.eagle as eagle_ops
 import kvpool.model.external as external
 import kvpool.model.geometry as geometry
 import kvpool.model.mamba_align as mamba_align
+import kvpool.model.mamba_fine as mamba_fine
+import kvpool.model.mamba_fine_config as fine_config
 import kvpool.model.mamba_reserve as reserve
 import kvpool.model.pool as pool_ops
 import kvpool.model.retention as retention
@@ -240,7 +242,9 @@ def new_kv_cache_manager(
     group's block must hold a whole request (``block_size >= max_model_len``)
     unless it is in "align" mode, which needs its block to be one hash block and
     either every group's block and the scheduler block of that size too, or no
-    decode context parallelism (``verify_align_geometry``). EAGLE and multi-module MTP's
+    decode context parallelism (``verify_align_geometry``); with caching on, a block of
+    several hash blocks beside full attention only, hits then ending inside it
+    (``kvpool.model.mamba_fine_config``). EAGLE and multi-module MTP's
     ``num_prefill_lookahead`` as ``kvpool.model.eagle.verify_eagle_config``
     allows; ``eagle_groups`` flags the groups EAGLE runs on (none: every group;
     ``kvpool.model.eagle.group_flags``). ``fine_grained_hits`` asks for hits
@@ -280,16 +284,13 @@ def new_kv_cache_manager(
             raise InvalidManagerConfig(
                 f"a Mamba block of {spec.block_size} tokens cannot hold {max_model_len} tokens"
             )
-    # Verify that Mamba "align" hits, if any, end on whole blocks (hash block = block)
-    for spec in specs:
-        if enable_caching and spec.mamba_align and hbs != spec.block_size:
-            raise InvalidManagerConfig(
-                f'Mamba "align" with hash blocks of {hbs} tokens in blocks of '
-                f"{spec.block_size} (hits inside a block) is not modelled"
-            )
     # Verify that EAGLE does not run beside a Mamba "align" group (not modelled)
     if use_eagle and any(s.mamba_align for s in specs):
         raise InvalidManagerConfig('EAGLE beside a Mamba "align" group is not modelled')
+    # Verify that hits inside a Mamba "align" block come in a configuration kvpool models
+    fine_mamba = fine_config.enabled(specs, hbs, enable_caching)
+    if fine_mamba:
+        fine_config.verify(specs, hbs, use_eagle, retention_interval, dcp_world_size)
     try:
         pool = pool_ops.new_pool(num_blocks, enable_caching, hbs, enable_events, profile)
     except ValueError as error:
@@ -304,7 +305,8 @@ def new_kv_cache_manager(
     geometry.verify_scheduler_block_size(specs, hbs, scheduler)
     # Verify that a Mamba "align" group's block is every group's and the scheduler's, or one
     # hash block beside larger blocks (not modelled otherwise: hits inside a Mamba block)
-    verify_align_geometry(specs, scheduler, hbs, dcp_world_size)
+    if not fine_mamba:
+        verify_align_geometry(specs, scheduler, hbs, dcp_world_size)
     # Verify that the retention interval is one vLLM 0.33 takes for these groups
     verify_retention_interval(retention_interval, specs, scheduler)
     # Verify that the groups flagged as EAGLE's exist
@@ -315,8 +317,9 @@ def new_kv_cache_manager(
     eagle_ops.verify_eagle_config(
         specs, enable_caching, use_eagle, num_prefill_lookahead, scheduler, eagle_groups
     )
-    fine = cow.fine_grained_hits_enabled(specs, hbs, fine_grained_hits, use_eagle) and (
-        len({s.block_size for s in specs}) == 1
+    fine = fine_mamba or (
+        cow.fine_grained_hits_enabled(specs, hbs, fine_grained_hits, use_eagle)
+        and len({s.block_size for s in specs}) == 1
     )
     config = ManagerConfig(
         max_model_len,
@@ -356,9 +359,8 @@ def verify_align_geometry(
     (``HybridKVCacheCoordinator._cache_hit_alignment_tokens``) and a Mamba block never
     holds a hit's end inside it: ``kvpool.model.mamba_align`` with ``find_hit``'s
     ``alignment`` is the whole of it. Refused: Mamba blocks of several hash blocks beside
-    other sizes (hits inside a Mamba block, copy-on-write of its state and producer
-    tails; ``MambaManager`` in ``vllm/v1/core/single_type_kv_cache_manager.py``).
-    docs/limits.md.
+    other sizes with caching off (with caching on ``kvpool.model.mamba_fine_config``
+    decides instead, and this is not called). docs/limits.md.
 
     >>> from kvpool.model.single_type import full_attention, mamba_align
     >>> verify_align_geometry([full_attention(4), mamba_align(4)], 4)
@@ -510,6 +512,8 @@ def _search(
 ) -> tuple[tuple[tuple[int, ...], ...], int]:
     """One attention type's hit for groups ``ids`` and its length in tokens, a multiple of
     ``alignment`` when one is given."""
+    if fine and spec.mamba_align:
+        return mamba_fine.find_hit(pool, spec.block_size, block_hashes, max_length, ids)
     found = single.find_longest_cache_hit(
         pool, spec, block_hashes, max_length, ids, eagle, alignment
     )
@@ -737,6 +741,16 @@ def allocate_slots(
     zero = state.new_block_ids
     for g in groups:
         copied: tuple[int, ...] = ()
+        if state.config.fine_grained_hits and m.specs[g].mamba_align:
+            # a Mamba state a hit ends inside, or one the request keyed inside a block, is
+            # copied by the group itself (kvpool.model.mamba_fine.allocate)
+            index = num_computed // m.specs[g].block_size
+            hit = (index, hits[g][-1]) if partial[g] else None
+            m, new, copy = single.allocate_mamba_copy(m, g, rid, slots[g], hit)
+            if copy is not None:
+                copies = (*copies, copy)
+            new_blocks.append(new)
+            continue
         if partial[g]:
             m, destination = _copy_on_write(m, g, rid, num_computed // m.specs[g].block_size)
             copies = (*copies, (hits[g][-1], destination))

@@ -11,8 +11,8 @@ scheduler asks ``get_computed_blocks`` again. A group running past full
 attention means full attention lost blocks, and the plain lookup answers.
 
 Every group searches up to ``num_tokens - 1`` tokens with hits on multiples
-of the scheduler block size (no fine-grained hits beside an "align" group
-kvpool models), groups of one spec together. The answer: each group's own
+of the scheduler block size, or of the hash block where hits may end inside a
+Mamba block (``kvpool.model.mamba_fine``), groups of one spec together. The answer: each group's own
 blocks, untrimmed; full attention's length (the first full-attention
 group's); a shared-prefix boundary of 0; and whether the shortest hit is
 shorter. Stats record full attention's length, as for the plain lookup.
@@ -27,6 +27,8 @@ Sources: ``KVCacheManager.get_computed_blocks_for_connector`` in
 
 from dataclasses import replace
 
+import kvpool.model.copy_on_write as cow
+import kvpool.model.mamba_fine as mamba_fine
 import kvpool.model.single_type as single
 from kvpool.model.manager import Blocks, KVCacheManagerState, record
 from kvpool.model.request import Request, verify_hash_block_size
@@ -83,7 +85,13 @@ def per_group_hit(
     empty: Blocks = tuple(() for _ in specs)
     if request.skip_reading_prefix_cache:
         return state, (empty, 0, 0, False)
-    alignment = state.config.scheduler_block_size or specs[0].block_size
+    fine = state.config.fine_grained_hits
+    # with hits inside a Mamba block (kvpool.model.mamba_fine) hits end on hash blocks
+    alignment = (
+        m.pool.config.hash_block_size
+        if fine
+        else state.config.scheduler_block_size or specs[0].block_size
+    )
     max_length = request.num_tokens - 1
     kinds: list[tuple[KVCacheSpec, list[int]]] = []
     for g, spec in enumerate(specs):
@@ -96,12 +104,26 @@ def per_group_hit(
     hits: dict[int, tuple[int, ...]] = {}
     lengths: dict[int, int] = {}
     for spec, ids in kinds:
-        found = single.find_longest_cache_hit(
-            m.pool, spec, request.block_hashes, max_length, ids, False, alignment
-        )
+        if fine and spec.mamba_align:
+            found, length = mamba_fine.find_hit(
+                m.pool, spec.block_size, request.block_hashes, max_length, ids
+            )
+        elif fine and spec.attention is AttentionType.FULL:
+            # whole blocks, then into the next block at its highest cached hash boundary
+            found = single.find_longest_cache_hit(
+                m.pool, spec, request.block_hashes, max_length, ids
+            )
+            found, length = cow.extend_into_partial_block(
+                m.pool, spec, request.block_hashes, max_length, ids, found
+            )
+        else:
+            found = single.find_longest_cache_hit(
+                m.pool, spec, request.block_hashes, max_length, ids, False, alignment
+            )
+            length = len(found[0]) * spec.block_size
         for g, blocks in zip(ids, found, strict=True):
             hits[g] = blocks
-            lengths[g] = len(found[0]) * spec.block_size
+            lengths[g] = length
     full = next(g for g, s in enumerate(specs) if s.attention is AttentionType.FULL)
     num_local = lengths[full]
     if any(length > num_local for length in lengths.values()):

@@ -27,6 +27,7 @@ request layer".
 from dataclasses import replace
 
 import kvpool.model.mamba_align as mamba_align
+import kvpool.model.mamba_fine as mamba_fine
 import kvpool.model.per_group_hit as per_group_hit
 import kvpool.model.single_type as single
 from kvpool.model.errors import InvalidTokenCount
@@ -280,6 +281,14 @@ def _partial_tail(
 ) -> tuple[KVCacheManagerState, tuple[int, int, int] | None]:
     """The group's producer partial tail of the request, consumed, if no later token was
     forwarded (vLLM 0.33.0 ``finalize_partial_tail_offload``). Only a Mamba "align" group
-    whose prompt boundary falls inside a block has one, which kvpool refuses
-    (``kvpool.model.mamba_align.finalize_partial_tail_offloads``): None for every group."""
-    return state, None
+    whose prompt boundary fell inside a block has one (``kvpool.model.mamba_fine.finalize``);
+    the model schedules nothing ahead, so no token is in flight."""
+    m = state.managers
+    table = m.tables[group]
+    align, tail = mamba_fine.finalize(
+        table.align, group, request.request_id, request.num_computed_tokens, 0
+    )
+    if align is table.align:
+        return state, tail
+    tables = (*m.tables[:group], replace(table, align=align), *m.tables[group + 1 :])
+    return replace(state, managers=replace(m, tables=tables)), tail

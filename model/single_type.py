@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 
 import kvpool.model.mamba_align as align_mode
+import kvpool.model.mamba_fine as fine
 import kvpool.model.mamba_reserve as reserve
 from kvpool.model.alignment import aligned_length, ends_aligned, sliding_window_cache_mask
 from kvpool.model.errors import (
@@ -374,8 +375,15 @@ def get_num_blocks_to_allocate(
         )
     if spec.mamba_align:
         held_blocks = table.req_to_blocks.get(request_id, ())
-        return align_mode.num_blocks_to_allocate(
-            state.pool, table.align, spec.block_size, held_blocks, num_tokens, new_computed_blocks
+        # a pending producer copy (hits inside a block) takes its block too
+        return fine.num_blocks_to_allocate(
+            state.pool,
+            table.align,
+            spec.block_size,
+            request_id,
+            held_blocks,
+            num_tokens,
+            new_computed_blocks,
         )
     held = len(table.req_to_blocks.get(request_id, ()))
     lacking = max(0, _cdiv(num_tokens, spec.block_size) - len(new_computed_blocks) - held)
@@ -506,6 +514,48 @@ def allocate_new_blocks(
     return _with_table(replace(state, pool=pool), group, table), new
 
 
+def allocate_mamba_copy(
+    state: ManagersState,
+    group: int,
+    request_id: str,
+    num_tokens: int,
+    hit: tuple[int, int] | None,
+) -> tuple[ManagersState, tuple[int, ...], tuple[int, int] | None]:
+    """``allocate_new_blocks`` for a Mamba "align" group whose hits may end inside a block,
+    with the state copy it makes (``kvpool.model.mamba_fine.allocate``): ``hit`` is a
+    consumer's (block index, source block) when its hit ends inside a block.
+
+    Returns the state, what the worker's table gains, and the (source,
+    destination) copy or None.
+
+    Complexity: O(positions appended + keys moved).
+
+    >>> from kvpool.model.pool import new_pool
+    >>> m = new_managers(new_pool(8, hash_block_size=2), [mamba_align(4)])
+    >>> m, _ = save_new_computed_blocks(m, 0, "r", [])
+    >>> allocate_mamba_copy(m, 0, "r", 7, None)[1:]
+    ((0, 1), None)
+    """
+    spec, table = _group(state, group)
+    # Verify that the request is in the group's tables
+    _verify_request(table, request_id)
+    # Verify that the group is a Mamba "align" group without reserved blocks
+    if not spec.mamba_align or _reserves(spec):
+        raise UnknownGroup(f'group {group} is not a Mamba "align" group without reserved blocks')
+    pool, tables, blocks, new, copy = fine.allocate(
+        state.pool,
+        table.align,
+        group,
+        spec.block_size,
+        request_id,
+        table.req_to_blocks[request_id],
+        num_tokens,
+        hit,
+    )
+    table = replace(table, align=tables, req_to_blocks={**table.req_to_blocks, request_id: blocks})
+    return _with_table(replace(state, pool=pool), group, table), new, copy
+
+
 def cache_blocks(
     state: ManagersState,
     group: int,
@@ -624,6 +674,24 @@ def cache_blocks(
             table.req_to_blocks[rid],
         )
         state = _with_table(replace(state, pool=pool), group, replace(table, align=tables))
+    elif spec.mamba_align and spec.block_size > state.pool.config.hash_block_size:
+        # hits inside a block (kvpool.model.mamba_fine): the prompt's partial boundary
+        table = state.tables[group]
+        pool, tables, cached = fine.cache_partial_tail(
+            state.pool,
+            table.align,
+            group,
+            spec.block_size,
+            cache_request(request),
+            rid,
+            request.num_prompt_tokens,
+            table.req_to_blocks[rid],
+            num_tokens,
+        )
+        table = replace(table, align=tables)
+        if cached is not None:
+            table = replace(table, num_cached_block={**table.num_cached_block, rid: cached})
+        state = _with_table(replace(state, pool=pool), group, table)
     elif spec.mamba_align:
         table = state.tables[group]
         pool, tables = align_mode.cache_prompt_boundary(

@@ -309,12 +309,15 @@ def hit_matches_request(
             if block == NULL_BLOCK_ID:
                 continue
             if _is_state(states, group):
+                # a hit may end inside a Mamba block (kvpool.model.mamba_fine): its last block
+                # holds the state after exactly the hit's tokens
+                end = (i + 1) * size if num_tokens is None else min((i + 1) * size, num_tokens)
                 actual = truth.holds(block, STATE)
-                if actual != (group, content.prefix((i + 1) * size)):
+                if actual != (group, content.prefix(end)):
                     return (
                         f"the hit for request {request.request_id} gives block {block} (group "
                         f"{group}) at index {i}, which holds the state {_describe(actual)}, not "
-                        f"that of its first {(i + 1) * size} tokens"
+                        f"that of its first {end} tokens"
                     )
                 continue
             for j in range(size):
@@ -357,6 +360,24 @@ def copy_serves_source_prefix(
         f"the copy of block {source} for request {request.request_id} (group {group}, "
         f"index {index}) runs when its slot {j} holds {_describe(actual)}, not "
         f"position {start + j}"
+    )
+
+
+def copy_serves_source_state(
+    truth: KVTruth, request: Request, source: int, num_tokens: int, group: int
+) -> Reason:
+    """When the copy of a Mamba state a hit ends inside runs, its source holds the state after
+    exactly the hit's ``num_tokens`` tokens: the copy then resumes the request there.
+
+    A source that fails was overwritten or reused while the copy waited: the request
+    resumes from another prefix's state.
+    """
+    actual = truth.holds(source, STATE)
+    if actual == (group, request_content(request).prefix(num_tokens)):
+        return None
+    return (
+        f"the copy of block {source} for request {request.request_id} (group {group}) runs "
+        f"when it holds the state {_describe(actual)}, not that of its first {num_tokens} tokens"
     )
 
 

@@ -61,6 +61,7 @@ from kvpool.specs.request.invariants import (
     cached_blocks_hold_their_prefix,
     check,
     copy_serves_source_prefix,
+    copy_serves_source_state,
     hit_matches_request,
     ref_counts_match_tables,
     request_content,
@@ -71,6 +72,7 @@ from kvpool.specs.request.invariants import (
 from kvpool.specs.request.target import (
     HYBRID_LAYOUTS,
     LAYOUTS,
+    MAMBA_FINE_LAYOUTS,
     ManagerFactory,
     ManagerSetup,
     ManagerSnapshottable,
@@ -128,6 +130,11 @@ def layout_specs(
         return (mamba(-(-max_model_len // hbs) * hbs),)
     if layout == "full+sliding_window":
         return (full_attention(block_size), sliding_window(block_size, window))
+    if layout in ("hash_full+mamba_align", "pair_full+mamba_align"):
+        # full attention of one or two hash blocks beside a Mamba block of several: hits may
+        # end inside the Mamba block and the full-attention one (kvpool.model.mamba_fine)
+        pair = layout.startswith("pair_")
+        return (full_attention(2 * hbs if pair else hbs), mamba_align(block_size))
     if layout.startswith("wide_") and layout.endswith("+mamba_align"):
         # a Mamba block of one hash block beside blocks of 2 or 4 (kvpool.model.manager's
         # verify_align_geometry): hits end on the attention group's larger blocks
@@ -264,6 +271,10 @@ def _start_rule(
     def start(self: "ManagerMachine", **drawn: Any) -> None:
         if drawn["layout"] in uncached_layouts:
             drawn["caching"] = False
+        if drawn["layout"] in MAMBA_FINE_LAYOUTS and not drawn["caching"]:
+            # blocks of two sizes beside a Mamba "align" group are modelled with caching on
+            # (kvpool.model.mamba_fine_config), and a block of one hash block otherwise
+            drawn["factor"] = 1
         if drawn["caching"] and drawn["layout"] in hash_sized_layouts:
             drawn["factor"] = 1
         self.start(**drawn, eagle_hybrids=eagle_hybrids)
@@ -278,10 +289,14 @@ def mamba_aligned_chunk(
     block_size: int,
     checkpoint_alignment: int = 0,
     hash_block_size: int = 0,
+    partial_hits: bool = False,
 ) -> int:
     """How many of ``num_new`` tokens from ``start`` vLLM 0.33's scheduler schedules when a
     Mamba "align" group is present (``Scheduler._mamba_block_aligned_split`` in
-    ``vllm/v1/core/sched/scheduler.py``, without partial hits or shared-prefix stops).
+    ``vllm/v1/core/sched/scheduler.py``, without shared-prefix stops). With ``partial_hits``
+    (hits inside a Mamba block: ``kvpool.model.mamba_fine``) a chunk also stops at the
+    prompt's partial boundary, the last hash-block boundary before its last token, when it
+    lies past the last block boundary before the request's last token.
 
     The manager caches the block of position ``(i + 1) * block_size`` once that many tokens
     are computed, as the state after them; the state is written where a chunk ends. So a
@@ -313,9 +328,14 @@ def mamba_aligned_chunk(
     )
     if end < prefill_end:
         end = end // block_size * block_size
+    last_cache_position = max((request.num_tokens - 1) // block_size * block_size, 0)
+    tail = 0
+    if partial_hits and not internal:
+        tail = (request.num_prompt_tokens - 1) // hash_block_size * hash_block_size
     stops = (
         (start // block_size + 1) * block_size if start % block_size and not internal else 0,
-        0 if internal else max((request.num_tokens - 1) // block_size * block_size, 0),
+        0 if internal else last_cache_position,
+        tail if last_cache_position < tail < request.num_prompt_tokens else 0,
     )
     end = min((stop for stop in stops if start < stop < end), default=end)
     return max(end - start, 0)
@@ -397,7 +417,7 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
             dcp, pcp = 1, 1
         hbs *= dcp
         specs = layout_specs(layout, hbs // dcp * factor, window, chunk_blocks, MAX_MODEL_LEN, hbs)
-        if not layout.startswith("wide_"):  # reserved blocks: one block size only (modelled)
+        if not layout.startswith(("wide_", "hash_")):  # reserved blocks: one block size only
             specs = reserving(specs, *reserve)
         if eagle_hybrids:
             # vLLM 0.33's chunked-local finder cannot drop EAGLE's block (kvpool.model.eagle)
@@ -449,6 +469,9 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
         align = [s for s in specs if s.mamba_align]
         self.checkpoint_alignment = align[0].prefill_checkpoint_alignment if align else 0
         """The Mamba "align" group's prefill checkpoint alignment (0: no checkpoint blocks)."""
+        self.mamba_fine = caching and any(s.block_size > hbs for s in align)
+        """Hits may end inside a Mamba block (``kvpool.model.mamba_fine``): the scheduler stops
+        a chunk at the prompt's partial boundary, and takes the state copies of each step."""
         self.model = model_manager.new_kv_cache_manager(
             num_blocks,
             specs,
@@ -560,6 +583,7 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
                 self.align_block,
                 self.checkpoint_alignment,
                 self.setup.hash_block_size,
+                self.mamba_fine,
             )
             if num_new == 0:
                 return  # the scheduler does not schedule a chunk that would end mid-block
@@ -601,7 +625,7 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
         self.waiting.remove(rid)
         self.running.append(rid)
         request = with_computed(request, num_hit)
-        if self.setup.fine_grained_hits:
+        if self.setup.fine_grained_hits or self.mamba_fine:
             # the scheduler takes the step's copies; the GPU runs them before the forward pass
             self._take_copies(request, num_hit, hit)
         self._compute(request, num_new, ())
@@ -625,7 +649,15 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
         for source, destination in copies:
             for group, blocks in enumerate(hit or ()):
                 size = self.block_sizes[group]
-                if blocks and blocks[-1] == source and num_hit % size:
+                if blocks and blocks[-1] == source and num_hit % size and self.states[group]:
+                    # a Mamba state a hit ends inside is that of the hit's tokens
+                    check(
+                        (
+                            "copy_serves_source_state",
+                            copy_serves_source_state(self.truth, request, source, num_hit, group),
+                        )
+                    )
+                elif blocks and blocks[-1] == source and num_hit % size:
                     check(
                         (
                             "copy_serves_source_prefix",
@@ -759,6 +791,7 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
                 self.align_block,
                 self.checkpoint_alignment,
                 self.setup.hash_block_size,
+                self.mamba_fine,
             )
             if num_real == 0:
                 return  # the scheduler does not schedule a chunk that would end mid-block
@@ -779,8 +812,13 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
             lambda s: model_manager.allocate_slots(s, request, num_new, 0, None, lookahead),
             lambda t: _blocks_or_none(t.allocate_slots(request, num_new, 0, None, lookahead)),
         )
-        if allocated is not None:
-            self._compute(request, num_new, draft, accept, bonus)
+        if allocated is None:
+            return
+        if self.mamba_fine:
+            # a producer's next step copies the state it keyed inside a block before the
+            # forward pass overwrites it (kvpool.model.mamba_fine)
+            self._take_copies(request, 0, None)
+        self._compute(request, num_new, draft, accept, bonus)
 
     @precondition(lambda self: bool(self.running or self.waiting))
     @rule(which=st.integers(0, 9), preempt=st.booleans())

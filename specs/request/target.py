@@ -84,6 +84,11 @@ MAMBA_ALIGN_LAYOUTS = ("mamba_align", "full+mamba_align", "sliding_window+mamba_
 attention or a sliding window. Drawn only for targets whose scope lists them (blocks of
 one hash block when caching is on): not every target has the mode."""
 
+MAMBA_FINE_LAYOUTS = ("hash_full+mamba_align", "pair_full+mamba_align")
+"""Full attention of one or two hash blocks beside a Mamba "align" block of several: with
+caching on hits may end inside the Mamba block (``kvpool.model.mamba_fine``). Drawn only where
+a scope lists them, with blocks of two or more hash blocks."""
+
 MAMBA_ALIGN_GEOMETRY_LAYOUTS = ("wide_full+mamba_align", "wide_sliding_window+mamba_align")
 """Mamba "align" blocks of one hash block beside full attention or a sliding window of
 blocks two or four times larger (the scheduler block): hits end on the larger blocks

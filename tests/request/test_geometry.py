@@ -242,9 +242,13 @@ def test_invalid_pcp_on_a_sharded_sliding_window() -> None:
 
 
 def test_invalid_mamba_align_beside_another_block_size() -> None:
-    """Mamba "align" of several hash blocks beside blocks of other sizes (hits inside a Mamba
-    block), or any size mix with decode context parallelism: not modelled, refused by name."""
-    _rejected_by_both([full_attention(4), mamba_align(8)], hash_block_size=4)
+    """Mamba "align" of several hash blocks (hits inside a Mamba block) beside anything but
+    full attention (kvpool.model.mamba_fine_config), or any size mix with decode context
+    parallelism: not modelled, refused by name."""
+    _rejected_by_both([sliding_window(8, 4), mamba_align(16)], hash_block_size=4)
+    _rejected_by_both([sliding_window(4, 4), mamba_align(8)], hash_block_size=4)
+    # with caching off there are no hits, and the geometry checks of one hash block apply
+    _rejected_by_both([full_attention(4), mamba_align(8)], hash_block_size=4, enable_caching=False)
     # decode context parallelism widens the attention group but not the (replicated) Mamba
     _rejected_by_both([full_attention(4), mamba_align(4)], dcp_world_size=2)
 
@@ -256,6 +260,14 @@ def test_invalid_mamba_align_of_several_hash_blocks_with_a_wider_scheduler_block
         enable_caching=False,
         scheduler_block_size=8,
     )
+
+
+def test_mamba_align_of_several_hash_blocks_beside_full_attention_of_one_is_accepted() -> None:
+    """kvpool.model.mamba_fine: hits may end inside the Mamba block (vLLM 0.33.0 turns
+    partial hash hits on there)."""
+    Both([full_attention(4), mamba_align(8)], hash_block_size=4)
+    Both([full_attention(4), mamba_align(12)], hash_block_size=4, scheduler_block_size=12)
+    Both([full_attention(8), mamba_align(12)], hash_block_size=4)
 
 
 def test_mamba_align_of_one_hash_block_beside_larger_blocks_is_accepted() -> None:

@@ -157,13 +157,16 @@ def test_invalid_align_mode_on_an_attention_group() -> None:
         KVCacheManager(KVCacheConfig(8, (spec,)), 64)
 
 
-def test_invalid_hash_blocks_smaller_than_the_align_block() -> None:
-    specs = [full_attention(4), mamba_align(4)]
+def test_invalid_hash_blocks_smaller_than_the_align_block_beside_a_window() -> None:
+    """Hits inside a Mamba block are modelled beside full attention only
+    (kvpool.model.mamba_fine_config; tests/request/test_mamba_fine.py)."""
+    specs = [sliding_window(4, 4), mamba_align(4)]
     with pytest.raises(InvalidManagerConfig):
         manager.new_kv_cache_manager(8, specs, 64, hash_block_size=2)
     with pytest.raises(InvalidManagerConfig):
         KVCacheManager(KVCacheConfig(8, tuple(specs)), 64, hash_block_size=2)
-    # without caching there are no hits to end inside a block
+    # beside full attention they are; without caching there are no hits to end inside a block
+    manager.new_kv_cache_manager(8, [full_attention(4), mamba_align(4)], 64, hash_block_size=2)
     manager.new_kv_cache_manager(8, specs, 64, hash_block_size=2, enable_caching=False)
 
 

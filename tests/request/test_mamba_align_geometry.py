@@ -102,13 +102,14 @@ def test_a_sliding_window_beside_a_small_mamba_block() -> None:
     assert ids_of(impl.get_computed_blocks(b)[0]) == hit
 
 
-def test_invalid_align_block_of_several_hash_blocks() -> None:
-    """Hits inside a Mamba block (vLLM's fine-grained hits) are not modelled."""
-    specs = (full_attention(4), mamba_align(8))
-    with pytest.raises(InvalidManagerConfig, match="hash blocks of 4 tokens in blocks of 8"):
-        manager.new_kv_cache_manager(16, specs, 64)
-    with pytest.raises(InvalidManagerConfig, match="hash blocks of 4 tokens in blocks of 8"):
-        KVCacheManager(KVCacheConfig(16, specs), 64)
+def test_invalid_align_block_of_several_hash_blocks_beside_a_window() -> None:
+    """Hits inside a Mamba block (vLLM's fine-grained hits) are modelled beside full attention
+    only (kvpool.model.mamba_fine_config; tests/request/test_mamba_fine.py)."""
+    specs = (sliding_window(8, 8), mamba_align(16))
+    with pytest.raises(InvalidManagerConfig, match="hits inside a block beside a sliding_window"):
+        manager.new_kv_cache_manager(16, specs, 64, hash_block_size=4)
+    with pytest.raises(InvalidManagerConfig, match="hits inside a block beside a sliding_window"):
+        KVCacheManager(KVCacheConfig(16, specs), 64, hash_block_size=4)
 
 
 def test_invalid_align_block_beside_other_sizes_without_caching_of_another_size() -> None:

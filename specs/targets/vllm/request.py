@@ -27,7 +27,8 @@ What is compared, and what is not (docs/semantics.md, "The request layer"):
   caching off, and a single group's blocks of one hash block when caching is
   on: vLLM refuses the rest (``vllm_refuses``). Mamba's "align" mode, alone
   and beside full attention or a sliding window, is compared apart
-  (``mamba_align_scope()``);
+  (``mamba_align_scope()``), and hits inside a Mamba block too
+  (``mamba_fine_scope()``);
 * ``get_computed_blocks`` returns a 3-tuple in 0.33; the protocol's
   ``get_computed_blocks`` drops the third element (the shared-prefix boundary)
   and ``get_computed_blocks_with_boundary`` compares it;
@@ -853,6 +854,27 @@ def mamba_align_scope(factory: VllmManagerFactory | None = None) -> ManagerTarge
         scheduler_calls=True,
         # bare, and with checkpoint blocks 1 or 2 blocks apart, speculative blocks, or both
         mamba_reserves=((0, 0), (0, 0), (0, 1), (0, 2), (1, 0), (2, 0), (1, 1)),
+    )
+
+
+def mamba_fine_scope(factory: VllmManagerFactory | None = None) -> ManagerTargetSpec:
+    """Where hits inside a Mamba "align" block are compared (``kvpool.model.mamba_fine``):
+    full attention of one or two hash blocks beside a Mamba block of two to four hash
+    blocks, caching on (off: blocks of one hash block), events on and off, the scheduler's
+    further calls (the connector's per-group lookup, the copies, the producer's partial tail
+    among them). Not in ``VLLM_SCOPE``: the machine drives it with the scheduler's chunks
+    (stopping at the prompt's partial boundary) and no drafts."""
+    from kvpool.model import DEFAULT_PROFILE
+    from kvpool.specs.request.target import MAMBA_FINE_LAYOUTS
+
+    return ManagerTargetSpec(
+        factory or VllmManagerFactory(),
+        layouts=MAMBA_FINE_LAYOUTS,
+        profiles=(DEFAULT_PROFILE,),
+        events=(False, True),
+        block_factors=(2, 3, 4),
+        min_window=2,
+        scheduler_calls=True,
     )
 
 
