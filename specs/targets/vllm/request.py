@@ -836,15 +836,21 @@ def mamba_align_scope(factory: VllmManagerFactory | None = None) -> ManagerTarge
     """Where vLLM's Mamba "align" mode is compared (``kvpool.model.mamba_align``): a Mamba
     group alone, beside full attention and beside a sliding window, blocks of one hash block
     when caching is on, events on and off; and a Mamba block of one hash block beside blocks
-    two or four times larger (``MAMBA_ALIGN_GEOMETRY_LAYOUTS``); the scheduler's further calls,
+    two or four times larger (``MAMBA_ALIGN_GEOMETRY_LAYOUTS``); Mamba blocks of one hash block
+    beside sharded full attention under decode context parallelism, hits on hash blocks
+    (``MAMBA_ALIGN_DCP_LAYOUTS``, ``kvpool.model.align_dcp``); the scheduler's further calls,
     the connector's per-group lookup among them. Not in ``VLLM_SCOPE``: the machine drives
     these layouts with the scheduler's block-aligned chunks and no drafts."""
     from kvpool.model import DEFAULT_PROFILE
-    from kvpool.specs.request.target import MAMBA_ALIGN_GEOMETRY_LAYOUTS, MAMBA_ALIGN_LAYOUTS
+    from kvpool.specs.request.target import (
+        MAMBA_ALIGN_DCP_LAYOUTS,
+        MAMBA_ALIGN_GEOMETRY_LAYOUTS,
+        MAMBA_ALIGN_LAYOUTS,
+    )
 
     return ManagerTargetSpec(
         factory or VllmManagerFactory(),
-        layouts=MAMBA_ALIGN_LAYOUTS + MAMBA_ALIGN_GEOMETRY_LAYOUTS,
+        layouts=MAMBA_ALIGN_LAYOUTS + MAMBA_ALIGN_GEOMETRY_LAYOUTS + MAMBA_ALIGN_DCP_LAYOUTS,
         profiles=(DEFAULT_PROFILE,),
         events=(False, True),
         block_factors=(1, 2),
@@ -854,6 +860,9 @@ def mamba_align_scope(factory: VllmManagerFactory | None = None) -> ManagerTarge
         scheduler_calls=True,
         # bare, and with checkpoint blocks 1 or 2 blocks apart, speculative blocks, or both
         mamba_reserves=((0, 0), (0, 0), (0, 1), (0, 2), (1, 0), (2, 0), (1, 1)),
+        # decode world sizes for MAMBA_ALIGN_DCP_LAYOUTS (at least 2 there; the other
+        # layouts have a Mamba group and run without context parallelism)
+        context_parallel=((2, 1), (4, 1)),
     )
 
 
