@@ -179,10 +179,12 @@ def test_a_hit_ends_inside_a_sharded_block_model_and_impl() -> None:
 
 
 @pytest.mark.usefixtures("require_vllm_manager")
-def test_a_hit_ends_inside_a_sharded_block_as_vllm() -> None:
+@pytest.mark.parametrize("specs", [SPECS, (REPLICATED, full_attention(4), mamba_align(4))])
+def test_a_hit_ends_inside_a_sharded_block_as_vllm(specs: tuple[KVCacheSpec, ...]) -> None:
+    """Also with the replicated group first: the adapter builds only that group unsharded."""
     from kvpool.specs.targets.vllm.request import VllmManagerTarget
 
-    setup = ManagerSetup(32, SPECS, 64, 4, dcp_world_size=2)
+    setup = ManagerSetup(32, specs, 64, 4, dcp_world_size=2)
     model = _hit_inside_a_sharded_block(ModelManagerTarget(setup))
     assert _hit_inside_a_sharded_block(VllmManagerTarget(setup)) == model
 

@@ -220,13 +220,14 @@ class VllmManagerTarget(SchedulerCalls):
                     f"{HASHER_ENV}=kvpool to check its manager with kvpool's hashes"
                 )
             self._requests = VllmRequests(found, self._status)
-        shape: dict[str, Any] = {"num_kv_heads": 1, "head_size": 8, "dtype": torch.float32}
+        common_shape: dict[str, Any] = {"num_kv_heads": 1, "head_size": 8, "dtype": torch.float32}
         groups = []
         for g, spec in enumerate(specs):
             vllm_spec: Any
+            shape = common_shape
             if not spec.dcp_sharded and spec.attention is not AttentionType.MAMBA:
-                # a replicated attention group (vLLM's default is sharded)
-                shape = {**shape, "dcp_sharded": False}
+                # a replicated attention group (vLLM's default is sharded); this group only
+                shape = {**common_shape, "dcp_sharded": False}
             if spec.attention is AttentionType.SLIDING_WINDOW:
                 vllm_spec = interface.SlidingWindowSpec(
                     block_size=spec.block_size, sliding_window=spec.sliding_window, **shape
