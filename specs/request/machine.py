@@ -140,8 +140,10 @@ def layout_specs(
         # a sharded full-attention group (its blocks times the decode world size), maybe a
         # replicated one of one hash block, and Mamba blocks of one hash block, never sharded
         # (kvpool.model.align_dcp)
-        replicated = (replace(full_attention(hbs), dcp_sharded=False),)
-        middle = replicated if layout == "dcp_full+full+mamba_align" else ()
+        replicated = replace(full_attention(hbs), dcp_sharded=False)
+        if layout == "full+dcp_full+mamba_align":
+            return (replicated, full_attention(block_size), mamba_align(hbs))
+        middle = (replicated,) if layout == "dcp_full+full+mamba_align" else ()
         return (full_attention(block_size), *middle, mamba_align(hbs))
     if layout.startswith("wide_") and layout.endswith("+mamba_align"):
         # a Mamba block of one hash block beside blocks of 2 or 4 (kvpool.model.manager's
@@ -437,8 +439,8 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
             specs = layout_specs(
                 layout, hbs // dcp * factor, window, chunk_blocks, MAX_MODEL_LEN, hbs
             )
-        if not layout.startswith(("wide_", "hash_", "dcp_")):  # reserved: one block size only
-            specs = reserving(specs, *reserve)
+        if not layout.startswith(("wide_", "hash_")) and layout not in MAMBA_ALIGN_DCP_LAYOUTS:
+            specs = reserving(specs, *reserve)  # reserved blocks: one block size only
         if eagle_hybrids:
             # vLLM 0.33's chunked-local finder cannot drop EAGLE's block (kvpool.model.eagle)
             eagle = eagle and not (caching and "chunked_local" in layout)
