@@ -37,6 +37,7 @@ COMPILED = [
     "retention",
     "external",
     "coordinator",
+    "align_dcp",
 ]
 """The modules of impl/ mypyc compiles (``__init__`` stays Python: it reports the build)."""
 
