@@ -9,6 +9,7 @@ impl's quick self-check; the official lock-step machine lives in kvpool.specs.
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -288,3 +289,42 @@ def test_impl_matches_model_step_by_step(
     pair = Pair(config)
     for _ in range(data.draw(st.integers(1, 40))):
         run_step(data, pair, groups)
+
+
+@pytest.mark.parametrize("events", [False, True])
+@pytest.mark.parametrize("group", [0, 1])
+def test_get_new_blocks_of_one_evicts_each_kind_of_cached_block_like_the_model(
+    events: bool, group: int
+) -> None:
+    """``get_new_blocks(1)`` (a decode step) evicts on its own path. Three cached blocks
+    at the front of the queue, taken one at a time: one whose key another block shares
+    (the key stays with that block), that other block, and one with a partial key beside
+    its primary key (every key goes)."""
+    config = model.PoolConfig(
+        num_blocks=5, enable_caching=True, hash_block_size=1, enable_events=events
+    )
+    pair = Pair(config)
+    request = CacheRequest(block_hashes=(b"a", b"b"), all_token_ids=(1, 2, 3))
+    pair.step(lambda s: model.get_new_blocks(s, 4), lambda p: p.get_new_blocks(4), _ids)
+    for block_id in (1, 2):  # the same key (b"a", group) on two blocks
+        pair.step(
+            lambda s, i=block_id: model.cache_full_blocks(s, request, [i], 0, 1, 1, group),
+            lambda p, i=block_id: p.cache_full_blocks(request, [p.blocks[i]], 0, 1, 1, group),
+        )
+    pair.step(
+        lambda s: model.cache_full_blocks(s, request, [4, 3], 1, 2, 1, group),
+        lambda p: p.cache_full_blocks(request, [p.blocks[4], p.blocks[3]], 1, 2, 1, group),
+    )
+    pair.step(  # block 3 is keyed at 2 tokens; a key at 1 token goes beside it
+        lambda s: model.cache_partial_block(s, request, 3, 1, group, 2),
+        lambda p: p.cache_partial_block(request, p.blocks[3], 1, group, 2),
+    )
+    pair.step(
+        lambda s: model.free_blocks(s, [1, 2, 3, 4]),
+        lambda p: p.free_blocks([p.blocks[i] for i in (1, 2, 3, 4)]),
+    )
+    for expected in (4, 1, 2, 3):  # block 4 has no key: freed to the front
+        taken = pair.step(lambda s: model.get_new_blocks(s, 1), lambda p: p.get_new_blocks(1), _ids)
+        assert taken == (expected,)
+    if events:
+        pair.step(model.take_events, lambda p: tuple(p.take_events()))
