@@ -43,11 +43,9 @@ def check_fine_config(
     if len(specs) == 1:
         raise InvalidManagerConfig(f"{where} as the only group is not a vLLM configuration")
     for spec in specs:
-        # Verify that the "align" groups reserve no blocks
-        if spec.mamba_align and (spec.num_speculative_blocks or spec.prefill_checkpoint_alignment):
-            raise InvalidManagerConfig(
-                f"{where} with speculative or prefill checkpoint blocks is not modelled"
-            )
+        # Verify that the "align" groups keep no speculative blocks (checkpoints are modelled)
+        if spec.mamba_align and spec.num_speculative_blocks:
+            raise InvalidManagerConfig(f"{where} with speculative blocks is not modelled")
         # Verify that every other group is full attention
         if not spec.mamba_align and spec.attention is not AttentionType.FULL:
             raise InvalidManagerConfig(
@@ -132,8 +130,10 @@ class MambaFineManager(MambaAlignManager):
         if running or prev:
             self.last_state_block_idx[request_id] = prev - 1
         required = -(-num_tokens // self.block_size)
-        if prev < required - 1:
-            blocks.extend([self._null_block] * (required - 1 - prev))
+        # a recorded prefill checkpoint keeps its block (kvpool.impl.mamba_fine_reserve)
+        stop = required - 1 - self._checkpoint_gap(request_id)
+        if prev < stop:
+            blocks.extend([self._null_block] * (stop - prev))
         lacking = required - len(blocks)
         fresh = self.block_pool.get_new_blocks((lacking if lacking > 0 else 0) + 1)
         destination = fresh[0]
@@ -160,6 +160,11 @@ class MambaFineManager(MambaAlignManager):
         self._allocated_block_reqs.add(request_id)
         self._partial_hit_reqs.pop(request_id, None)
         return returned, (source, destination)
+
+    def _checkpoint_gap(self, request_id: str) -> int:
+        """1 when the request keeps a prefill checkpoint's block in this allocation (a
+        subclass records them), else 0."""
+        return 0
 
     def cache_blocks(self, request: Any, num_tokens: int) -> None:
         """Cache the full positions' states; key the state at the prompt's partial boundary

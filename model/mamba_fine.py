@@ -41,6 +41,7 @@ from kvpool.model.errors import InvalidTokenCount
 from kvpool.model.mamba_align import AlignTable
 from kvpool.model.mamba_align import allocate as allocate_whole
 from kvpool.model.mamba_align import num_blocks_to_allocate as blocks_to_allocate_whole
+from kvpool.model.mamba_reserve import allocate as allocate_reserving
 from kvpool.model.pinning import move_block_hashes
 from kvpool.model.pool import (
     cache_partial_block,
@@ -148,8 +149,10 @@ def allocate(
     that block. Without one, a producer's pending copy (``table.partial_hits``)
     is taken; with neither this is ``kvpool.model.mamba_align.allocate``.
     With a copy: the previous state's position is remembered, nulls fill the
-    skipped positions, and the copy's destination is taken first, then at
-    most one block where the chunk ends. A consumer's destination replaces
+    skipped positions (but a recorded checkpoint's, ``table.checkpoints``), and the
+    copy's destination is taken first, then the checkpoint's block if recorded and at
+    most one block where the chunk ends. A recorded checkpoint without a copy is
+    ``kvpool.model.mamba_reserve.allocate``. A consumer's destination replaces
     the source in its table (and is returned first); a producer keeps writing
     into the source, so the source's keys move to the destination, which is
     offered to a connector with the boundary's tokens (if the producer's tail
@@ -167,7 +170,15 @@ def allocate(
     """
     if hit is None:
         hit = table.partial_hits.get(request_id)
+    # a recorded prefill checkpoint keeps a real block before the one the chunk ends in
+    # (kvpool.model.mamba_fine_reserve)
+    checkpoint = int(request_id in table.checkpoints)
     if hit is None:
+        if checkpoint:
+            pool, table, blocks, new = allocate_reserving(
+                pool, table, block_size, 0, request_id, blocks, num_tokens
+            )
+            return pool, table, blocks, new, None
         pool, table, blocks, new = allocate_whole(
             pool, table, block_size, request_id, blocks, num_tokens
         )
@@ -179,8 +190,8 @@ def allocate(
         last_state[request_id] = len(blocks) - 1
     required = _cdiv(num_tokens, block_size)
     row = list(blocks)
-    if len(row) < required - 1:
-        row.extend([NULL_BLOCK_ID] * (required - 1 - len(row)))
+    if len(row) < required - 1 - checkpoint:
+        row.extend([NULL_BLOCK_ID] * (required - 1 - checkpoint - len(row)))
     pool, fresh = get_new_blocks(pool, max(required - len(row), 0) + 1)
     destination, rest = fresh[0], fresh[1:]
     returned = tuple(row[len(blocks) :])
