@@ -407,12 +407,13 @@ def plan_checkpoint(
     What vLLM 0.33.0's ``MambaManager.get_num_blocks_to_allocate`` records while it
     counts (``kvpool.model.mamba_reserve.plan_checkpoint``); every group but a
     Mamba "align" group with checkpoint blocks is left as it is. ``cache_alignment``
-    is what hits are a multiple of (the scheduler block size).
+    is what hits are a multiple of (the scheduler block size); the pool's hash block when
+    caching is on and the group's block is longer (``mamba_reserve.checkpoint_alignment_of``).
 
     Complexity: O(1).
 
     >>> from kvpool.model.pool import new_pool
-    >>> m = new_managers(new_pool(8), [mamba_reserving(4, 0, 4)])
+    >>> m = new_managers(new_pool(8, hash_block_size=4), [mamba_reserving(4, 0, 4)])
     >>> dict(plan_checkpoint(m, 0, "r", 0, 8, 4)[0].tables[0].align.checkpoints)
     {'r': (4, 0)}
     """
