@@ -26,7 +26,8 @@ state where it is (``finalize``).
 
 What is modelled: no speculative blocks in the Mamba group (prefill checkpoints:
 ``kvpool.model.mamba_fine_reserve``), every other group full attention (of any
-block size), no EAGLE, no sparse retention (``kvpool.model.mamba_fine_config``). Source: vLLM 0.33.0,
+block size), no EAGLE, no sparse retention (``kvpool.model.mamba_fine_config``).
+Source: vLLM 0.33.0,
 ``MambaManager`` (``find_longest_cache_hit``, ``get_num_blocks_to_allocate``,
 ``allocate_new_blocks``, ``_cache_partial_tail_block``,
 ``finalize_partial_tail_offload``, ``pop_blocks_for_free``) in
