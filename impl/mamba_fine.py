@@ -43,9 +43,6 @@ def check_fine_config(
     if len(specs) == 1:
         raise InvalidManagerConfig(f"{where} as the only group is not a vLLM configuration")
     for spec in specs:
-        # Verify that the "align" groups keep no speculative blocks (checkpoints are modelled)
-        if spec.mamba_align and spec.num_speculative_blocks:
-            raise InvalidManagerConfig(f"{where} with speculative blocks is not modelled")
         # Verify that every other group is full attention
         if not spec.mamba_align and spec.attention is not AttentionType.FULL:
             raise InvalidManagerConfig(
@@ -78,6 +75,8 @@ class MambaFineManager(MambaAlignManager):
         self._partial_hit_reqs: dict[str, tuple[int, KVCacheBlock]] = {}
         self._producer_partial_tail_reqs: dict[str, tuple[KVCacheBlock, int]] = {}
         self.fine = True
+        # kept by kvpool.impl.mamba_fine_reserve's subclass; 0 here
+        self.num_speculative_blocks: int = kv_cache_spec.num_speculative_blocks
 
     def find_fine_hit(
         self, block_hashes: Sequence[bytes], max_length: int, kv_cache_group_ids: Sequence[int]
@@ -127,13 +126,24 @@ class MambaFineManager(MambaAlignManager):
         index, source = hit
         running = request_id in self._allocated_block_reqs
         prev = len(blocks)
-        if running or prev:
+        spec = self.num_speculative_blocks
+        if running:
+            self.last_state_block_idx[request_id] = prev - 1 - spec
+        elif prev:
             self.last_state_block_idx[request_id] = prev - 1
-        required = -(-num_tokens // self.block_size)
+        required = -(-num_tokens // self.block_size) + spec
         # a recorded prefill checkpoint keeps its block (kvpool.impl.mamba_fine_reserve)
-        stop = required - 1 - self._checkpoint_gap(request_id)
+        stop = required - spec - 1 - self._checkpoint_gap(request_id)
+        null = self._null_block
         if prev < stop:
-            blocks.extend([self._null_block] * (stop - prev))
+            blocks.extend([null] * (stop - prev))
+        if running:
+            # the old speculative blocks the chunk moved past go to the end
+            for i in range(max(prev - spec, 0), prev):
+                if i >= stop:
+                    break
+                blocks.append(blocks[i])
+                blocks[i] = null
         lacking = required - len(blocks)
         fresh = self.block_pool.get_new_blocks((lacking if lacking > 0 else 0) + 1)
         destination = fresh[0]

@@ -36,8 +36,8 @@ def _position(num_tokens: int, alignment: int, lookahead: int) -> int:
 
 @mypyc_attr(allow_interpreted_subclasses=True)
 class MambaFineReservingManager(MambaFineManager):
-    """Mamba "align" with blocks of several hash blocks and prefill checkpoint blocks (no
-    speculative blocks), vLLM 0.33.0's ``MambaManager`` with partial hits on."""
+    """Mamba "align" with blocks of several hash blocks, prefill checkpoint and speculative
+    blocks, vLLM 0.33.0's ``MambaManager`` with partial hits on."""
 
     def __init__(self, kv_cache_spec: KVCacheSpec, block_pool: Any, kv_cache_group_id: int):
         super().__init__(kv_cache_spec, block_pool, kv_cache_group_id)
@@ -57,13 +57,21 @@ class MambaFineReservingManager(MambaFineManager):
         index = _cdiv(query_end, size) - 2
         held = self.req_to_blocks.get(request_id, ())
         if (
-            query_start % hbs == 0
+            self.checkpoint_alignment > 0
+            and query_start % hbs == 0
             and index > (query_start - 1) // size
             and query_start + hbs <= position
             and query_start < position < query_end
             and (position - query_start) % self.checkpoint_alignment == 0
             and index >= 0
-            and (index >= len(held) or held[index].is_null)
+            and (
+                index >= len(held)
+                or held[index].is_null
+                or (
+                    request_id in self._allocated_block_reqs
+                    and index >= len(held) - self.num_speculative_blocks
+                )
+            )
         ):
             self._checkpoints[request_id] = (position, index)
         else:
@@ -91,7 +99,8 @@ class MambaFineReservingManager(MambaFineManager):
             if key is not None and key in self.cached_blocks_this_step:
                 return self.block_pool.num_gpu_blocks + 1
         held = self.req_to_blocks.get(request_id)
-        lacking = _cdiv(num_tokens, self.block_size) - len(new_computed_blocks)
+        spec = self.num_speculative_blocks
+        lacking = _cdiv(num_tokens, self.block_size) + spec - len(new_computed_blocks)
         if held is not None:
             lacking -= len(held)
         producer = 1 if request_id in self._partial_hit_reqs else 0
@@ -99,6 +108,8 @@ class MambaFineReservingManager(MambaFineManager):
             lacking = (lacking if lacking > 0 else 0) + 1
         if lacking > 0:
             cap = 1 + producer + self._checkpoint_gap(request_id)
+            if request_id not in self._allocated_block_reqs:
+                cap += spec
             if lacking > cap:
                 lacking = cap
         for block in new_computed_blocks:
@@ -107,18 +118,34 @@ class MambaFineReservingManager(MambaFineManager):
         return lacking
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
-        """With a recorded checkpoint: nulls over the skipped positions but the checkpoint's,
-        fresh blocks for the rest (even when the table is long enough)."""
+        """As ``kvpool.impl.mamba_reserve.MambaReservingManager``'s: nulls over the skipped
+        positions but a recorded checkpoint's, the old speculative blocks the chunk passed
+        moved to the end, fresh blocks for the rest."""
         blocks = self.req_to_blocks.get(request_id)
-        if blocks is None or request_id not in self._checkpoints:
-            return super().allocate_new_blocks(request_id, num_tokens)
-        required = _cdiv(num_tokens, self.block_size)
-        prev = len(blocks)
-        if request_id in self._allocated_block_reqs or prev > 0:
-            self.last_state_block_idx[request_id] = prev - 1
+        if blocks is None:
+            return super().allocate_new_blocks(request_id, num_tokens)  # raises UnknownRequest
+        spec = self.num_speculative_blocks
+        required = _cdiv(num_tokens, self.block_size) + spec
+        checkpoint = self._checkpoint_gap(request_id)
+        was_allocated = request_id in self._allocated_block_reqs
         self._allocated_block_reqs.add(request_id)
-        for _ in range(prev, required - 2):
-            blocks.append(self._null_block)
+        if required <= len(blocks) and not checkpoint:
+            return []
+        prev = len(blocks)
+        if was_allocated:
+            self.last_state_block_idx[request_id] = prev - 1 - spec
+        elif prev > 0:
+            self.last_state_block_idx[request_id] = prev - 1
+        stop = required - spec - 1 - checkpoint
+        null = self._null_block
+        for _ in range(prev, stop):
+            blocks.append(null)
+        if was_allocated:
+            for i in range(max(prev - spec, 0), prev):
+                if i >= stop:
+                    break
+                blocks.append(blocks[i])
+                blocks[i] = null
         if required > len(blocks):
             blocks.extend(self.block_pool.get_new_blocks(required - len(blocks)))
         return blocks[prev:]

@@ -343,7 +343,9 @@ class KVCacheManager:
         self.prefix_cache_stats: PrefixCacheStats | None = PrefixCacheStats() if log_stats else None
         self.managers: list[SingleTypeKVCacheManager] = [
             MambaFineReservingManager(spec, self.block_pool, g)
-            if fine_mamba and spec.mamba_align and spec.prefill_checkpoint_alignment
+            if fine_mamba
+            and spec.mamba_align
+            and (spec.prefill_checkpoint_alignment or spec.num_speculative_blocks)
             else MambaFineManager(spec, self.block_pool, g)
             if fine_mamba and spec.mamba_align
             else _align_manager(spec, self.block_pool, g)

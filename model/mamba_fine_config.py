@@ -53,9 +53,6 @@ def verify(
     if len(specs) == 1:
         raise InvalidManagerConfig(f"{where} as the only group is not a vLLM configuration")
     for spec in specs:
-        # Verify that the "align" groups keep no speculative blocks (checkpoints are modelled)
-        if spec.mamba_align and spec.num_speculative_blocks:
-            raise InvalidManagerConfig(f"{where} with speculative blocks is not modelled")
         # Verify that every other group is full attention
         if not spec.mamba_align and spec.attention is not AttentionType.FULL:
             raise InvalidManagerConfig(

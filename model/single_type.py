@@ -543,9 +543,9 @@ def allocate_mamba_copy(
     spec, table = _group(state, group)
     # Verify that the request is in the group's tables
     _verify_request(table, request_id)
-    # Verify that the group is a Mamba "align" group without speculative blocks
-    if not spec.mamba_align or spec.num_speculative_blocks:
-        raise UnknownGroup(f'group {group} is not a Mamba "align" group without speculative blocks')
+    # Verify that the group is a Mamba "align" group
+    if not spec.mamba_align:
+        raise UnknownGroup(f'group {group} is not a Mamba "align" group')
     pool, tables, blocks, new, copy = fine.allocate(
         state.pool,
         table.align,
@@ -555,6 +555,7 @@ def allocate_mamba_copy(
         table.req_to_blocks[request_id],
         num_tokens,
         hit,
+        spec.num_speculative_blocks,
     )
     table = replace(table, align=tables, req_to_blocks={**table.req_to_blocks, request_id: blocks})
     return _with_table(replace(state, pool=pool), group, table), new, copy

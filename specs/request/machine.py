@@ -405,7 +405,7 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
 
         ``reserve`` is a Mamba "align" group's (speculative blocks, checkpoint alignment in
         blocks) (``kvpool.model.mamba_reserve``); on ``MAMBA_FINE_LAYOUTS`` with caching on,
-        the checkpoint alignment in hash blocks, and no speculative blocks.
+        the checkpoint alignment in hash blocks.
 
         With context parallelism (``cp``: decode and prefill world sizes; full-attention
         layouts only) requests are hashed in blocks of ``hbs`` times the decode world
@@ -421,11 +421,17 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
         specs = layout_specs(layout, hbs // dcp * factor, window, chunk_blocks, MAX_MODEL_LEN, hbs)
         if not layout.startswith(("wide_", "hash_", "pair_")):  # reserved: one block size only
             specs = reserving(specs, *reserve)
-        elif layout in MAMBA_FINE_LAYOUTS and caching and factor > 1 and reserve[1]:
+        elif layout in MAMBA_FINE_LAYOUTS and caching and factor > 1 and reserve != (0, 0):
             # hits inside a Mamba block: checkpoints on hash-block boundaries, ``reserve[1]``
-            # hash blocks apart (kvpool.model.mamba_fine_reserve); no speculative blocks there
+            # hash blocks apart (kvpool.model.mamba_fine_reserve)
             specs = tuple(
-                replace(s, prefill_checkpoint_alignment=reserve[1] * hbs) if s.mamba_align else s
+                replace(
+                    s,
+                    num_speculative_blocks=reserve[0],
+                    prefill_checkpoint_alignment=reserve[1] * hbs,
+                )
+                if s.mamba_align
+                else s
                 for s in specs
             )
         if eagle_hybrids:

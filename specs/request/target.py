@@ -335,5 +335,5 @@ class ManagerTargetSpec:
     mamba_reserves: tuple[tuple[int, int], ...] = ((0, 0),)
     """The (speculative blocks, prefill checkpoint alignment in blocks) a Mamba "align"
     group is drawn with (``kvpool.model.mamba_reserve``; (0, 0): neither). On
-    ``MAMBA_FINE_LAYOUTS`` with caching on: the alignment in hash blocks, no speculative
-    blocks (``kvpool.model.mamba_fine_reserve``)."""
+    ``MAMBA_FINE_LAYOUTS`` with caching on: the alignment in hash blocks
+    (``kvpool.model.mamba_fine_reserve``)."""

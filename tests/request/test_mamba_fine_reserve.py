@@ -27,7 +27,8 @@ from kvpool.model.single_type import full_attention, mamba_reserving
 from kvpool.specs.request.check import run_request_conformance
 from kvpool.specs.request.invariants import RequestInvariantViolation
 from kvpool.specs.request.machine import manager_machine
-from kvpool.specs.request.target import MAMBA_FINE_LAYOUTS, ManagerTargetSpec
+from kvpool.specs.request.model_target import ModelManagerTarget
+from kvpool.specs.request.target import MAMBA_FINE_LAYOUTS, ManagerSetup, ManagerTargetSpec
 from kvpool.specs.targets.impl.request import ImplManagerTarget
 
 SPECS = (full_attention(4), mamba_reserving(12, 0, 4))
@@ -46,21 +47,13 @@ def _pair() -> tuple[Any, KVCacheManager]:
 # --------------------------------------------------------------------------
 
 
-def test_invalid_speculative_blocks_beside_checkpoints() -> None:
-    specs = (full_attention(4), mamba_reserving(12, 1, 4))
-    with pytest.raises(InvalidManagerConfig, match="with speculative blocks"):
-        manager.new_kv_cache_manager(16, specs, 64, hash_block_size=4)
-    with pytest.raises(InvalidManagerConfig, match="with speculative blocks"):
-        KVCacheManager(KVCacheConfig(16, specs), 64, hash_block_size=4)
-
-
-def test_invalid_copying_allocation_in_a_group_with_speculative_blocks() -> None:
+def test_invalid_copying_allocation_in_a_group_not_align() -> None:
     pool = new_pool(16, hash_block_size=4)
-    m = single.new_managers(pool, [full_attention(4), mamba_reserving(12, 1, 0)])
-    m, _ = single.save_new_computed_blocks(m, 1, "r", [])
+    m = single.new_managers(pool, [full_attention(4), mamba_reserving(12, 1, 4)])
+    m, _ = single.save_new_computed_blocks(m, 0, "r", [])
     before = m
-    with pytest.raises(UnknownGroup, match="without speculative blocks"):
-        single.allocate_mamba_copy(m, 1, "r", 4, None)
+    with pytest.raises(UnknownGroup, match='not a Mamba "align" group'):
+        single.allocate_mamba_copy(m, 0, "r", 4, None)
     assert m == before
 
 
@@ -174,6 +167,73 @@ def test_a_consumer_with_a_checkpoint_copies_and_keeps_it() -> None:
     assert kv.managers.pool.blocks[row[3]].hash_num_tokens == 48
 
 
+@pytest.mark.parametrize("reserved", [(1, 0), (1, 4), (2, 4)])
+def test_speculative_blocks_beside_the_copies_model_and_impl(reserved: tuple[int, int]) -> None:
+    """A producer's partial tail and copy, then a consumer's copy, with speculative blocks
+    (and checkpoints): the model and the impl agree call by call."""
+    from tests.request.test_mamba_fine import _producer_then_consumer
+
+    specs = (full_attention(4), mamba_reserving(12, *reserved))
+    setup = ManagerSetup(48, specs, 64, 4)
+    model_target, impl_target = ModelManagerTarget(setup), ImplManagerTarget(setup)
+    answers = _producer_then_consumer(model_target)
+    assert answers == _producer_then_consumer(impl_target)
+
+
+@pytest.mark.usefixtures("require_vllm_manager")
+@pytest.mark.parametrize("reserved", [(1, 0), (1, 4), (2, 4)])
+def test_speculative_blocks_beside_the_copies_match_vllms(reserved: tuple[int, int]) -> None:
+    from kvpool.specs.targets.vllm.request import VllmManagerTarget
+    from tests.request.test_mamba_fine import _producer_then_consumer
+
+    setup = ManagerSetup(48, (full_attention(4), mamba_reserving(12, *reserved)), 64, 4)
+    model = _producer_then_consumer(ModelManagerTarget(setup))
+    assert model == _producer_then_consumer(VllmManagerTarget(setup))
+
+
+def _relocating_producer(target: Any) -> list[Any]:
+    """34 tokens in chunks of 12, 20 and 2: the second chunk passes the speculative blocks
+    (moved to the end) and stops at the prompt's partial boundary (32, inside Mamba block
+    2); the third copies the producer's state there."""
+    a = new_request("a", list(range(34)), 4)
+    answers: list[Any] = []
+    for start, num_new in ((0, 12), (12, 20), (32, 2)):
+        answers.append(target.allocate_slots(with_computed(a, start), num_new))
+        answers.append(target.get_block_ids("a"))
+        copies = target.take_kv_cache_block_copies()
+        answers.append(copies)
+        target.free_blocks(list(copies[1]))
+        target.new_step_starts()
+    return answers
+
+
+@pytest.mark.parametrize("reserved", [(1, 0), (2, 0), (1, 4)])
+def test_a_producer_moves_its_speculative_blocks_model_and_impl(reserved: tuple[int, int]) -> None:
+    setup = ManagerSetup(48, (full_attention(4), mamba_reserving(12, *reserved)), 64, 4)
+    model = _relocating_producer(ModelManagerTarget(setup))
+    assert model == _relocating_producer(ImplManagerTarget(setup))
+    first, second = model[1][1], model[4][1]
+    if reserved[1]:
+        # the checkpoint's column (1, at 28) keeps the speculative block in place
+        assert second[1] == first[1]
+    else:
+        # moved to the end (a null in its place), past the second chunk's state block
+        assert second[1] == 0 and first[1] in second[2:]
+    # the third chunk copies the producer's state at 32 (none with a checkpoint recorded:
+    # the checkpoint's caching replaced the partial tail's)
+    assert bool(model[8][0]) is not bool(reserved[1])
+
+
+@pytest.mark.usefixtures("require_vllm_manager")
+@pytest.mark.parametrize("reserved", [(1, 0), (2, 0), (1, 4)])
+def test_a_producer_moves_its_speculative_blocks_as_vllm(reserved: tuple[int, int]) -> None:
+    from kvpool.specs.targets.vllm.request import VllmManagerTarget
+
+    setup = ManagerSetup(48, (full_attention(4), mamba_reserving(12, *reserved)), 64, 4)
+    model = _relocating_producer(ModelManagerTarget(setup))
+    assert model == _relocating_producer(VllmManagerTarget(setup))
+
+
 # --------------------------------------------------------------------------
 # Lock-step runs
 # --------------------------------------------------------------------------
@@ -190,7 +250,7 @@ def _scope(target: Any) -> ManagerTargetSpec:
         block_factors=(2, 3, 4),
         min_window=2,
         scheduler_calls=True,
-        mamba_reserves=((0, 1), (0, 2)),
+        mamba_reserves=((0, 1), (0, 2), (1, 0), (2, 0), (1, 1)),
     )
 
 
@@ -206,7 +266,7 @@ def test_impl_conforms_with_checkpoints() -> None:
 def test_vllm_conforms_with_checkpoints() -> None:
     from kvpool.specs.targets.vllm.request import mamba_fine_scope
 
-    scope = replace(mamba_fine_scope(), mamba_reserves=((0, 1), (0, 2)))
+    scope = replace(mamba_fine_scope(), mamba_reserves=((0, 1), (0, 2), (1, 0), (2, 0), (1, 1)))
     report = run_request_conformance(scope, hypothesis_profile="ci", max_examples=200)
     assert report.conforms, f"{report.failure}\n{report.program}"
     assert report.examples_run >= 200
@@ -247,7 +307,7 @@ def test_the_ground_truth_alone_finds_a_transient_checkpoint_left_keyed() -> Non
         layouts=MAMBA_FINE_LAYOUTS,
         block_factors=(2, 3, 4),
         lockstep=False,
-        mamba_reserves=((0, 1), (0, 2)),
+        mamba_reserves=((0, 1), (0, 2), (1, 0), (2, 0), (1, 1)),
     )
     chosen = settings(
         settings.get_profile("ci"),
