@@ -24,8 +24,8 @@ then. A producer's copy is also offered to a connector with the boundary's
 tokens, and a producer that finishes before its next allocation hands the
 state where it is (``finalize``).
 
-What is modelled: no speculative blocks in the Mamba group (prefill checkpoints:
-``kvpool.model.mamba_fine_reserve``), every other group full attention (of any
+What is modelled: prefill checkpoint and speculative blocks in the Mamba group
+(``kvpool.model.mamba_fine_reserve``), every other group full attention (of any
 block size), no EAGLE, no sparse retention (``kvpool.model.mamba_fine_config``).
 Source: vLLM 0.33.0,
 ``MambaManager`` (``find_longest_cache_hit``, ``get_num_blocks_to_allocate``,

@@ -37,9 +37,9 @@ def verify(
 ) -> None:
     """Raise InvalidManagerConfig, naming it, for what kvpool does not model beside hits inside a
     Mamba "align" block: the "align" group alone (vLLM's one-group coordinator asserts hash
-    block = block), speculative blocks in the "align" group (prefill checkpoint blocks are
-    modelled: ``kvpool.model.mamba_fine_reserve``), another group that is not full
-    attention, EAGLE, sparse retention, decode context parallelism.
+    block = block), another group that is not full attention, EAGLE, sparse retention,
+    decode context parallelism (checkpoint and speculative blocks in the "align" group are
+    modelled: ``kvpool.model.mamba_fine_reserve``).
 
     >>> from kvpool.model.single_type import full_attention, mamba_align, sliding_window
     >>> verify([full_attention(8), mamba_align(8)], 4, False, None, 1)

@@ -18,8 +18,8 @@ is this module's ``cache_checkpoint``:
   this very call included.
 
 A recorded checkpoint replaces the prompt's partial-tail step (``mamba_fine.cache_partial_tail``):
-the request never becomes a producer in that call. Speculative blocks are not modelled here
-(``kvpool.model.mamba_fine_config`` refuses them). Source: vLLM 0.33.0,
+the request never becomes a producer in that call. Speculative blocks are allocated as with
+blocks of one hash block, beside the copies (``mamba_fine.allocate``). Source: vLLM 0.33.0,
 ``MambaManager._cache_partial_tail_block`` in ``vllm/v1/core/single_type_kv_cache_manager.py``,
 ``BlockPool.cache_partial_block`` (``replace_existing_hashes``) and
 ``_maybe_evict_cached_block`` in ``vllm/v1/core/block_pool.py``; docs/semantics.md,
