@@ -34,9 +34,11 @@ COMPILED = [
     "mamba_align",
     "mamba_reserve",
     "mamba_fine",
+    "mamba_fine_reserve",
     "retention",
     "external",
     "coordinator",
+    "align_dcp",
 ]
 """The modules of impl/ mypyc compiles (``__init__`` stays Python: it reports the build)."""
 

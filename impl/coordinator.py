@@ -47,6 +47,11 @@ class GroupView:
         return self._manager.kv_cache_group_id
 
     @property
+    def dcp_world_size(self) -> int:
+        """The decode world size the group is sharded over (1: a replicated group)."""
+        return self._manager.dcp_world_size
+
+    @property
     def block_pool(self) -> Any:
         return self._manager.block_pool
 

@@ -97,7 +97,8 @@ def check_align_geometry(
     """InvalidManagerConfig where a Mamba "align" group is beside blocks of another size or a
     larger scheduler block, unless every "align" block is one hash block and there is no
     decode context parallelism: vLLM keeps fine-grained hits off there, so hits end on
-    scheduler blocks (the model's ``verify_align_geometry``)."""
+    scheduler blocks (the model's ``verify_align_geometry``). Not called where
+    ``kvpool.impl.align_dcp`` models decode context parallelism (caching on)."""
     if not any(spec.mamba_align for spec in specs):
         return
     sizes = [spec.block_size for spec in specs]

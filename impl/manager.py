@@ -21,6 +21,7 @@ from mypy_extensions import mypyc_attr
 
 import kvpool.impl.external as external
 import kvpool.impl.geometry as geometry
+from kvpool.impl.align_dcp import check_dcp_config, dcp_fine_hits_on
 from kvpool.impl.block import KVCacheBlock
 from kvpool.impl.coordinator import CoordinatorView
 from kvpool.impl.eagle import (
@@ -241,6 +242,15 @@ class KVCacheManager:
                 getattr(kv_cache_config, "prefix_cache_retention_interval", None),
                 dcp_world_size,
             )
+        elif dcp_fine_hits_on(specs, hbs, enable_caching, dcp_world_size):
+            # under decode context parallelism hits end on hash blocks (kvpool.impl.align_dcp)
+            check_dcp_config(
+                specs,
+                hbs,
+                use_eagle,
+                getattr(kv_cache_config, "prefix_cache_retention_interval", None),
+            )
+            fine_mamba = True
         try:
             self.block_pool = BlockPool(
                 kv_cache_config.num_blocks,

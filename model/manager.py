@@ -25,6 +25,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 import kvpool.model.admission as admission
+import kvpool.model.align_dcp as align_dcp
 import kvpool.model.copy_on_write as cow
 import kvpool.model.eagle as eagle_ops
 import kvpool.model.external as external
@@ -244,7 +245,9 @@ def new_kv_cache_manager(
     either every group's block and the scheduler block of that size too, or no
     decode context parallelism (``verify_align_geometry``); with caching on, a block of
     several hash blocks beside full attention only, hits then ending inside it
-    (``kvpool.model.mamba_fine_config``). EAGLE and multi-module MTP's
+    (``kvpool.model.mamba_fine_config``), or, under decode context parallelism, blocks of
+    one hash block beside full attention, hits then ending on hash blocks
+    (``kvpool.model.align_dcp``). EAGLE and multi-module MTP's
     ``num_prefill_lookahead`` as ``kvpool.model.eagle.verify_eagle_config``
     allows; ``eagle_groups`` flags the groups EAGLE runs on (none: every group;
     ``kvpool.model.eagle.group_flags``). ``fine_grained_hits`` asks for hits
@@ -291,6 +294,10 @@ def new_kv_cache_manager(
     fine_mamba = fine_config.enabled(specs, hbs, enable_caching)
     if fine_mamba:
         fine_config.verify(specs, hbs, use_eagle, retention_interval, dcp_world_size)
+    # Verify that "align" under decode context parallelism (hits on hash blocks) is modelled
+    elif align_dcp.enabled(specs, hbs, enable_caching, dcp_world_size):
+        align_dcp.verify(specs, hbs, use_eagle, retention_interval)
+        fine_mamba = True
     try:
         pool = pool_ops.new_pool(num_blocks, enable_caching, hbs, enable_events, profile)
     except ValueError as error:
@@ -362,7 +369,9 @@ def verify_align_geometry(
     holds a hit's end inside it: ``kvpool.model.mamba_align`` with ``find_hit``'s
     ``alignment`` is the whole of it. Refused: Mamba blocks of several hash blocks beside
     other sizes with caching off (with caching on ``kvpool.model.mamba_fine_config``
-    decides instead, and this is not called). docs/limits.md.
+    decides instead, and this is not called), and any size mix under decode context
+    parallelism with caching off (with caching on and "align" blocks of one hash block
+    ``kvpool.model.align_dcp`` models it, and this is not called). docs/limits.md.
 
     >>> from kvpool.model.single_type import full_attention, mamba_align
     >>> verify_align_geometry([full_attention(4), mamba_align(4)], 4)

@@ -12,10 +12,12 @@ attention means full attention lost blocks, and the plain lookup answers.
 
 Every group searches up to ``num_tokens - 1`` tokens with hits on multiples
 of the scheduler block size, or of the hash block where hits may end inside a
-Mamba block (``kvpool.model.mamba_fine``), groups of one spec together. The answer: each group's own
-blocks, untrimmed; full attention's length (the first full-attention
-group's); a shared-prefix boundary of 0; and whether the shortest hit is
-shorter. Stats record full attention's length, as for the plain lookup.
+Mamba block (``kvpool.model.mamba_fine``) or inside a sharded full-attention
+block under decode context parallelism (``kvpool.model.align_dcp``), groups of
+one spec together. The answer: each group's own blocks, untrimmed; full
+attention's length (the first full-attention group's); a shared-prefix
+boundary of 0; and whether the shortest hit is shorter. Stats record full
+attention's length, as for the plain lookup.
 
 Sources: ``KVCacheManager.get_computed_blocks_for_connector`` in
 ``vllm/v1/core/kv_cache_manager.py`` and

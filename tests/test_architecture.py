@@ -8,6 +8,7 @@ does not matter. Imports inside functions count; imports under
 """
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -132,3 +133,17 @@ def test_no_adapter_replaces_anything_in_the_runner() -> None:
         if ("vars(" in line and "] =" in line) or "setattr(kvpool" in line
     ]
     assert offenders == []
+
+
+PURE_ONLY = {"__init__", "vllm_shape"}
+"""impl/ modules the compiled build leaves as Python: ``__init__`` reports which build
+loaded, and ``vllm_shape`` only shapes a drop-in's events and map view, off the hot paths."""
+
+
+def test_the_compiled_build_compiles_every_other_impl_module() -> None:
+    """A module missing from setup.py's COMPILED list runs as Python inside the compiled
+    build, silently slower (it happened to seven request-layer modules once)."""
+    listing = (ROOT / "setup.py").read_text().split("COMPILED = [", 1)[1].split("]", 1)[0]
+    listed = set(re.findall(r'"(\w+)"', listing))
+    modules = {path.stem for path in (ROOT / "impl").glob("*.py")}
+    assert listed == modules - PURE_ONLY

@@ -72,6 +72,7 @@ from kvpool.specs.request.invariants import (
 from kvpool.specs.request.target import (
     HYBRID_LAYOUTS,
     LAYOUTS,
+    MAMBA_ALIGN_DCP_LAYOUTS,
     MAMBA_FINE_LAYOUTS,
     ManagerFactory,
     ManagerSetup,
@@ -135,6 +136,15 @@ def layout_specs(
         # end inside the Mamba block and the full-attention one (kvpool.model.mamba_fine)
         pair = layout.startswith("pair_")
         return (full_attention(2 * hbs if pair else hbs), mamba_align(block_size))
+    if layout in MAMBA_ALIGN_DCP_LAYOUTS:
+        # a sharded full-attention group (its blocks times the decode world size), maybe a
+        # replicated one of one hash block, and Mamba blocks of one hash block, never sharded
+        # (kvpool.model.align_dcp)
+        replicated = replace(full_attention(hbs), dcp_sharded=False)
+        if layout == "full+dcp_full+mamba_align":
+            return (replicated, full_attention(block_size), mamba_align(hbs))
+        middle = (replicated,) if layout == "dcp_full+full+mamba_align" else ()
+        return (full_attention(block_size), *middle, mamba_align(hbs))
     if layout.startswith("wide_") and layout.endswith("+mamba_align"):
         # a Mamba block of one hash block beside blocks of 2 or 4 (kvpool.model.manager's
         # verify_align_geometry): hits end on the attention group's larger blocks
@@ -275,6 +285,9 @@ def _start_rule(
             # blocks of two sizes beside a Mamba "align" group are modelled with caching on
             # (kvpool.model.mamba_fine_config), and a block of one hash block otherwise
             drawn["factor"] = 1
+        if drawn["layout"] in MAMBA_ALIGN_DCP_LAYOUTS:
+            # modelled with caching on (kvpool.model.align_dcp); off, the geometry is refused
+            drawn["caching"] = True
         if drawn["caching"] and drawn["layout"] in hash_sized_layouts:
             drawn["factor"] = 1
         self.start(**drawn, eagle_hybrids=eagle_hybrids)
@@ -415,12 +428,24 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
         """
         chosen = profile_named(profile)
         dcp, pcp = cp
-        if any(s.attention is not AttentionType.FULL for s in layout_specs(layout, 1, 1, 1, 1, 1)):
-            dcp, pcp = 1, 1
-        hbs *= dcp
-        specs = layout_specs(layout, hbs // dcp * factor, window, chunk_blocks, MAX_MODEL_LEN, hbs)
-        if not layout.startswith(("wide_", "hash_", "pair_")):  # reserved: one block size only
-            specs = reserving(specs, *reserve)
+        if layout in MAMBA_ALIGN_DCP_LAYOUTS:
+            # hashed per rank: a Mamba block is one hash block, a sharded block dcp of them
+            dcp, pcp = max(dcp, 2), 1
+            specs = layout_specs(layout, hbs * factor, window, chunk_blocks, MAX_MODEL_LEN, hbs)
+        else:
+            if any(
+                s.attention is not AttentionType.FULL for s in layout_specs(layout, 1, 1, 1, 1, 1)
+            ):
+                dcp, pcp = 1, 1
+            hbs *= dcp
+            specs = layout_specs(
+                layout, hbs // dcp * factor, window, chunk_blocks, MAX_MODEL_LEN, hbs
+            )
+        if (
+            not layout.startswith(("wide_", "hash_", "pair_"))
+            and layout not in MAMBA_ALIGN_DCP_LAYOUTS
+        ):
+            specs = reserving(specs, *reserve)  # reserved blocks: one block size only
         elif layout in MAMBA_FINE_LAYOUTS and caching and factor > 1 and reserve != (0, 0):
             # hits inside a Mamba block: checkpoints on hash-block boundaries, ``reserve[1]``
             # hash blocks apart (kvpool.model.mamba_fine_reserve)
@@ -484,9 +509,12 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
         align = [s for s in specs if s.mamba_align]
         self.checkpoint_alignment = align[0].prefill_checkpoint_alignment if align else 0
         """The Mamba "align" group's prefill checkpoint alignment (0: no checkpoint blocks)."""
-        self.mamba_fine = caching and any(s.block_size > hbs for s in align)
-        """Hits may end inside a Mamba block (``kvpool.model.mamba_fine``): the scheduler stops
-        a chunk at the prompt's partial boundary, and takes the state copies of each step."""
+        self.mamba_fine = caching and (
+            any(s.block_size > hbs for s in align) or bool(align and dcp > 1)
+        )
+        """Hits may end inside a Mamba block (``kvpool.model.mamba_fine``), or inside a sharded
+        full-attention block (``kvpool.model.align_dcp``): the scheduler stops a chunk at the
+        prompt's partial boundary, and takes the copies of each step."""
         self.model = model_manager.new_kv_cache_manager(
             num_blocks,
             specs,

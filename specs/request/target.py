@@ -89,6 +89,18 @@ MAMBA_FINE_LAYOUTS = ("hash_full+mamba_align", "pair_full+mamba_align")
 caching on hits may end inside the Mamba block (``kvpool.model.mamba_fine``). Drawn only where
 a scope lists them, with blocks of two or more hash blocks."""
 
+MAMBA_ALIGN_DCP_LAYOUTS = (
+    "dcp_full+mamba_align",
+    "dcp_full+full+mamba_align",
+    "full+dcp_full+mamba_align",
+)
+"""Mamba "align" blocks of one hash block beside sharded full attention under decode context
+parallelism (and a replicated full-attention group, as a draft model's may be, after it or
+before it: the first full-attention group answers the connector's lookup): vLLM turns
+hash-block hits on, so full attention's hits may end inside its sharded blocks
+(``kvpool.model.align_dcp``). Drawn only where a scope lists them, with caching on and a
+decode world size of at least 2."""
+
 MAMBA_ALIGN_GEOMETRY_LAYOUTS = ("wide_full+mamba_align", "wide_sliding_window+mamba_align")
 """Mamba "align" blocks of one hash block beside full attention or a sliding window of
 blocks two or four times larger (the scheduler block): hits end on the larger blocks

@@ -454,6 +454,50 @@ def test_cache_full_blocks_one_block_calls_reject_what_the_model_rejects() -> No
     pool.check_invariants()
 
 
+def test_cache_full_blocks_one_block_calls_take_any_sequence_and_only_plain_ints() -> None:
+    """The same one-block call with its arguments in other types: an iterator of blocks is
+    read like a list; a float block size or group id is InvalidArgument, even one equal to
+    the int it stands for."""
+    pool = BlockPool(6, True, 2)
+    a, b, c = pool.get_new_blocks(3)
+    assert_rejected(pool, InvalidArgument, pool.cache_full_blocks, REQ, [a, b], 1, 2, 2.0, 0)
+    assert_rejected(pool, InvalidArgument, pool.cache_full_blocks, REQ, [a, b], 1, 2, 2, 0.0)
+    pool.cache_full_blocks(REQ, iter([a, b]), 1, 2, 2, 0)
+    pool.cache_full_blocks(REQ, (a, b, c), 2, 3, 2, 0)
+    assert [x.block_hash for x in (a, b, c)] == [None, (b"h1", 0), (b"h2", 0)]
+    pool.check_invariants()
+
+
+@pytest.mark.parametrize("first_is_free", [True, False])
+def test_cache_full_blocks_reports_the_first_of_two_bad_blocks(first_is_free: bool) -> None:
+    """A free block and an already-cached block in one call: the error is the first one's."""
+    pool = BlockPool(6, True, 2)
+    cached, b = pool.get_new_blocks(2)
+    # Keyed as the third block: 6 tokens, more than any position below asks for.
+    pool.cache_full_blocks(REQ, [b, b, cached], 2, 3, 2, 0)
+    free = pool.blocks[5]
+    blocks = [b, free, cached] if first_is_free else [b, cached, free]
+    error = BlockNotHeld if first_is_free else AlreadyCached
+    assert_rejected(pool, error, pool.cache_full_blocks, REQ, blocks, 0, 3, 2, 0)
+    # The same from a later start, with a mask (the general path's other branch).
+    assert_rejected(pool, error, pool.cache_full_blocks, REQ, [b, *blocks], 1, 4, 2, 0, [True] * 3)
+
+
+@pytest.mark.parametrize("mask", [None, "iterator"])
+def test_cache_full_blocks_promotes_a_block_in_a_range_that_starts_later(mask: str | None) -> None:
+    """Block y is keyed at 4 tokens, then cached at position 2 (6 tokens) by a call from
+    block 2: a valid promotion, whether the mask comes as a list, an iterator or not at all."""
+    pool = BlockPool(6, True, 2)
+    x, y, z = pool.get_new_blocks(3)
+    pool.cache_full_blocks(REQ, [x, y], 1, 2, 2, 0)
+    assert y.block_hash_num_tokens == 4
+    block_mask = None if mask is None else iter([True, True])
+    pool.cache_full_blocks(REQ, [x, x, y, z], 2, 4, 2, 0, block_mask)  # type: ignore[arg-type]
+    assert (y.block_hash, y.block_hash_num_tokens) == ((b"h2", 0), 6)
+    assert (z.block_hash, z.block_hash_num_tokens) == ((b"h3", 0), 8)
+    pool.check_invariants()
+
+
 def test_cache_full_blocks_does_not_read_blocks_outside_the_range() -> None:
     """Only blocks[num_cached:num_full] are read, so a stranger before them is fine."""
     pool = BlockPool(4, True, 2)

@@ -249,8 +249,9 @@ def test_invalid_mamba_align_beside_another_block_size() -> None:
     _rejected_by_both([sliding_window(4, 4), mamba_align(8)], hash_block_size=4)
     # with caching off there are no hits, and the geometry checks of one hash block apply
     _rejected_by_both([full_attention(4), mamba_align(8)], hash_block_size=4, enable_caching=False)
-    # decode context parallelism widens the attention group but not the (replicated) Mamba
-    _rejected_by_both([full_attention(4), mamba_align(4)], dcp_world_size=2)
+    # decode context parallelism widens the attention group but not the (replicated) Mamba:
+    # modelled with caching on (kvpool.model.align_dcp), refused with caching off
+    _rejected_by_both([full_attention(4), mamba_align(4)], dcp_world_size=2, enable_caching=False)
 
 
 def test_invalid_mamba_align_of_several_hash_blocks_with_a_wider_scheduler_block() -> None:

@@ -123,13 +123,14 @@ def test_invalid_align_block_beside_other_sizes_without_caching_of_another_size(
 
 
 def test_invalid_align_beside_other_sizes_with_decode_context_parallelism() -> None:
-    """With decode context parallelism vLLM turns fine-grained hits on (hits on hash blocks,
-    not scheduler blocks): refused."""
+    """With decode context parallelism and caching on vLLM turns fine-grained hits on (hits
+    on hash blocks: kvpool.model.align_dcp, tests/request/test_align_dcp.py); with caching
+    off the geometry stays refused."""
     specs = (full_attention(4), mamba_align(4))
     with pytest.raises(InvalidManagerConfig, match="dcp_world_size=1 \\(got 2\\)"):
-        manager.new_kv_cache_manager(16, specs, 64, dcp_world_size=2)
+        manager.new_kv_cache_manager(16, specs, 64, enable_caching=False, dcp_world_size=2)
     with pytest.raises(InvalidManagerConfig, match="dcp_world_size=1 \\(got 2\\)"):
-        KVCacheManager(KVCacheConfig(16, specs), 64, dcp_world_size=2)
+        KVCacheManager(KVCacheConfig(16, specs), 64, enable_caching=False, dcp_world_size=2)
 
 
 def test_invalid_scheduler_block_larger_than_blocks_of_several_hash_blocks() -> None:

@@ -220,13 +220,14 @@ class VllmManagerTarget(SchedulerCalls):
                     f"{HASHER_ENV}=kvpool to check its manager with kvpool's hashes"
                 )
             self._requests = VllmRequests(found, self._status)
-        shape: dict[str, Any] = {"num_kv_heads": 1, "head_size": 8, "dtype": torch.float32}
+        common_shape: dict[str, Any] = {"num_kv_heads": 1, "head_size": 8, "dtype": torch.float32}
         groups = []
         for g, spec in enumerate(specs):
             vllm_spec: Any
+            shape = common_shape
             if not spec.dcp_sharded and spec.attention is not AttentionType.MAMBA:
-                # a replicated attention group (vLLM's default is sharded)
-                shape = {**shape, "dcp_sharded": False}
+                # a replicated attention group (vLLM's default is sharded); this group only
+                shape = {**common_shape, "dcp_sharded": False}
             if spec.attention is AttentionType.SLIDING_WINDOW:
                 vllm_spec = interface.SlidingWindowSpec(
                     block_size=spec.block_size, sliding_window=spec.sliding_window, **shape
@@ -836,15 +837,21 @@ def mamba_align_scope(factory: VllmManagerFactory | None = None) -> ManagerTarge
     """Where vLLM's Mamba "align" mode is compared (``kvpool.model.mamba_align``): a Mamba
     group alone, beside full attention and beside a sliding window, blocks of one hash block
     when caching is on, events on and off; and a Mamba block of one hash block beside blocks
-    two or four times larger (``MAMBA_ALIGN_GEOMETRY_LAYOUTS``); the scheduler's further calls,
+    two or four times larger (``MAMBA_ALIGN_GEOMETRY_LAYOUTS``); Mamba blocks of one hash block
+    beside sharded full attention under decode context parallelism, hits on hash blocks
+    (``MAMBA_ALIGN_DCP_LAYOUTS``, ``kvpool.model.align_dcp``); the scheduler's further calls,
     the connector's per-group lookup among them. Not in ``VLLM_SCOPE``: the machine drives
     these layouts with the scheduler's block-aligned chunks and no drafts."""
     from kvpool.model import DEFAULT_PROFILE
-    from kvpool.specs.request.target import MAMBA_ALIGN_GEOMETRY_LAYOUTS, MAMBA_ALIGN_LAYOUTS
+    from kvpool.specs.request.target import (
+        MAMBA_ALIGN_DCP_LAYOUTS,
+        MAMBA_ALIGN_GEOMETRY_LAYOUTS,
+        MAMBA_ALIGN_LAYOUTS,
+    )
 
     return ManagerTargetSpec(
         factory or VllmManagerFactory(),
-        layouts=MAMBA_ALIGN_LAYOUTS + MAMBA_ALIGN_GEOMETRY_LAYOUTS,
+        layouts=MAMBA_ALIGN_LAYOUTS + MAMBA_ALIGN_GEOMETRY_LAYOUTS + MAMBA_ALIGN_DCP_LAYOUTS,
         profiles=(DEFAULT_PROFILE,),
         events=(False, True),
         block_factors=(1, 2),
@@ -854,6 +861,9 @@ def mamba_align_scope(factory: VllmManagerFactory | None = None) -> ManagerTarge
         scheduler_calls=True,
         # bare, and with checkpoint blocks 1 or 2 blocks apart, speculative blocks, or both
         mamba_reserves=((0, 0), (0, 0), (0, 1), (0, 2), (1, 0), (2, 0), (1, 1)),
+        # decode world sizes for MAMBA_ALIGN_DCP_LAYOUTS (at least 2 there; the other
+        # layouts have a Mamba group and run without context parallelism)
+        context_parallel=((2, 1), (4, 1)),
     )
 
 
