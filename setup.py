@@ -34,6 +34,7 @@ COMPILED = [
     "mamba_align",
     "mamba_reserve",
     "mamba_fine",
+    "mamba_fine_reserve",
     "retention",
     "external",
     "coordinator",

@@ -43,11 +43,6 @@ def check_fine_config(
     if len(specs) == 1:
         raise InvalidManagerConfig(f"{where} as the only group is not a vLLM configuration")
     for spec in specs:
-        # Verify that the "align" groups reserve no blocks
-        if spec.mamba_align and (spec.num_speculative_blocks or spec.prefill_checkpoint_alignment):
-            raise InvalidManagerConfig(
-                f"{where} with speculative or prefill checkpoint blocks is not modelled"
-            )
         # Verify that every other group is full attention
         if not spec.mamba_align and spec.attention is not AttentionType.FULL:
             raise InvalidManagerConfig(
@@ -80,6 +75,8 @@ class MambaFineManager(MambaAlignManager):
         self._partial_hit_reqs: dict[str, tuple[int, KVCacheBlock]] = {}
         self._producer_partial_tail_reqs: dict[str, tuple[KVCacheBlock, int]] = {}
         self.fine = True
+        # kept by kvpool.impl.mamba_fine_reserve's subclass; 0 here
+        self.num_speculative_blocks: int = kv_cache_spec.num_speculative_blocks
 
     def find_fine_hit(
         self, block_hashes: Sequence[bytes], max_length: int, kv_cache_group_ids: Sequence[int]
@@ -129,11 +126,24 @@ class MambaFineManager(MambaAlignManager):
         index, source = hit
         running = request_id in self._allocated_block_reqs
         prev = len(blocks)
-        if running or prev:
+        spec = self.num_speculative_blocks
+        if running:
+            self.last_state_block_idx[request_id] = prev - 1 - spec
+        elif prev:
             self.last_state_block_idx[request_id] = prev - 1
-        required = -(-num_tokens // self.block_size)
-        if prev < required - 1:
-            blocks.extend([self._null_block] * (required - 1 - prev))
+        required = -(-num_tokens // self.block_size) + spec
+        # a recorded prefill checkpoint keeps its block (kvpool.impl.mamba_fine_reserve)
+        stop = required - spec - 1 - self._checkpoint_gap(request_id)
+        null = self._null_block
+        if prev < stop:
+            blocks.extend([null] * (stop - prev))
+        if running:
+            # the old speculative blocks the chunk moved past go to the end
+            for i in range(max(prev - spec, 0), prev):
+                if i >= stop:
+                    break
+                blocks.append(blocks[i])
+                blocks[i] = null
         lacking = required - len(blocks)
         fresh = self.block_pool.get_new_blocks((lacking if lacking > 0 else 0) + 1)
         destination = fresh[0]
@@ -160,6 +170,11 @@ class MambaFineManager(MambaAlignManager):
         self._allocated_block_reqs.add(request_id)
         self._partial_hit_reqs.pop(request_id, None)
         return returned, (source, destination)
+
+    def _checkpoint_gap(self, request_id: str) -> int:
+        """1 when the request keeps a prefill checkpoint's block in this allocation (a
+        subclass records them), else 0."""
+        return 0
 
     def cache_blocks(self, request: Any, num_tokens: int) -> None:
         """Cache the full positions' states; key the state at the prompt's partial boundary

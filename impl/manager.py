@@ -37,6 +37,8 @@ from kvpool.impl.mamba_align import (
     take_boundary_state_offloads,
 )
 from kvpool.impl.mamba_fine import MambaFineManager, check_fine_config, fine_hits_on
+from kvpool.impl.mamba_fine_reserve import MambaFineReservingManager
+from kvpool.impl.mamba_fine_reserve import admission_blocks as fine_admission_blocks
 from kvpool.impl.mamba_reserve import (
     MambaReservingManager,
     admission_blocks,
@@ -295,15 +297,21 @@ class KVCacheManager:
         eagle_flags = group_flags(specs, use_eagle, flagged)
         # Verify that prefill checkpoints leave the one token vLLM's checkpoint leaves (a
         # look-ahead of L > 1 hashed tokens moves the checkpoint back: not modelled)
-        if self.block_pool.num_hash_lookahead_tokens > 1 and any(
-            s.prefill_checkpoint_alignment for s in specs
+        # (hits inside a Mamba block model it: kvpool.impl.mamba_fine_reserve)
+        if (
+            not fine_mamba
+            and self.block_pool.num_hash_lookahead_tokens > 1
+            and any(s.prefill_checkpoint_alignment for s in specs)
         ):
             raise InvalidManagerConfig(
                 f"prefill checkpoints with num_hash_lookahead_tokens="
                 f"{self.block_pool.num_hash_lookahead_tokens} are not modelled (at most 1)"
             )
         # Verify that reserved blocks sit where kvpool models them: hash block = block = scheduler
+        # (or checkpoints where hits may end inside a Mamba block, checked above)
         for spec in specs:
+            if fine_mamba:
+                break
             if (spec.num_speculative_blocks or spec.prefill_checkpoint_alignment) and (
                 spec.block_size != scheduler or (enable_caching and spec.block_size != hbs)
             ):
@@ -344,7 +352,11 @@ class KVCacheManager:
         self.log_stats = log_stats
         self.prefix_cache_stats: PrefixCacheStats | None = PrefixCacheStats() if log_stats else None
         self.managers: list[SingleTypeKVCacheManager] = [
-            MambaFineManager(spec, self.block_pool, g)
+            MambaFineReservingManager(spec, self.block_pool, g)
+            if fine_mamba
+            and spec.mamba_align
+            and (spec.prefill_checkpoint_alignment or spec.num_speculative_blocks)
+            else MambaFineManager(spec, self.block_pool, g)
             if fine_mamba and spec.mamba_align
             else _align_manager(spec, self.block_pool, g)
             if spec.mamba_align
@@ -692,7 +704,7 @@ class KVCacheManager:
             if ext > 0:
                 needed += external.blocks_to_allocate(manager, slots[g], group_hits, total)
                 continue
-            if isinstance(manager, MambaReservingManager):
+            if isinstance(manager, (MambaReservingManager, MambaFineReservingManager)):
                 # a Mamba "align" group with checkpoint blocks records its checkpoint as it counts
                 manager.plan_checkpoint(rid, num_computed, slots[g])
             needed += manager.get_num_blocks_to_allocate(rid, slots[g], group_hits)
@@ -801,7 +813,10 @@ class KVCacheManager:
             if isinstance(manager, MambaAlignManager):
                 # counted as an allocation of the whole sequence would be, capped like one
                 start = num_computed if num_computed < self.max_model_len else self.max_model_len
-                needed += admission_blocks(manager, rid, num_tokens, hits[g], start)
+                if isinstance(manager, MambaFineReservingManager):
+                    needed += fine_admission_blocks(manager, rid, num_tokens, hits[g], start)
+                else:
+                    needed += admission_blocks(manager, rid, num_tokens, hits[g], start)
                 # a hit ending inside a block takes its copy too (kvpool.impl.mamba_fine)
                 needed += int(partial[g])
                 continue
@@ -854,7 +869,7 @@ class KVCacheManager:
         hashed = len(request.block_hashes) * self.block_pool.hash_block_size
         for manager, count in zip(self.managers, counts, strict=True):
             blocks = manager.req_to_blocks.get(request.request_id)
-            if isinstance(manager, MambaReservingManager):
+            if isinstance(manager, (MambaReservingManager, MambaFineReservingManager)):
                 manager.verify_checkpoint(request.request_id)
             spec = manager.kv_cache_spec
             # a whole-request Mamba group caches nothing; an "align" group caches its states

@@ -103,6 +103,8 @@ def full_sequence_fits(
                     query_start,
                     scheduler_block_size,
                 )
+                # a hit ending inside a block takes its copy too (kvpool.model.mamba_fine)
+                needed += int(partial[g])
                 continue
             # at most one state block, as for a chunk: vLLM 0.33.0's MambaManager counts the
             # whole sequence as it counts a chunk (get_num_blocks_to_allocate, align mode)

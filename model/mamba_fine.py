@@ -24,9 +24,10 @@ then. A producer's copy is also offered to a connector with the boundary's
 tokens, and a producer that finishes before its next allocation hands the
 state where it is (``finalize``).
 
-What is modelled: no speculative or checkpoint blocks in the Mamba group,
-every other group full attention (of any block size), no EAGLE, no sparse
-retention (``kvpool.model.mamba_fine_config``). Source: vLLM 0.33.0,
+What is modelled: prefill checkpoint and speculative blocks in the Mamba group
+(``kvpool.model.mamba_fine_reserve``), every other group full attention (of any
+block size), no EAGLE, no sparse retention (``kvpool.model.mamba_fine_config``).
+Source: vLLM 0.33.0,
 ``MambaManager`` (``find_longest_cache_hit``, ``get_num_blocks_to_allocate``,
 ``allocate_new_blocks``, ``_cache_partial_tail_block``,
 ``finalize_partial_tail_offload``, ``pop_blocks_for_free``) in
@@ -41,6 +42,7 @@ from kvpool.model.errors import InvalidTokenCount
 from kvpool.model.mamba_align import AlignTable
 from kvpool.model.mamba_align import allocate as allocate_whole
 from kvpool.model.mamba_align import num_blocks_to_allocate as blocks_to_allocate_whole
+from kvpool.model.mamba_reserve import allocate as allocate_reserving
 from kvpool.model.pinning import move_block_hashes
 from kvpool.model.pool import (
     cache_partial_block,
@@ -141,6 +143,7 @@ def allocate(
     blocks: tuple[int, ...],
     num_tokens: int,
     hit: tuple[int, int] | None = None,
+    num_speculative_blocks: int = 0,
 ) -> tuple[PoolState, AlignTable, tuple[int, ...], tuple[int, ...], Copy | None]:
     """Extend the request's table for ``num_tokens`` tokens, copying a state a hit ends inside.
 
@@ -148,8 +151,12 @@ def allocate(
     that block. Without one, a producer's pending copy (``table.partial_hits``)
     is taken; with neither this is ``kvpool.model.mamba_align.allocate``.
     With a copy: the previous state's position is remembered, nulls fill the
-    skipped positions, and the copy's destination is taken first, then at
-    most one block where the chunk ends. A consumer's destination replaces
+    skipped positions (but a recorded checkpoint's, ``table.checkpoints``), and the
+    copy's destination is taken first, then the checkpoint's block if recorded and at
+    most one block where the chunk ends, then ``num_speculative_blocks`` (a running
+    request first moves its old speculative blocks the chunk passed to the end, as
+    ``kvpool.model.mamba_reserve.allocate``, which is the whole of it without a copy
+    when a checkpoint is recorded or speculative blocks are kept). A consumer's destination replaces
     the source in its table (and is returned first); a producer keeps writing
     into the source, so the source's keys move to the destination, which is
     offered to a connector with the boundary's tokens (if the producer's tail
@@ -167,7 +174,16 @@ def allocate(
     """
     if hit is None:
         hit = table.partial_hits.get(request_id)
+    # a recorded prefill checkpoint keeps a real block before the one the chunk ends in,
+    # speculative blocks follow it (kvpool.model.mamba_fine_reserve)
+    checkpoint = int(request_id in table.checkpoints)
+    spec = num_speculative_blocks
     if hit is None:
+        if checkpoint or spec:
+            pool, table, blocks, new = allocate_reserving(
+                pool, table, block_size, spec, request_id, blocks, num_tokens
+            )
+            return pool, table, blocks, new, None
         pool, table, blocks, new = allocate_whole(
             pool, table, block_size, request_id, blocks, num_tokens
         )
@@ -175,15 +191,26 @@ def allocate(
     index, source = hit
     running = request_id in table.allocated
     last_state = dict(table.last_state)
-    if running or blocks:
-        last_state[request_id] = len(blocks) - 1
-    required = _cdiv(num_tokens, block_size)
+    prev = len(blocks)
+    if running:
+        last_state[request_id] = prev - 1 - spec
+    elif blocks:
+        last_state[request_id] = prev - 1
+    required = _cdiv(num_tokens, block_size) + spec
+    stop = required - spec - 1 - checkpoint
     row = list(blocks)
-    if len(row) < required - 1:
-        row.extend([NULL_BLOCK_ID] * (required - 1 - len(row)))
+    if prev < stop:
+        row.extend([NULL_BLOCK_ID] * (stop - prev))
+    if running:
+        # the old speculative blocks the chunk moved past go to the end (mamba_reserve.allocate)
+        for i in range(max(prev - spec, 0), prev):
+            if i >= stop:
+                break
+            row.append(row[i])
+            row[i] = NULL_BLOCK_ID
     pool, fresh = get_new_blocks(pool, max(required - len(row), 0) + 1)
     destination, rest = fresh[0], fresh[1:]
-    returned = tuple(row[len(blocks) :])
+    returned = tuple(row[prev:])
     tails = dict(table.producer_tails)
     offloads = table.offloads
     cached_this_step = table.cached_this_step

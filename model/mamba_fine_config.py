@@ -37,9 +37,9 @@ def verify(
 ) -> None:
     """Raise InvalidManagerConfig, naming it, for what kvpool does not model beside hits inside a
     Mamba "align" block: the "align" group alone (vLLM's one-group coordinator asserts hash
-    block = block), reserved (speculative or checkpoint) blocks in the "align" group,
-    another group that is not full attention, EAGLE, sparse retention,
-    decode context parallelism.
+    block = block), another group that is not full attention, EAGLE, sparse retention,
+    decode context parallelism (checkpoint and speculative blocks in the "align" group are
+    modelled: ``kvpool.model.mamba_fine_reserve``).
 
     >>> from kvpool.model.single_type import full_attention, mamba_align, sliding_window
     >>> verify([full_attention(8), mamba_align(8)], 4, False, None, 1)
@@ -53,11 +53,6 @@ def verify(
     if len(specs) == 1:
         raise InvalidManagerConfig(f"{where} as the only group is not a vLLM configuration")
     for spec in specs:
-        # Verify that the "align" groups reserve no blocks
-        if spec.mamba_align and (spec.num_speculative_blocks or spec.prefill_checkpoint_alignment):
-            raise InvalidManagerConfig(
-                f"{where} with speculative or prefill checkpoint blocks is not modelled"
-            )
         # Verify that every other group is full attention
         if not spec.mamba_align and spec.attention is not AttentionType.FULL:
             raise InvalidManagerConfig(

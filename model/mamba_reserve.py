@@ -48,14 +48,18 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def checkpoint_position(num_tokens: int, alignment: int) -> int:
-    """The last multiple of ``alignment`` before token ``num_tokens`` (a resend recomputes
-    the last token), 0 if none.
+def checkpoint_position(num_tokens: int, alignment: int, lookahead: int = 0) -> int:
+    """The last multiple of ``alignment`` before token ``num_tokens`` that leaves
+    ``max(1, lookahead)`` tokens after it (a resend recomputes the last token; the
+    checkpoint's hash covers the pool's ``num_hash_lookahead_tokens``), 0 if none.
+    vLLM 0.33.0's ``get_mamba_prefill_checkpoint_position`` without EAGLE.
 
     >>> checkpoint_position(9, 4), checkpoint_position(8, 4), checkpoint_position(1, 4)
     (8, 4, 0)
+    >>> checkpoint_position(9, 4, 2)
+    4
     """
-    return max((num_tokens - 1) // alignment * alignment, 0)
+    return max((num_tokens - max(1, lookahead)) // alignment * alignment, 0)
 
 
 def checkpoint_valid(
@@ -100,6 +104,7 @@ def plan_checkpoint(
     query_end: int,
     cache_alignment: int,
     hash_block_size: int = 0,
+    lookahead: int = 0,
 ) -> AlignTable:
     """Record (or forget) the request's checkpoint for a chunk ``query_start..query_end``.
 
@@ -109,13 +114,14 @@ def plan_checkpoint(
     (``checkpoint_valid``) and that block is not a real one already: past the
     table, a null, or one of the speculative blocks of a request already
     allocated. ``checkpoint_alignment`` 0: the group has no checkpoint blocks.
+    ``lookahead``: the pool's ``num_hash_lookahead_tokens`` (``checkpoint_position``).
 
     Complexity: O(1) besides copying the table's map.
 
     >>> plan_checkpoint(AlignTable(), 4, 0, 4, "r", (), 0, 8, 4).checkpoints
     {'r': (4, 0)}
     """
-    position = checkpoint_position(query_end, cache_alignment)
+    position = checkpoint_position(query_end, cache_alignment, lookahead)
     index = _cdiv(query_end, block_size) - 2
     needed = (
         checkpoint_alignment > 0
@@ -152,7 +158,9 @@ def num_blocks_to_allocate(
     The table must reach ``num_speculative_blocks`` past the block the main model's
     ``num_tokens`` end in; what it lacks is at most one block, plus one for a
     recorded checkpoint, plus the speculative blocks on a request's first
-    allocation (later ones move the old ones). Plus the free hits; a hit ending on
+    allocation (later ones move the old ones). A producer's pending state copy
+    (``table.partial_hits``, blocks of several hash blocks: ``kvpool.model.mamba_fine``)
+    takes one block more and raises the cap by one. Plus the free hits; a hit ending on
     a state cached this step asks for more than the pool has. Not clamped at zero.
 
     Complexity: O(len(hits)).
@@ -166,8 +174,11 @@ def num_blocks_to_allocate(
         if key is not None and key in table.cached_this_step:
             return pool.config.num_blocks + 1
     lacking = _cdiv(num_tokens, block_size) + num_speculative_blocks - len(hits) - len(held)
+    producer = int(request_id in table.partial_hits)
+    if producer:
+        lacking = max(lacking, 0) + 1
     if lacking > 0:
-        cap = 1 + int(request_id in table.checkpoints)
+        cap = 1 + producer + int(request_id in table.checkpoints)
         if request_id not in table.allocated:
             cap += num_speculative_blocks
         lacking = min(lacking, cap)
@@ -265,8 +276,9 @@ def admission_blocks(
         held,
         query_start,
         num_tokens,
-        cache_alignment or spec.block_size,
+        checkpoint_alignment_of(pool, spec, cache_alignment),
         pool.config.hash_block_size,
+        pool.config.num_hash_lookahead_tokens,
     )
     return num_blocks_to_allocate(
         pool,
@@ -278,6 +290,24 @@ def admission_blocks(
         num_tokens,
         hits,
     )
+
+
+def checkpoint_alignment_of(pool: PoolState, spec: "KVCacheSpec", scheduler_block_size: int) -> int:
+    """What a group's checkpoint position is a multiple of: vLLM 0.33.0's
+    ``cache_hit_alignment_tokens`` (``HybridKVCacheCoordinator._cache_hit_alignment_tokens``
+    in ``vllm/v1/core/kv_cache_coordinator.py``), the hash block when hits may end inside a
+    Mamba block (caching on, a block of several hash blocks: ``kvpool.model.mamba_fine``),
+    else the scheduler block (0: the group's block).
+
+    >>> from kvpool.model.pool import new_pool
+    >>> from kvpool.model.single_type import mamba_reserving
+    >>> checkpoint_alignment_of(new_pool(4, hash_block_size=2), mamba_reserving(8, 0, 2), 8)
+    2
+    """
+    hbs = pool.config.hash_block_size
+    if pool.config.enable_caching and spec.block_size > hbs:
+        return hbs
+    return scheduler_block_size or spec.block_size
 
 
 def verify_checkpoint(table: AlignTable, request_id: str, blocks: Sequence[int]) -> None:

@@ -318,8 +318,10 @@ def new_kv_cache_manager(
     verify_retention_interval(retention_interval, specs, scheduler)
     # Verify that the groups flagged as EAGLE's exist
     eagle_ops.verify_eagle_groups(specs, eagle_groups)
-    # Verify that reserved blocks sit where kvpool models them: hash block = block = scheduler
-    reserve.verify_reserving_geometry(specs, hbs if enable_caching else 0, scheduler)
+    # Verify that reserved blocks sit where kvpool models them: hash block = block = scheduler,
+    # or checkpoints where hits may end inside a Mamba block (kvpool.model.mamba_fine_config)
+    if not fine_mamba:
+        reserve.verify_reserving_geometry(specs, hbs if enable_caching else 0, scheduler)
     # Verify that EAGLE and the look-ahead are settings vLLM 0.33 runs
     eagle_ops.verify_eagle_config(
         specs, enable_caching, use_eagle, num_prefill_lookahead, scheduler, eagle_groups

@@ -30,6 +30,7 @@ from enum import Enum
 
 import kvpool.model.mamba_align as align_mode
 import kvpool.model.mamba_fine as fine
+import kvpool.model.mamba_fine_reserve as fine_reserve
 import kvpool.model.mamba_reserve as reserve
 from kvpool.model.alignment import aligned_length, ends_aligned, sliding_window_cache_mask
 from kvpool.model.errors import (
@@ -406,12 +407,13 @@ def plan_checkpoint(
     What vLLM 0.33.0's ``MambaManager.get_num_blocks_to_allocate`` records while it
     counts (``kvpool.model.mamba_reserve.plan_checkpoint``); every group but a
     Mamba "align" group with checkpoint blocks is left as it is. ``cache_alignment``
-    is what hits are a multiple of (the scheduler block size).
+    is what hits are a multiple of (the scheduler block size); the pool's hash block when
+    caching is on and the group's block is longer (``mamba_reserve.checkpoint_alignment_of``).
 
     Complexity: O(1).
 
     >>> from kvpool.model.pool import new_pool
-    >>> m = new_managers(new_pool(8), [mamba_reserving(4, 0, 4)])
+    >>> m = new_managers(new_pool(8, hash_block_size=4), [mamba_reserving(4, 0, 4)])
     >>> dict(plan_checkpoint(m, 0, "r", 0, 8, 4)[0].tables[0].align.checkpoints)
     {'r': (4, 0)}
     """
@@ -430,8 +432,10 @@ def plan_checkpoint(
         table.req_to_blocks.get(request_id, ()),
         query_start,
         query_end,
-        cache_alignment or spec.block_size,
+        # the hash block when hits may end inside the group's blocks (kvpool.model.mamba_fine)
+        reserve.checkpoint_alignment_of(state.pool, spec, cache_alignment),
         state.pool.config.hash_block_size,
+        state.pool.config.num_hash_lookahead_tokens,
     )
     return _with_table(state, group, replace(table, align=align)), None
 
@@ -539,9 +543,9 @@ def allocate_mamba_copy(
     spec, table = _group(state, group)
     # Verify that the request is in the group's tables
     _verify_request(table, request_id)
-    # Verify that the group is a Mamba "align" group without reserved blocks
-    if not spec.mamba_align or _reserves(spec):
-        raise UnknownGroup(f'group {group} is not a Mamba "align" group without reserved blocks')
+    # Verify that the group is a Mamba "align" group
+    if not spec.mamba_align:
+        raise UnknownGroup(f'group {group} is not a Mamba "align" group')
     pool, tables, blocks, new, copy = fine.allocate(
         state.pool,
         table.align,
@@ -551,6 +555,7 @@ def allocate_mamba_copy(
         table.req_to_blocks[request_id],
         num_tokens,
         hit,
+        spec.num_speculative_blocks,
     )
     table = replace(table, align=tables, req_to_blocks={**table.req_to_blocks, request_id: blocks})
     return _with_table(replace(state, pool=pool), group, table), new, copy
@@ -620,6 +625,13 @@ def cache_blocks(
     num_cached = table.num_cached_block[rid]
     num_hashed = len(request.block_hashes) * state.pool.config.hash_block_size
     num_full = min(num_tokens, num_hashed) // spec.block_size
+    # a prefill checkpoint where hits may end inside a block (kvpool.model.mamba_fine_reserve)
+    fine_checkpoint = (
+        spec.mamba_align
+        and rid in table.align.checkpoints
+        and spec.block_size > state.pool.config.hash_block_size
+    )
+    recorded: tuple[int, int] | None = None
     if num_cached < num_full:
         mask = None
         if spec.attention is AttentionType.SLIDING_WINDOW and retention_interval is not None:
@@ -655,14 +667,35 @@ def cache_blocks(
             mask,
         )
         table = replace(table, num_cached_block={**table.num_cached_block, rid: num_full})
-        if spec.mamba_align:
+        if fine_checkpoint:
+            # noted after the checkpoint's keys (kvpool.model.mamba_fine_reserve), as vLLM
+            # 0.33.0's MambaManager.cache_blocks notes them after _cache_partial_tail_block
+            recorded = (num_cached, num_full)
+        elif spec.mamba_align:
             blocks = table.req_to_blocks[rid]
             tables = align_mode.record_cached(
                 pool, table.align, group, rid, blocks, num_cached, num_full
             )
             table = replace(table, align=tables)
         state = _with_table(replace(state, pool=pool), group, table)
-    if spec.mamba_align and rid in state.tables[group].align.checkpoints:
+    if fine_checkpoint:
+        table = state.tables[group]
+        blocks = table.req_to_blocks[rid]
+        pool, tables = fine_reserve.cache_checkpoint(
+            state.pool,
+            table.align,
+            group,
+            spec.block_size,
+            cache_request(request),
+            rid,
+            blocks,
+            request.num_prompt_tokens,
+            request.shared_prefix_boundary,
+        )
+        if recorded is not None:
+            tables = align_mode.record_cached(pool, tables, group, rid, blocks, *recorded)
+        state = _with_table(replace(state, pool=pool), group, replace(table, align=tables))
+    elif spec.mamba_align and rid in state.tables[group].align.checkpoints:
         table = state.tables[group]
         pool, tables = reserve.cache_checkpoint(
             state.pool,

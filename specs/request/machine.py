@@ -331,7 +331,8 @@ def mamba_aligned_chunk(
     if start >= prefill_end:
         return num_new
     end = start + num_new
-    position = checkpoint_position(prefill_end, block_size)
+    # with hits inside a Mamba block the checkpoint is on a hash-block boundary
+    position = checkpoint_position(prefill_end, hash_block_size if partial_hits else block_size)
     internal = (
         checkpoint_alignment > 0
         and end >= prefill_end
@@ -416,7 +417,8 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
         """Build the model and the target; the first requests arrive.
 
         ``reserve`` is a Mamba "align" group's (speculative blocks, checkpoint alignment in
-        blocks) (``kvpool.model.mamba_reserve``).
+        blocks) (``kvpool.model.mamba_reserve``); on ``MAMBA_FINE_LAYOUTS`` with caching on,
+        the checkpoint alignment in hash blocks.
 
         With context parallelism (``cp``: decode and prefill world sizes; full-attention
         layouts only) requests are hashed in blocks of ``hbs`` times the decode world
@@ -439,8 +441,24 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
             specs = layout_specs(
                 layout, hbs // dcp * factor, window, chunk_blocks, MAX_MODEL_LEN, hbs
             )
-        if not layout.startswith(("wide_", "hash_")) and layout not in MAMBA_ALIGN_DCP_LAYOUTS:
+        if (
+            not layout.startswith(("wide_", "hash_", "pair_"))
+            and layout not in MAMBA_ALIGN_DCP_LAYOUTS
+        ):
             specs = reserving(specs, *reserve)  # reserved blocks: one block size only
+        elif layout in MAMBA_FINE_LAYOUTS and caching and factor > 1 and reserve != (0, 0):
+            # hits inside a Mamba block: checkpoints on hash-block boundaries, ``reserve[1]``
+            # hash blocks apart (kvpool.model.mamba_fine_reserve)
+            specs = tuple(
+                replace(
+                    s,
+                    num_speculative_blocks=reserve[0],
+                    prefill_checkpoint_alignment=reserve[1] * hbs,
+                )
+                if s.mamba_align
+                else s
+                for s in specs
+            )
         if eagle_hybrids:
             # vLLM 0.33's chunked-local finder cannot drop EAGLE's block (kvpool.model.eagle)
             eagle = eagle and not (caching and "chunked_local" in layout)
@@ -1010,8 +1028,9 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
         if not self.checkpoint_alignment:
             return
         size = self.block_sizes[group]
-        position = checkpoint_position(computed, size)
         every, hbs = self.checkpoint_alignment, self.setup.hash_block_size
+        # with hits inside a Mamba block the checkpoint is on a hash-block boundary
+        position = checkpoint_position(computed, hbs if self.mamba_fine else size)
         if not checkpoint_valid(start, computed, position, size, every, hbs):
             return
         column = -(-computed // size) - 2

@@ -346,4 +346,6 @@ class ManagerTargetSpec:
     True needs ``ManagerTargetScheduler`` and its ``allocate_slots``' further arguments)."""
     mamba_reserves: tuple[tuple[int, int], ...] = ((0, 0),)
     """The (speculative blocks, prefill checkpoint alignment in blocks) a Mamba "align"
-    group is drawn with (``kvpool.model.mamba_reserve``; (0, 0): neither)."""
+    group is drawn with (``kvpool.model.mamba_reserve``; (0, 0): neither). On
+    ``MAMBA_FINE_LAYOUTS`` with caching on: the alignment in hash blocks
+    (``kvpool.model.mamba_fine_reserve``)."""

@@ -27,7 +27,6 @@ from kvpool.model.single_type import (
     KVCacheSpec,
     full_attention,
     mamba_align,
-    mamba_reserving,
     sliding_window,
 )
 from kvpool.specs.request.check import run_request_conformance
@@ -55,11 +54,6 @@ def _rejected(specs: tuple[KVCacheSpec, ...], match: str, **kwargs: Any) -> None
 
 def test_invalid_fine_align_group_alone() -> None:
     _rejected((mamba_align(12),), "as the only group")
-
-
-def test_invalid_fine_align_group_with_reserved_blocks() -> None:
-    _rejected((full_attention(4), mamba_reserving(12, 1, 0)), "speculative or prefill checkpoint")
-    _rejected((full_attention(4), mamba_reserving(12, 0, 12)), "speculative or prefill checkpoint")
 
 
 def test_invalid_fine_align_group_beside_other_groups() -> None:

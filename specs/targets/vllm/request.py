@@ -872,8 +872,10 @@ def mamba_fine_scope(factory: VllmManagerFactory | None = None) -> ManagerTarget
     full attention of one or two hash blocks beside a Mamba block of two to four hash
     blocks, caching on (off: blocks of one hash block), events on and off, the scheduler's
     further calls (the connector's per-group lookup, the copies, the producer's partial tail
-    among them). Not in ``VLLM_SCOPE``: the machine drives it with the scheduler's chunks
-    (stopping at the prompt's partial boundary) and no drafts."""
+    among them), with and without prefill checkpoint blocks one or two hash blocks apart,
+    speculative blocks, or both (``kvpool.model.mamba_fine_reserve``). Not in
+    ``VLLM_SCOPE``: the machine drives it with the scheduler's chunks (stopping at the
+    prompt's partial boundary) and no drafts."""
     from kvpool.model import DEFAULT_PROFILE
     from kvpool.specs.request.target import MAMBA_FINE_LAYOUTS
 
@@ -885,6 +887,9 @@ def mamba_fine_scope(factory: VllmManagerFactory | None = None) -> ManagerTarget
         block_factors=(2, 3, 4),
         min_window=2,
         scheduler_calls=True,
+        # checkpoints 1 or 2 hash blocks apart on these layouts (specs.request.machine),
+        # 1 or 2 speculative blocks, both
+        mamba_reserves=((0, 0), (0, 0), (0, 0), (0, 1), (0, 2), (1, 0), (2, 0), (1, 1)),
     )
 
 
