@@ -132,7 +132,12 @@ def test_a_program_announcing_last_rounds_features_is_drawn_them() -> None:
     # a target of such a program forwards a KV connector's loads
     manager = CmdManagerTarget(scope, ManagerSetup(4, (full_attention(1),), 8, 1), 0)
     sent: list[tuple[str, dict[str, Any]]] = []
-    scope.request = lambda op, args: sent.append((op, args)) or [[1]]  # type: ignore[method-assign]
+
+    def answer(op: str, args: dict[str, Any]) -> Any:
+        sent.append((op, args))
+        return [[1]]
+
+    scope.request = answer  # type: ignore[method-assign]
     request = new_request("a", [1, 2, 3], 1)
     assert manager.allocate_slots(request, 1, 0, None, 0, False, False, 2, 1, (0,)) == ((1,),)
     assert {k: sent[0][1][k] for k in CONNECTOR_FIELDS} == {
