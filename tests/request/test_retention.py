@@ -328,6 +328,14 @@ MACHINES: dict[str, Callable[[], type]] = {
         scheduler_calls=True,
         in_flight=(None, 3),
     ),
+    # per-group EAGLE flags: replay boundaries are the manager's EAGLE, not the group's
+    "impl-eagle-flags": lambda: manager_machine(
+        ImplManagerTarget,
+        layouts=SPARSE_LAYOUTS,
+        retentions=(0, 1, 2),
+        eagle_hybrids=True,
+        eagle_flags=True,
+    ),
     # the model as a target: the machine's own bookkeeping under sparse retention
     "model": lambda: manager_machine(
         ModelManagerTarget, layouts=SPARSE_LAYOUTS, retentions=(0, 1), level=2
