@@ -368,6 +368,7 @@ class KVCacheManager:
         for manager, eagle_group in zip(self.managers, eagle_flags, strict=True):
             manager.use_eagle = eagle_group
             manager.retention_interval = retention
+            manager.replay_eagle = use_eagle  # per-group flags aside (kvpool.impl.retention)
             if isinstance(manager, MambaAlignManager):
                 manager.hybrid = len(specs) > 1
             # sliding-window groups cache only what hits at these multiples can use

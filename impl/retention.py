@@ -49,12 +49,22 @@ def check_retention(interval: object, specs: Sequence[KVCacheSpec], scheduler: i
 
 
 def boundaries(
-    prompt_len: int, scheduler: int, eagle: bool, shared: int, block_size: int
+    prompt_len: int,
+    scheduler: int,
+    eagle: bool,
+    shared: int,
+    block_size: int,
+    replay_eagle: bool | None = None,
 ) -> list[int]:
     """The token positions whose window the group keeps: where a replay of the prompt resumes
     (with EAGLE, the resend's and the extension's, each a scheduler block back), and the
-    scheduler's shared-prefix junction (with EAGLE also one block before it)."""
-    if eagle:
+    scheduler's shared-prefix junction (with EAGLE also one block before it).
+
+    The replay positions follow the manager's EAGLE (``replay_eagle``: any group drops
+    EAGLE's block, as vLLM 0.33's coordinator passes ``use_eagle=bool(drop_eagle_group_ids)``
+    in ``vllm/v1/core/kv_cache_coordinator.py``), the junction's extra block this group's
+    (``eagle``); None: the group's for both."""
+    if eagle if replay_eagle is None else replay_eagle:
         resend = (prompt_len - 1) // scheduler * scheduler - scheduler
         extension = prompt_len // scheduler * scheduler - scheduler
         found = sorted({resend if resend > 0 else 0, extension if extension > 0 else 0})

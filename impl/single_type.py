@@ -89,6 +89,9 @@ class SingleTypeKVCacheManager:
         self.retention_interval: int | None = None
         """vLLM 0.33's ``prefix_cache_retention_interval`` (None: dense; the manager sets it;
         only sliding-window groups act on it: ``kvpool.impl.retention``)."""
+        self.replay_eagle: bool | None = None
+        """Whether any of the manager's groups drops EAGLE's block (the manager sets it):
+        sparse retention's replay boundaries follow it, not this group's flag."""
 
     # ------------------------------------------------------------------
 
@@ -368,6 +371,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
                     self.use_eagle,
                     shared_prefix_boundary(request),
                     self.block_size,
+                    self.replay_eagle,
                 ),
             )
         if alignment == self.block_size:

@@ -102,10 +102,26 @@ FEATURES: dict[str, str] = {
     "eagle_hybrids": "use_eagle on every layout vLLM 0.33 runs EAGLE on, hybrids included",
     "context_parallel": "setups may carry dcp_world_size and pcp_world_size (and group specs "
     "dcp_sharded)",
+    "sparse_retention": "setups may carry retention_interval (vLLM 0.33's "
+    "prefix_cache_retention_interval, in tokens) and requests shared_prefix_boundary "
+    "(needs fine_grained)",
+    "connector_loads": "allocate_slots may carry a KV connector's num_external_computed_tokens, "
+    "reserved_blocks and skip_zeroing_group_ids (needs scheduler_calls)",
+    "eagle_flags": "setups may carry eagle_groups: the groups flagged as EAGLE's (vLLM 0.33's "
+    "per-group is_eagle_group)",
 }
 """The optional features a request-layer target may announce in hello's ``features``, and
 what each lets the kit send it. A target is never sent what it does not announce; a name
 the kit does not know is ignored, so a program may announce features of a later kit."""
+
+FEATURE_NEEDS: dict[str, str] = {
+    "sparse_retention": "fine_grained",
+    "connector_loads": "scheduler_calls",
+}
+"""A feature asked only with another: sparse retention's requests carry the shared-prefix
+boundary of ``get_computed_blocks_with_boundary`` (a fine-grained call), and a KV connector's
+loads come with the rest of the scheduler's calls (``kvpool.specs.request.machine``). A hello
+announcing one without the other is refused: the feature would silently never be asked."""
 
 MAX_FEATURES = 64
 """The most names hello's ``features`` may list (each at most ``MAX_FEATURE_NAME`` long)."""
@@ -327,6 +343,13 @@ def encode_request(request: Request) -> Json:
         "skip_reading_prefix_cache": request.skip_reading_prefix_cache,
         "seed_hash": encode_hash(request.seed_hash),
         "block_hashes": [encode_hash(h) for h in request.block_hashes],
+        # sparse retention's shared-prefix boundary (feature sparse_retention): written only
+        # when the scheduler noted one, so that other requests encode as they did
+        **(
+            {"shared_prefix_boundary": request.shared_prefix_boundary}
+            if request.shared_prefix_boundary
+            else {}
+        ),
     }
 
 
@@ -372,6 +395,9 @@ def decode_request(value: Json) -> Request:
         seed_hash=NONE_HASH if seed is None else decode_hash(seed),
         prompt_embeds=tuple(
             decode_hash(e) for e in _list(obj.get("prompt_embeds", []), "prompt_embeds")
+        ),
+        shared_prefix_boundary=_bounded(
+            obj.get("shared_prefix_boundary", 0), "shared_prefix_boundary", MAX_TOKENS
         ),
     )
 
@@ -563,10 +589,14 @@ def encode_args(op: str, *args: Any) -> dict[str, Json]:
     return {}
 
 
+CONNECTOR_ARGUMENTS = ("num_external_computed_tokens", "reserved_blocks", "skip_zeroing_group_ids")
+"""A KV connector's ``allocate_slots`` arguments (feature ``connector_loads``)."""
+
+
 def _connector_arguments(args: Mapping[str, Json]) -> dict[str, Any]:
     """A KV connector's ``allocate_slots`` arguments in ``args``, those set only."""
     chosen: dict[str, Any] = {}
-    for name in ("num_external_computed_tokens", "reserved_blocks"):
+    for name in CONNECTOR_ARGUMENTS[:2]:
         if name in args:
             chosen[name] = _int(args.get(name), name)
     if "skip_zeroing_group_ids" in args:

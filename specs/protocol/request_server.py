@@ -9,6 +9,7 @@ Its hello announces the optional features (``request_codec.FEATURES``) the
 target has, found by probing it (``probe_features``), or those it is told.
 """
 
+import inspect
 from collections.abc import Sequence
 from typing import IO
 
@@ -16,6 +17,8 @@ from kvpool.model import PROFILES, PoolError
 from kvpool.model.single_type import full_attention, sliding_window
 from kvpool.specs.protocol.codec import Json, ProtocolError
 from kvpool.specs.protocol.request_codec import (
+    CONNECTOR_ARGUMENTS,
+    FEATURE_NEEDS,
     FEATURES,
     LAYER,
     REQUEST_PROTOCOL_VERSION,
@@ -66,6 +69,10 @@ PROBES: dict[str, ManagerSetup] = {
     "context_parallel": ManagerSetup(
         4, (full_attention(1),), 8, 2, dcp_world_size=2, pcp_world_size=2
     ),
+    "sparse_retention": ManagerSetup(4, (sliding_window(1, 2),), 8, 1, retention_interval=0),
+    "eagle_flags": ManagerSetup(
+        4, (full_attention(1), sliding_window(1, 2)), 8, 1, use_eagle=True, eagle_groups=(0,)
+    ),
 }
 """A setup that needs each feature a factory announces by taking it (``probe_features``)."""
 
@@ -74,7 +81,8 @@ def probe_features(make_target: ManagerFactory) -> tuple[str, ...]:
     """The optional features a Python manager factory has, in ``FEATURES``' order.
 
     Calls are features when its targets have the methods (``fine_grained``:
-    ``take_kv_cache_block_copies``; ``scheduler_calls``: ``pop_blocks_for_free``);
+    ``take_kv_cache_block_copies``; ``scheduler_calls``: ``pop_blocks_for_free``;
+    ``connector_loads``: with those, an ``allocate_slots`` taking ``CONNECTOR_ARGUMENTS``);
     setup fields are when the factory builds a setup that needs them
     (``PROBES``) instead of refusing it. A factory that takes such a setup and
     ignores the field is then checked on it, and diverges.
@@ -87,6 +95,9 @@ def probe_features(make_target: ManagerFactory) -> tuple[str, ...]:
         "scheduler_calls": callable(getattr(probe, "pop_blocks_for_free", None))
         and bool(getattr(probe, "answers_scheduler_calls", True)),
     }
+    # a KV connector's loads are allocate_slots' further arguments, asked with the scheduler
+    # calls only (kvpool.specs.request.machine.ConnectorLoadsMachine)
+    found["connector_loads"] = _takes_connector_loads(probe)
     for feature, setup in PROBES.items():
         try:
             make_target(setup)
@@ -94,7 +105,18 @@ def probe_features(make_target: ManagerFactory) -> tuple[str, ...]:
             found[feature] = False
         else:
             found[feature] = True
+    for feature, needed in FEATURE_NEEDS.items():  # asked only with what it needs
+        found[feature] = found.get(feature, False) and found.get(needed, False)
     return tuple(f for f in FEATURES if found.get(f, False))
+
+
+def _takes_connector_loads(target: ManagerTarget) -> bool:
+    """Whether ``target.allocate_slots`` takes a KV connector's arguments by name."""
+    try:
+        parameters = inspect.signature(target.allocate_slots).parameters
+    except (TypeError, ValueError):  # no signature to read: not announced
+        return False
+    return all(name in parameters for name in CONNECTOR_ARGUMENTS)
 
 
 class RequestServer:

@@ -328,6 +328,14 @@ MACHINES: dict[str, Callable[[], type]] = {
         scheduler_calls=True,
         in_flight=(None, 3),
     ),
+    # per-group EAGLE flags: replay boundaries are the manager's EAGLE, not the group's
+    "impl-eagle-flags": lambda: manager_machine(
+        ImplManagerTarget,
+        layouts=SPARSE_LAYOUTS,
+        retentions=(0, 1, 2),
+        eagle_hybrids=True,
+        eagle_flags=True,
+    ),
     # the model as a target: the machine's own bookkeeping under sparse retention
     "model": lambda: manager_machine(
         ModelManagerTarget, layouts=SPARSE_LAYOUTS, retentions=(0, 1), level=2
@@ -380,3 +388,25 @@ def test_the_interval_round_trips_through_both_setup_codecs() -> None:
         encoded = request_scenarios.encode_setup(setup)
         assert ("retention_interval" in encoded) == (interval is not None)
         assert request_scenarios.decode_setup(encoded) == setup
+
+
+def test_replay_boundaries_follow_the_managers_eagle_not_the_groups_flag() -> None:
+    """EAGLE flagged on the full-attention group only: the window group does not drop a
+    block, yet its replay boundaries are EAGLE's (vLLM 0.33's coordinator passes
+    ``use_eagle=bool(drop_eagle_group_ids)`` to every group's ``cache_blocks``). Found by
+    the request protocol's ``eagle_flags`` and ``sparse_retention`` features over ``cmd:``."""
+    specs = (full_attention(2), sliding_window(2, 1))
+    model = mm.new_kv_cache_manager(
+        9, specs, 16, hash_block_size=1, use_eagle=True, retention_interval=0, eagle_groups=[0]
+    )
+    impl_eagle = KVCacheManager(
+        KVCacheConfig(9, specs, 0, eagle_groups=(0,)), 16, hash_block_size=1, use_eagle=True
+    )
+    request = new_request("r0", [1, 2, 2, 1, 1, 2, 1, 2, 2, 2, 1, 1], 1)
+    model, new = mm.allocate_slots(model, request, 8)
+    answer = impl_eagle.allocate_slots(request, 8)
+    assert new is not None and answer is not None
+    assert tuple(tuple(g) for g in answer.get_block_ids()) == new
+    # the window's block ending at token 8 (the resend's boundary, one block back) is kept
+    assert (request.block_hashes[7], 1) in model.managers.pool.cached
+    assert impl_eagle.snapshot() == model

@@ -64,6 +64,10 @@ FEATURE_SCOPES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
         {"context_parallel": ((1, 1), (2, 1), (1, 2), (2, 2))},
         {"context_parallel": ((1, 1),)},
     ),
+    # those drawn for kvpool's own targets, as above (registry.RETENTIONS)
+    "sparse_retention": ({"retentions": (None, None, 0, 1, 2)}, {"retentions": (None,)}),
+    "connector_loads": ({"connector_loads": True}, {"connector_loads": False}),
+    "eagle_flags": ({"eagle_flags": True}, {"eagle_flags": False}),
 }
 """For each optional feature of the protocol (``request_codec.FEATURES``), the
 ``ManagerTargetSpec`` fields a program that announces it is checked with, and those of one
@@ -148,6 +152,14 @@ def _check_hello(hello: dict[str, Json]) -> dict[str, Json]:
             f"hello: features must be a list of at most {codec.MAX_FEATURES} names "
             f"(among {', '.join(codec.FEATURES)}), got {features!r:.200}"
         )
+    # a feature asked only with another (codec.FEATURE_NEEDS): alone, never asked
+    announced = {*features, *(("fine_grained",) if hello.get("fine_grained") else ())}
+    for feature, needed in codec.FEATURE_NEEDS.items():
+        if feature in announced and needed not in announced:
+            raise SessionFailure(
+                f"hello: feature {feature} needs {needed} (it is asked with {needed}'s "
+                "calls); announce both or neither"
+            )
     return hello
 
 
@@ -379,9 +391,17 @@ class CmdManagerTarget:
         num_lookahead_tokens: int = 0,
         delay_cache_blocks: bool = False,
         full_sequence_must_fit: bool = False,
+        num_external_computed_tokens: int = 0,
+        reserved_blocks: int = 0,
+        skip_zeroing_group_ids: Sequence[int] = (),
     ) -> Blocks | None:
         if full_sequence_must_fit and not self.factory.scheduler_calls:
             raise RuntimeError("full_sequence_must_fit asked of a program that did not announce it")
+        loads = num_external_computed_tokens or reserved_blocks or skip_zeroing_group_ids
+        if loads and "connector_loads" not in self.factory.features:
+            raise RuntimeError(
+                "a KV connector's loads asked of a program that did not announce them"
+            )
         result: Blocks | None = self._call(
             "allocate_slots",
             request,
@@ -391,6 +411,9 @@ class CmdManagerTarget:
             num_lookahead_tokens,
             delay_cache_blocks,
             full_sequence_must_fit,
+            num_external_computed_tokens,
+            reserved_blocks,
+            tuple(skip_zeroing_group_ids),
         )
         return result
 
