@@ -291,15 +291,16 @@ def test_impl_matches_model_step_by_step(
         run_step(data, pair, groups)
 
 
+@pytest.mark.parametrize("batch", [False, True])
 @pytest.mark.parametrize("events", [False, True])
 @pytest.mark.parametrize("group", [0, 1])
-def test_get_new_blocks_of_one_evicts_each_kind_of_cached_block_like_the_model(
-    events: bool, group: int
+def test_get_new_blocks_evicts_each_kind_of_cached_block_like_the_model(
+    batch: bool, events: bool, group: int
 ) -> None:
-    """``get_new_blocks(1)`` (a decode step) evicts on its own path. Three cached blocks
-    at the front of the queue, taken one at a time: one whose key another block shares
-    (the key stays with that block), that other block, and one with a partial key beside
-    its primary key (every key goes)."""
+    """``get_new_blocks`` evicts on paths of its own for one block (a decode step) and for
+    several with events off. Three cached blocks at the front of the queue, taken one at a
+    time or together: one whose key another block shares (the key stays with that block),
+    that other block, and one with a partial key beside its primary key (every key goes)."""
     config = model.PoolConfig(
         num_blocks=5, enable_caching=True, hash_block_size=1, enable_events=events
     )
@@ -323,8 +324,12 @@ def test_get_new_blocks_of_one_evicts_each_kind_of_cached_block_like_the_model(
         lambda s: model.free_blocks(s, [1, 2, 3, 4]),
         lambda p: p.free_blocks([p.blocks[i] for i in (1, 2, 3, 4)]),
     )
-    for expected in (4, 1, 2, 3):  # block 4 has no key: freed to the front
-        taken = pair.step(lambda s: model.get_new_blocks(s, 1), lambda p: p.get_new_blocks(1), _ids)
-        assert taken == (expected,)
+    # Block 4 has no key: freed to the front.
+    for expected in [(4,), (1, 2, 3)] if batch else [(4,), (1,), (2,), (3,)]:
+        n = len(expected)
+        taken = pair.step(
+            lambda s, n=n: model.get_new_blocks(s, n), lambda p, n=n: p.get_new_blocks(n), _ids
+        )
+        assert taken == expected
     if events:
         pair.step(model.take_events, lambda p: tuple(p.take_events()))
