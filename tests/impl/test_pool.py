@@ -289,12 +289,12 @@ class Count(int):
     """An int of a subclass (as an IntEnum or a numpy-free wrapper would pass)."""
 
 
-def test_cache_full_blocks_and_get_cached_block_take_ints_of_a_subclass() -> None:
-    # Both run again on plain ints when handed a subclass (impl/pool.py): same result.
+def test_get_new_blocks_cache_full_blocks_and_get_cached_block_take_ints_of_a_subclass() -> None:
+    # All three run again on plain ints when handed a subclass (impl/pool.py): same result.
     pool = BlockPool(6, True, 1, enable_kv_cache_events=True)
     plain = BlockPool(6, True, 1, enable_kv_cache_events=True)
     for target, n in ((pool, Count), (plain, int)):
-        blocks = target.get_new_blocks(3)
+        blocks = target.get_new_blocks(n(3))
         target.cache_full_blocks(REQ, blocks, n(0), n(3), n(1), n(2), [True, False, True])
         assert ids(target.get_cached_block(b"h2", [n(2)])) == [blocks[2].block_id]
         assert_rejected(target, InvalidGroup, target.get_cached_block, b"h2", [n(-1)])
