@@ -18,6 +18,7 @@ from mypy_extensions import mypyc_attr
 
 from kvpool.impl.block import KVCacheBlock
 from kvpool.impl.pool import BlockPool
+from kvpool.impl.retention import align_retention_mask, boundaries, shared_prefix_boundary
 from kvpool.impl.single_type import (
     MambaManager,
     SingleTypeKVCacheManager,
@@ -169,6 +170,29 @@ class MambaAlignManager(MambaManager):
         key = block._primary_key()
         if key is not None:
             self.cached_blocks_this_step.add(key)
+
+    def _cache_mask(self, request: Any, first: int, stop: int) -> list[bool] | None:
+        """Under sparse retention the states ``kvpool.impl.retention.align_retention_mask``
+        keeps (None, every state, when dense)."""
+        interval = self.retention_interval
+        if interval is None:
+            return None
+        alignment = self.cache_hit_alignment_tokens
+        return align_retention_mask(
+            first,
+            stop,
+            alignment,
+            self.block_size,
+            interval,
+            boundaries(
+                num_prompt_tokens(request),
+                alignment,
+                self.use_eagle,
+                shared_prefix_boundary(request),
+                self.block_size,
+                self.replay_eagle,
+            ),
+        )
 
     def _cache_and_offer(self, request: Any, num_tokens: int) -> list[KVCacheBlock]:
         """Cache the request's full blocks; note each newly keyed one as cached this step and

@@ -14,7 +14,7 @@ from kvpool.model.single_type import AttentionType, KVCacheSpec
 
 def check_retention(interval: object, specs: Sequence[KVCacheSpec], scheduler: int) -> None:
     """InvalidManagerConfig unless vLLM 0.33 takes ``interval`` for these groups and kvpool
-    models it (not beside a Mamba "align" group). vLLM's own tests
+    models it (not beside a Mamba "align" group with prefill checkpoint blocks). vLLM's own tests
     (tests/v1/core/test_prefix_caching.py) match these messages' words: keep "no
     sliding-window or Mamba", "non-negative" and "multiple of scheduler_block_size"."""
     if interval is None:
@@ -41,10 +41,10 @@ def check_retention(interval: object, specs: Sequence[KVCacheSpec], scheduler: i
             f"multiple of scheduler_block_size ({scheduler})"
         )
     for spec in thinned:
-        if spec.mamba_align:
+        if spec.mamba_align and spec.prefill_checkpoint_alignment:
             raise InvalidManagerConfig(
                 f"prefix_cache_retention_interval={interval}: sparse retention of Mamba "
-                '"align" states is not modelled'
+                '"align" prefill checkpoints is not modelled'
             )
 
 
@@ -125,3 +125,27 @@ def shared_prefix_boundary(request: object) -> int:
     if value < 0:
         raise InvalidTokenCount(f"shared_prefix_boundary={value} is negative")
     return value
+
+
+def align_retention_mask(
+    first: int, stop: int, alignment: int, block_size: int, interval: int, ends: Sequence[int]
+) -> list[bool] | None:
+    """Which blocks ``first..stop`` a Mamba "align" group caches under sparse retention
+    (None: all): each ``interval`` segment's last block (none when ``interval`` is 0;
+    every block when a segment is one block or less), and the block ending at each of
+    ``ends`` rounded down to ``alignment``."""
+    mask = [False] * (stop - first)
+    if interval:
+        per_segment = interval // block_size
+        if per_segment <= 1:
+            return None
+        i = (first + per_segment) // per_segment * per_segment - 1
+        while i < stop:
+            mask[i - first] = True
+            i += per_segment
+    for end_token in ends:
+        last = end_token - end_token % alignment
+        last = last // block_size - 1
+        if first <= last < stop:
+            mask[last - first] = True
+    return mask

@@ -14,9 +14,10 @@ Sources (vLLM 0.33.0): ``_validate_prefix_cache_retention_interval`` and
 ``SingleTypeKVCacheManager.cache_blocks`` and
 ``SlidingWindowManager.reachable_block_mask`` in
 ``vllm/v1/core/single_type_kv_cache_manager.py``. Mamba "align" groups thin
-their state snapshots too; kvpool does not model that (the constructors refuse:
-``kvpool.model.retention_config``). Plain numbers only, so the single-type managers
-can use them.
+their state snapshots too (``mamba_align_retention_mask``, after
+``MambaManager.reachable_block_mask`` there), not beside EAGLE nor with prefill
+checkpoint blocks (the constructors refuse those: ``kvpool.model.retention_config``).
+Plain numbers only, so the single-type managers can use them.
 """
 
 from collections.abc import Sequence
@@ -108,4 +109,45 @@ def sliding_window_retention_mask(
         end = boundary // alignment * alignment // block_size + shift
         for i in range(max(start_block, end - need), min(end_block, end)):
             keep[i - start_block] = True
+    return tuple(keep)
+
+
+def mamba_align_retention_mask(
+    start_block: int,
+    end_block: int,
+    alignment: int,
+    block_size: int,
+    interval: int,
+    boundaries: Sequence[int],
+) -> tuple[bool, ...] | None:
+    """Which of blocks ``start_block..end_block`` a Mamba "align" group caches under a
+    retention ``interval`` (not None) and the ``boundaries`` it must stay reachable at
+    (None: every block).
+
+    A Mamba hit needs only the one state block ending on the hit, so a group keeps
+    the last block of every ``interval``-token segment (every block when a segment
+    is one block or less; none when ``interval`` is 0) and the block ending at each
+    boundary rounded down to ``alignment`` (none for a boundary below one block).
+
+    >>> mask = mamba_align_retention_mask(0, 8, 16, 16, 64, (95,))
+    >>> [i for i, kept in enumerate(mask) if kept]
+    [3, 4, 7]
+    >>> mask = mamba_align_retention_mask(0, 8, 16, 16, 0, (95, 32))
+    >>> [i for i, kept in enumerate(mask) if kept]
+    [1, 4]
+    >>> mamba_align_retention_mask(0, 8, 16, 16, 16, ()) is None
+    True
+    """
+    keep = [False] * (end_block - start_block)
+    if interval > 0:
+        per_segment = interval // block_size
+        if per_segment <= 1:
+            return None
+        for i in range(start_block, end_block):
+            if (i + 1) % per_segment == 0:
+                keep[i - start_block] = True
+    for boundary in boundaries:
+        last = boundary // alignment * alignment // block_size - 1
+        if start_block <= last < end_block:
+            keep[last - start_block] = True
     return tuple(keep)

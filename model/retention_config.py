@@ -18,7 +18,9 @@ def verify_retention_interval(
     As vLLM 0.33 checks it: any interval but ``None`` and ``0`` needs a
     sliding-window or Mamba group (nothing else is sparsified); then it must
     be non-negative and a multiple of ``scheduler_block_size``. A Mamba "align"
-    group under sparse retention is not modelled. vLLM's own tests match the
+    group with prefill checkpoint blocks under sparse retention is not modelled
+    (vLLM 0.33 reserves its checkpoints by the prefill's end under retention 0 and
+    keys them against the retention mask). vLLM's own tests match the
     message's words ("no sliding-window or Mamba", "non-negative", "multiple
     of scheduler_block_size"), so they are kept.
 
@@ -51,9 +53,9 @@ def verify_retention_interval(
             f"prefix_cache_retention_interval={interval} must be non-negative and a "
             f"multiple of scheduler_block_size ({scheduler_block_size})"
         )
-    # Verify that no Mamba "align" group would thin its states (not modelled)
-    if any(s.mamba_align for s in specs):
+    # Verify that no Mamba "align" group with prefill checkpoints would thin them (not modelled)
+    if any(s.mamba_align and s.prefill_checkpoint_alignment for s in specs):
         raise InvalidManagerConfig(
             f"prefix_cache_retention_interval={interval}: sparse retention of Mamba "
-            '"align" states is not modelled'
+            '"align" prefill checkpoints is not modelled'
         )

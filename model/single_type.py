@@ -49,7 +49,11 @@ from kvpool.model.pool import (
     hashes_at_block_size,
 )
 from kvpool.model.request import Request, cache_request, verify_hash_block_size
-from kvpool.model.retention import reachable_boundaries, sliding_window_retention_mask
+from kvpool.model.retention import (
+    mamba_align_retention_mask,
+    reachable_boundaries,
+    sliding_window_retention_mask,
+)
 from kvpool.model.state import NULL_BLOCK_ID, BlockHash, PoolState
 
 # --------------------------------------------------------------------------
@@ -588,7 +592,9 @@ def cache_blocks(
     (``retention_interval`` not None) it caches only the blocks
     ``retention.sliding_window_retention_mask`` keeps: the segments' tails and
     the windows ending at the ``replay`` boundaries and at the request's
-    ``shared_prefix_boundary``.
+    ``shared_prefix_boundary``; a Mamba "align" group the state blocks
+    ``retention.mamba_align_retention_mask`` keeps (segments' last blocks, the
+    blocks ending at those boundaries).
 
     Complexity: O(number of blocks newly cached).
 
@@ -642,6 +648,17 @@ def cache_blocks(
                 spec.block_size,
                 spec.sliding_window,
                 use_eagle,
+                retention_interval,
+                reachable_boundaries(
+                    replay, request.shared_prefix_boundary, spec.block_size, use_eagle
+                ),
+            )
+        elif spec.mamba_align and retention_interval is not None:
+            mask = mamba_align_retention_mask(
+                num_cached,
+                num_full,
+                mask_alignment or spec.block_size,
+                spec.block_size,
                 retention_interval,
                 reachable_boundaries(
                     replay, request.shared_prefix_boundary, spec.block_size, use_eagle

@@ -295,6 +295,21 @@ def _start_rule(
     return decorate(start)
 
 
+def _align_retains(specs: Sequence[KVCacheSpec], hbs: int, dcp: int, eagle: bool) -> bool:
+    """Whether kvpool models sparse retention on these groups with a Mamba group: every
+    Mamba group in "align" mode, blocks of one hash block, no prefill checkpoint blocks,
+    no context parallelism, no EAGLE (``kvpool.model.retention_config``; the rest refused)."""
+    mamba = [s for s in specs if s.attention is AttentionType.MAMBA]
+    return (
+        not eagle
+        and dcp == 1
+        and all(
+            s.mamba_align and s.block_size == hbs and not s.prefill_checkpoint_alignment
+            for s in mamba
+        )
+    )
+
+
 def mamba_aligned_chunk(
     request: Request,
     start: int,
@@ -424,7 +439,8 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
         layouts only) requests are hashed in blocks of ``hbs`` times the decode world
         size, so that one hash block is a sharded block of ``hbs`` tokens per rank.
         ``retention`` (in scheduler blocks: ``ManagerTargetSpec.retentions``) applies to
-        layouts with a sliding-window group and no Mamba group; the others run dense.
+        layouts with a sliding-window group, or Mamba "align" groups kvpool models under it
+        (``_align_retains``); the others run dense.
         """
         chosen = profile_named(profile)
         dcp, pcp = cp
@@ -477,7 +493,9 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
         if eagle and caching:  # the dropped tail (a scheduler block) holds every re-prefilled token
             lookahead = min(lookahead, default_scheduler_block_size(effective_specs(specs, dcp)))
         kinds = {s.attention for s in specs}
-        if AttentionType.SLIDING_WINDOW not in kinds or AttentionType.MAMBA in kinds:
+        if (AttentionType.MAMBA in kinds and not _align_retains(specs, hbs, dcp, eagle)) or (
+            AttentionType.SLIDING_WINDOW not in kinds and AttentionType.MAMBA not in kinds
+        ):
             retention = None
         interval = (
             None

@@ -6,6 +6,7 @@ vLLM 0.33.0's ``MambaManager`` with ``mamba_cache_mode == "align"``
 """
 
 import random
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -191,13 +192,16 @@ def test_invalid_mamba_spec_parts_not_modelled(field: dict[str, object]) -> None
 
 
 @pytest.mark.parametrize("interval", [0, 32])
-def test_invalid_sparse_retention(interval: int) -> None:
-    """vLLM 0.33 keeps only some boundary states under a retention interval: refused, not
-    ignored."""
+def test_invalid_sparse_retention_with_checkpoint_blocks(interval: int) -> None:
+    """vLLM 0.33 reserves and keys prefill checkpoints by the retention interval too: not
+    modelled, so refused, not ignored (bare "align" groups thin their states:
+    tests/request/test_align_retention.py)."""
     config = SimpleNamespace(
-        num_blocks=8, kv_cache_groups=[mamba_align(4)], prefix_cache_retention_interval=interval
+        num_blocks=8,
+        kv_cache_groups=[replace(mamba_align(4), prefill_checkpoint_alignment=4)],
+        prefix_cache_retention_interval=interval,
     )
-    with pytest.raises(InvalidManagerConfig):
+    with pytest.raises(InvalidManagerConfig, match="prefill checkpoints"):
         KVCacheManager(config, 64)
 
 

@@ -31,7 +31,7 @@ from kvpool.model.retention import (
 from kvpool.model.single_type import (
     KVCacheSpec,
     full_attention,
-    mamba_align,
+    mamba_reserving,
     sliding_window,
 )
 from kvpool.specs.request.machine import manager_machine
@@ -227,8 +227,12 @@ def test_invalid_retention_interval_that_is_no_int(interval: object) -> None:
     _both_refuse(PURE, interval, "must be None or an int", hash_block_size=16)
 
 
-def test_invalid_retention_interval_beside_mamba_align() -> None:
-    _both_refuse([mamba_align(16)], 0, "not modelled", hash_block_size=16)
+def test_invalid_retention_interval_beside_mamba_align_checkpoints() -> None:
+    """Mamba "align" states thin under retention (tests/request/test_align_retention.py);
+    prefill checkpoint blocks beside it are not modelled: refused by name."""
+    spec = mamba_reserving(16, 0, 16)
+    _both_refuse([spec], 0, "prefill checkpoints is not modelled", hash_block_size=16)
+    _both_refuse([spec], 32, "prefill checkpoints is not modelled", hash_block_size=16)
 
 
 def _started(interval: int = 0) -> Both:

@@ -33,6 +33,23 @@ def test_vllm_sparse_retention_conforms_at_level_1() -> None:
     assert report.examples_run >= EXAMPLES
 
 
+def test_vllm_align_retention_conforms_at_level_1() -> None:
+    """Mamba "align" states under every interval drawn sparse (``mamba_align_scope``'s
+    layouts with a bare "align" group or speculative blocks; retention always on)."""
+    from kvpool.specs.request.target import MAMBA_ALIGN_LAYOUTS
+    from kvpool.specs.targets.vllm.request import mamba_align_scope
+
+    scope = replace(
+        mamba_align_scope(),
+        layouts=MAMBA_ALIGN_LAYOUTS,
+        retentions=(0, 0, 1, 2, 3),
+        mamba_reserves=((0, 0), (0, 0), (1, 0), (2, 0)),
+    )
+    report = run_request_conformance(scope, hypothesis_profile="ci", max_examples=EXAMPLES)
+    assert report.conforms, f"{report.failure}\n{report.program}"
+    assert report.examples_run >= EXAMPLES
+
+
 def test_vllm_033_declares_sparse_retention_and_older_releases_do_not() -> None:
     from kvpool.specs.targets.vllm.request import VLLM_SCOPE, VllmManagerFactory
 

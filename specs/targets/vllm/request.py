@@ -841,7 +841,8 @@ def mamba_align_scope(factory: VllmManagerFactory | None = None) -> ManagerTarge
     beside sharded full attention under decode context parallelism, hits on hash blocks
     (``MAMBA_ALIGN_DCP_LAYOUTS``, ``kvpool.model.align_dcp``); the scheduler's further calls,
     the connector's per-group lookup among them. Not in ``VLLM_SCOPE``: the machine drives
-    these layouts with the scheduler's block-aligned chunks and no drafts."""
+    these layouts with the scheduler's block-aligned chunks and no drafts. Sparse retention
+    of the states is drawn too (``kvpool.model.retention.mamba_align_retention_mask``)."""
     from kvpool.model import DEFAULT_PROFILE
     from kvpool.specs.request.target import (
         MAMBA_ALIGN_DCP_LAYOUTS,
@@ -864,6 +865,10 @@ def mamba_align_scope(factory: VllmManagerFactory | None = None) -> ManagerTarge
         # decode world sizes for MAMBA_ALIGN_DCP_LAYOUTS (at least 2 there; the other
         # layouts have a Mamba group and run without context parallelism)
         context_parallel=((2, 1), (4, 1)),
+        # sparse retention of the "align" states (kvpool.model.retention): dense, latest-only,
+        # one to three scheduler blocks; drawn where kvpool models it (no checkpoint blocks,
+        # blocks of one hash block, no context parallelism: specs.request.machine)
+        retentions=(None, None, 0, 0, 1, 2, 3),
     )
 
 
