@@ -18,7 +18,7 @@ from mypy_extensions import mypyc_attr
 
 from kvpool.impl.block import KVCacheBlock
 from kvpool.impl.pool import BlockPool
-from kvpool.impl.retention import align_retention_mask, boundaries, shared_prefix_boundary
+from kvpool.impl.retention import align_retention_mask
 from kvpool.impl.single_type import (
     MambaManager,
     SingleTypeKVCacheManager,
@@ -184,14 +184,7 @@ class MambaAlignManager(MambaManager):
             alignment,
             self.block_size,
             interval,
-            boundaries(
-                num_prompt_tokens(request),
-                alignment,
-                self.use_eagle,
-                shared_prefix_boundary(request),
-                self.block_size,
-                self.replay_eagle,
-            ),
+            self._replay_boundaries(request),
         )
 
     def _cache_and_offer(self, request: Any, num_tokens: int) -> list[KVCacheBlock]:

@@ -18,9 +18,9 @@ from mypy_extensions import mypyc_attr
 
 from kvpool.impl.block import KVCacheBlock
 from kvpool.impl.mamba_fine import MambaFineManager
+from kvpool.impl.mamba_reserve import verify_recorded_checkpoint
 from kvpool.impl.retention import shared_prefix_boundary
 from kvpool.impl.single_type import SingleTypeKVCacheManager, num_prompt_tokens
-from kvpool.model.errors import InvalidBlockRange
 from kvpool.model.single_type import GroupTable, KVCacheSpec
 
 
@@ -80,13 +80,9 @@ class MambaFineReservingManager(MambaFineManager):
     def verify_checkpoint(self, request_id: str) -> None:
         """InvalidBlockRange if the recorded checkpoint lies past the request's table (an
         allocation refused after recording it; vLLM asserts when caching then)."""
-        checkpoint = self._checkpoints.get(request_id)
-        blocks = self.req_to_blocks.get(request_id, [])
-        if checkpoint is not None and checkpoint[1] >= len(blocks):
-            raise InvalidBlockRange(
-                f"the checkpoint at block {checkpoint[1]} lies past the request's "
-                f"{len(blocks)} blocks (its allocation was refused)"
-            )
+        verify_recorded_checkpoint(
+            self._checkpoints.get(request_id), self.req_to_blocks.get(request_id, [])
+        )
 
     def get_num_blocks_to_allocate(
         self, request_id: str, num_tokens: int, new_computed_blocks: Sequence[KVCacheBlock]

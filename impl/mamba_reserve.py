@@ -95,13 +95,9 @@ class MambaReservingManager(MambaAlignManager):
     def verify_checkpoint(self, request_id: str) -> None:
         """InvalidBlockRange if the request's recorded checkpoint lies past its table (an
         allocation refused after recording it; vLLM asserts when caching then)."""
-        checkpoint = self._checkpoints.get(request_id)
-        blocks = self.req_to_blocks.get(request_id, [])
-        if checkpoint is not None and checkpoint[1] >= len(blocks):
-            raise InvalidBlockRange(
-                f"the checkpoint at block {checkpoint[1]} lies past the request's "
-                f"{len(blocks)} blocks (its allocation was refused)"
-            )
+        verify_recorded_checkpoint(
+            self._checkpoints.get(request_id), self.req_to_blocks.get(request_id, [])
+        )
 
     def get_num_blocks_to_allocate(
         self, request_id: str, num_tokens: int, new_computed_blocks: Sequence[KVCacheBlock]
@@ -222,3 +218,15 @@ def admission_blocks(
             manager._checkpoints.pop(request_id, None)
         else:
             manager._checkpoints[request_id] = saved
+
+
+def verify_recorded_checkpoint(
+    checkpoint: tuple[int, int] | None, blocks: Sequence[KVCacheBlock]
+) -> None:
+    """InvalidBlockRange if a recorded checkpoint (position, block index) lies past the
+    request's ``blocks`` (an allocation refused after recording it)."""
+    if checkpoint is not None and checkpoint[1] >= len(blocks):
+        raise InvalidBlockRange(
+            f"the checkpoint at block {checkpoint[1]} lies past the request's "
+            f"{len(blocks)} blocks (its allocation was refused)"
+        )

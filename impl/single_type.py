@@ -162,6 +162,18 @@ class SingleTypeKVCacheManager:
         """Which of the request's blocks ``first..stop`` to cache (None: all)."""
         return None
 
+    def _replay_boundaries(self, request: Any) -> list[int]:
+        """The request's replay boundaries, which sparse retention keeps
+        (``kvpool.impl.retention.boundaries``)."""
+        return boundaries(
+            num_prompt_tokens(request),
+            self.cache_hit_alignment_tokens,
+            self.use_eagle,
+            shared_prefix_boundary(request),
+            self.block_size,
+            self.replay_eagle,
+        )
+
     def free(self, request_id: str) -> None:
         """Release the request's blocks, last first; unknown requests hold nothing."""
         blocks = self.req_to_blocks.pop(request_id, None)
@@ -365,14 +377,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
                 self.kv_cache_spec.sliding_window,
                 self.use_eagle,
                 interval,
-                boundaries(
-                    num_prompt_tokens(request),
-                    alignment,
-                    self.use_eagle,
-                    shared_prefix_boundary(request),
-                    self.block_size,
-                    self.replay_eagle,
-                ),
+                self._replay_boundaries(request),
             )
         if alignment == self.block_size:
             return None
