@@ -40,81 +40,81 @@ def held_hbs2() -> PoolState:
 # --------------------------------------------------------------------------
 
 
-def test_invalid_caching_disabled():
+def test_invalid_caching_disabled() -> None:
     build = lambda: held(4, 2, enable_caching=False)  # noqa: E731
     assert_rejected(build, CachingDisabled, cache_full_blocks, REQ, [1, 2], 0, 2, 1, 0)
 
 
-def test_invalid_negative_group():
+def test_invalid_negative_group() -> None:
     assert_rejected(lambda: held(4, 2), InvalidGroup, cache_full_blocks, REQ, [1, 2], 0, 2, 1, -1)
 
 
-def test_invalid_negative_block_id():
+def test_invalid_negative_block_id() -> None:
     assert_rejected(lambda: held(4, 2), UnknownBlock, cache_full_blocks, REQ, [1, -1], 0, 2, 1, 0)
 
 
-def test_invalid_block_id_equal_to_the_pool_size():
+def test_invalid_block_id_equal_to_the_pool_size() -> None:
     assert_rejected(lambda: held(4, 2), UnknownBlock, cache_full_blocks, REQ, [1, 4], 0, 2, 1, 0)
 
 
-def test_invalid_block_size_not_a_multiple_of_the_hash_block_size():
+def test_invalid_block_size_not_a_multiple_of_the_hash_block_size() -> None:
     assert_rejected(held_hbs2, InvalidBlockSize, cache_full_blocks, REQ, [1, 2], 0, 1, 3, 0)
 
 
-def test_invalid_block_size_smaller_than_the_hash_block_size():
+def test_invalid_block_size_smaller_than_the_hash_block_size() -> None:
     assert_rejected(held_hbs2, InvalidBlockSize, cache_full_blocks, REQ, [1, 2], 0, 1, 1, 0)
 
 
-def test_invalid_block_size_zero():
+def test_invalid_block_size_zero() -> None:
     build = lambda: held(4, 2)  # noqa: E731
     assert_rejected(build, InvalidBlockSize, cache_full_blocks, REQ, [1, 2], 0, 1, 0, 0)
 
 
-def test_invalid_range_with_negative_num_cached_blocks():
+def test_invalid_range_with_negative_num_cached_blocks() -> None:
     build = lambda: held(4, 2)  # noqa: E731
     assert_rejected(build, InvalidBlockRange, cache_full_blocks, REQ, [1, 2], -1, 2, 1, 0)
 
 
-def test_invalid_range_past_the_end_of_the_blocks():
+def test_invalid_range_past_the_end_of_the_blocks() -> None:
     build = lambda: held(4, 2)  # noqa: E731
     assert_rejected(build, InvalidBlockRange, cache_full_blocks, REQ, [1, 2], 0, 3, 1, 0)
 
 
-def test_invalid_mask_shorter_than_the_range():
+def test_invalid_mask_shorter_than_the_range() -> None:
     build = lambda: held(4, 2)  # noqa: E731
     args = (REQ, [1, 2], 0, 2, 1, 0, [True])
     assert_rejected(build, InvalidBlockMask, cache_full_blocks, *args)
 
 
-def test_invalid_mask_longer_than_the_range():
+def test_invalid_mask_longer_than_the_range() -> None:
     build = lambda: held(4, 2)  # noqa: E731
     args = (REQ, [1, 2], 1, 2, 1, 0, [True, True])
     assert_rejected(build, InvalidBlockMask, cache_full_blocks, *args)
 
 
-def test_invalid_more_full_blocks_than_the_request_has_hashes():
+def test_invalid_more_full_blocks_than_the_request_has_hashes() -> None:
     short = CacheRequest(block_hashes=(H0,))
     build = lambda: held(4, 2)  # noqa: E731
     assert_rejected(build, NotEnoughHashes, cache_full_blocks, short, [1, 2], 0, 2, 1, 0)
 
 
-def test_invalid_too_few_hashes_at_a_larger_block_size():
+def test_invalid_too_few_hashes_at_a_larger_block_size() -> None:
     # three size-1 hashes name only one block of size 2
     request = CacheRequest(block_hashes=(H0, H1, H2))
     build = lambda: held(4, 2)  # noqa: E731
     assert_rejected(build, NotEnoughHashes, cache_full_blocks, request, [1, 2], 0, 2, 2, 0)
 
 
-def test_invalid_duplicate_block_in_the_range():
+def test_invalid_duplicate_block_in_the_range() -> None:
     assert_rejected(lambda: held(4, 2), DuplicateBlock, cache_full_blocks, REQ, [1, 1], 0, 2, 1, 0)
 
 
-def test_invalid_caching_a_free_block():
+def test_invalid_caching_a_free_block() -> None:
     assert_rejected(lambda: held(4, 1), BlockNotHeld, cache_full_blocks, REQ, [1, 2], 0, 2, 1, 0)
 
 
-def test_invalid_caching_an_already_cached_full_block():
-    def build():
+def test_invalid_caching_an_already_cached_full_block() -> None:
+    def build() -> PoolState:
         state = held(4, 2)
         state, _ = cache_full_blocks(state, REQ, [1, 2], 1, 2, 1, 0)
         return state
@@ -123,8 +123,8 @@ def test_invalid_caching_an_already_cached_full_block():
     assert_rejected(build, AlreadyCached, cache_full_blocks, REQ, [1, 2], 0, 2, 1, 0)
 
 
-def test_invalid_caching_a_full_block_again_under_another_group():
-    def build():
+def test_invalid_caching_a_full_block_again_under_another_group() -> None:
+    def build() -> PoolState:
         state = held(4, 1)
         state, _ = cache_full_blocks(state, REQ, [1], 0, 1, 1, 0)
         return state
@@ -137,7 +137,7 @@ def test_invalid_caching_a_full_block_again_under_another_group():
 # --------------------------------------------------------------------------
 
 
-def test_caches_the_slice_from_num_cached_to_num_full():
+def test_caches_the_slice_from_num_cached_to_num_full() -> None:
     state, ids = get_new_blocks(new_pool(5), 3)
     state, result = cache_full_blocks(state, REQ, ids, 1, 3, 1, 0)
     assert result is None
@@ -148,33 +148,33 @@ def test_caches_the_slice_from_num_cached_to_num_full():
     assert state.free_queue == (4,)
 
 
-def test_key_carries_the_group_id():
+def test_key_carries_the_group_id() -> None:
     state, _ = cache_full_blocks(held(3, 1), REQ, [1], 0, 1, 1, 2)
     assert dict(state.cached) == {(H0, 2): (1,)}
     assert state.blocks[1].block_hash == (H0, 2)
 
 
-def test_null_blocks_are_skipped():
+def test_null_blocks_are_skipped() -> None:
     state, _ = cache_full_blocks(held(3, 1), REQ, [0, 1], 0, 2, 1, 0)
     assert state.blocks[0] == BlockState()
     assert dict(state.cached) == {(H1, 0): (1,)}
     assert state.blocks[1].hash_num_tokens == 2
 
 
-def test_masked_out_blocks_are_skipped():
+def test_masked_out_blocks_are_skipped() -> None:
     state, ids = get_new_blocks(new_pool(4), 3)
     state, _ = cache_full_blocks(state, REQ, ids, 0, 3, 1, 0, [True, False, True])
     assert dict(state.cached) == {(H0, 0): (1,), (H2, 0): (3,)}
     assert state.blocks[2] == BlockState(ref_cnt=1)
 
 
-def test_mask_is_aligned_with_the_slice_not_the_whole_list():
+def test_mask_is_aligned_with_the_slice_not_the_whole_list() -> None:
     state, ids = get_new_blocks(new_pool(4), 3)
     state, _ = cache_full_blocks(state, REQ, ids, 1, 3, 1, 0, [False, True])
     assert dict(state.cached) == {(H2, 0): (3,)}
 
 
-def test_larger_block_size_uses_the_hash_at_each_blocks_last_boundary():
+def test_larger_block_size_uses_the_hash_at_each_blocks_last_boundary() -> None:
     request = CacheRequest(block_hashes=(b"a", b"b", b"c", b"d", b"e"))
     state, ids = get_new_blocks(new_pool(4, hash_block_size=2), 2)
     state, _ = cache_full_blocks(state, request, ids, 0, 2, 4, 0)
@@ -184,7 +184,7 @@ def test_larger_block_size_uses_the_hash_at_each_blocks_last_boundary():
     assert state.blocks[2].hash_num_tokens == 8
 
 
-def test_second_block_with_an_existing_hash_is_inserted_beside_the_first():
+def test_second_block_with_an_existing_hash_is_inserted_beside_the_first() -> None:
     state, _ = get_new_blocks(new_pool(4), 2)
     state, _ = cache_full_blocks(state, REQ, [2], 0, 1, 1, 0)
     state, _ = cache_full_blocks(state, REQ, [1], 0, 1, 1, 0)
@@ -192,7 +192,7 @@ def test_second_block_with_an_existing_hash_is_inserted_beside_the_first():
     assert state.blocks[1].block_hash == state.blocks[2].block_hash == (H0, 0)
 
 
-def test_empty_range_is_a_no_op_without_event():
+def test_empty_range_is_a_no_op_without_event() -> None:
     state = held(4, 2, enable_events=True)
     after, _ = cache_full_blocks(state, REQ, [1, 2], 2, 2, 1, 0)
     assert after == held(4, 2, enable_events=True)
@@ -200,7 +200,7 @@ def test_empty_range_is_a_no_op_without_event():
     assert after == held(4, 2, enable_events=True)
 
 
-def test_stored_event_describes_the_cached_slice():
+def test_stored_event_describes_the_cached_slice() -> None:
     request = CacheRequest((H0, H1, H2), (7, 8, 9), lora_id=3, lora_name="ad")
     state, ids = get_new_blocks(new_pool(5, enable_events=True), 3)
     state, _ = cache_full_blocks(state, request, ids, 1, 3, 1, 4)
@@ -219,7 +219,7 @@ def test_stored_event_describes_the_cached_slice():
     )
 
 
-def test_stored_event_from_the_first_block_has_no_parent():
+def test_stored_event_from_the_first_block_has_no_parent() -> None:
     request = CacheRequest((b"a", b"b", b"c", b"d"), tuple(range(8)))
     state, ids = get_new_blocks(new_pool(3, hash_block_size=2, enable_events=True), 1)
     state, _ = cache_full_blocks(state, request, ids, 0, 1, 4, 0)
@@ -228,7 +228,7 @@ def test_stored_event_from_the_first_block_has_no_parent():
     )
 
 
-def test_stored_event_parent_at_a_larger_block_size_is_the_previous_blocks_hash():
+def test_stored_event_parent_at_a_larger_block_size_is_the_previous_blocks_hash() -> None:
     request = CacheRequest((b"a", b"b", b"c", b"d"), tuple(range(8)))
     state, ids = get_new_blocks(new_pool(3, hash_block_size=2, enable_events=True), 2)
     state, _ = cache_full_blocks(state, request, ids, 1, 2, 4, 0)
@@ -237,7 +237,7 @@ def test_stored_event_parent_at_a_larger_block_size_is_the_previous_blocks_hash(
     )
 
 
-def test_stored_event_skips_null_and_masked_hashes_but_spans_every_token():
+def test_stored_event_skips_null_and_masked_hashes_but_spans_every_token() -> None:
     request = CacheRequest((H0, H1, H2), (7, 8, 9))
     state, _ = get_new_blocks(new_pool(4, enable_events=True), 2)
     state, _ = cache_full_blocks(state, request, [0, 1, 2], 0, 3, 1, 0, [True, True, False])
@@ -246,7 +246,7 @@ def test_stored_event_skips_null_and_masked_hashes_but_spans_every_token():
     )
 
 
-def test_stored_event_with_every_block_skipped_is_empty():
+def test_stored_event_with_every_block_skipped_is_empty() -> None:
     state = new_pool(3, enable_events=True)
     state, _ = cache_full_blocks(state, REQ, [0], 0, 1, 1, 0)
     assert state.pending_events == (
@@ -255,12 +255,12 @@ def test_stored_event_with_every_block_skipped_is_empty():
     assert dict(state.cached) == {}
 
 
-def test_no_event_when_events_are_disabled():
+def test_no_event_when_events_are_disabled() -> None:
     state, _ = cache_full_blocks(held(3, 1), REQ, [1], 0, 1, 1, 0)
     assert state.pending_events == ()
 
 
-def test_promotes_a_partial_block_removing_its_partial_key_first():
+def test_promotes_a_partial_block_removing_its_partial_key_first() -> None:
     request = CacheRequest((b"a", b"b"), (1, 2, 3, 4))
     run = Run(new_pool(2, hash_block_size=2, enable_events=True))
     (b,) = run.do(get_new_blocks, 1)
@@ -275,21 +275,21 @@ def test_promotes_a_partial_block_removing_its_partial_key_first():
     )
 
 
-def test_a_block_cached_at_a_shorter_prefix_is_re_keyed_at_a_longer_one():
+def test_a_block_cached_at_a_shorter_prefix_is_re_keyed_at_a_longer_one() -> None:
     state, _ = cache_full_blocks(held(3, 1), REQ, [1], 0, 1, 1, 0)
     state, _ = cache_full_blocks(state, REQ, [2, 1], 1, 2, 1, 0)
     assert dict(state.cached) == {(H1, 0): (1,)}
     assert state.blocks[1].hash_num_tokens == 2
 
 
-def test_caching_changes_neither_ref_counts_nor_the_free_queue():
+def test_caching_changes_neither_ref_counts_nor_the_free_queue() -> None:
     state = held(5, 2)
     after, _ = cache_full_blocks(state, REQ, [1, 2], 0, 2, 1, 0)
     assert after.free_queue == state.free_queue
     assert [b.ref_cnt for b in after.blocks] == [b.ref_cnt for b in state.blocks]
 
 
-def test_take_events_drains_what_cache_full_blocks_queued():
+def test_take_events_drains_what_cache_full_blocks_queued() -> None:
     state, _ = cache_full_blocks(held(3, 1, enable_events=True), REQ, [1], 0, 1, 1, 0)
     state, events = take_events(state)
     assert len(events) == 1
@@ -297,7 +297,9 @@ def test_take_events_drains_what_cache_full_blocks_queued():
 
 
 @given(st.integers(1, 4), st.lists(st.binary(min_size=1, max_size=2), max_size=9))
-def test_hashes_at_block_size_takes_the_last_hash_of_each_full_group(factor, hashes):
+def test_hashes_at_block_size_takes_the_last_hash_of_each_full_group(
+    factor: int, hashes: list[bytes]
+) -> None:
     scaled = hashes_at_block_size(hashes, 1, factor)
     assert len(scaled) == len(hashes) // factor
     for i, h in enumerate(scaled):

@@ -21,15 +21,15 @@ from tests.model.helpers import H0, H1, H2, REQ, Run, assert_rejected, cached, h
 # --------------------------------------------------------------------------
 
 
-def test_invalid_negative_block_id():
+def test_invalid_negative_block_id() -> None:
     assert_rejected(lambda: cached(4, 2), UnknownBlock, evict_blocks, {1, -1})
 
 
-def test_invalid_block_id_equal_to_the_pool_size():
+def test_invalid_block_id_equal_to_the_pool_size() -> None:
     assert_rejected(lambda: cached(4, 2), UnknownBlock, evict_blocks, {1, 4})
 
 
-def test_invalid_large_block_id_evicts_none_of_the_valid_ones():
+def test_invalid_large_block_id_evicts_none_of_the_valid_ones() -> None:
     build = lambda: cached(4, 3, enable_events=True)  # noqa: E731
     assert_rejected(build, UnknownBlock, evict_blocks, [3, 2, 1, 100])
 
@@ -39,7 +39,7 @@ def test_invalid_large_block_id_evicts_none_of_the_valid_ones():
 # --------------------------------------------------------------------------
 
 
-def test_held_block_loses_its_hash_and_stays_held():
+def test_held_block_loses_its_hash_and_stays_held() -> None:
     state, result = evict_blocks(cached(4, 2), {1})
     assert result is None
     assert state.blocks[1] == BlockState(ref_cnt=1)
@@ -47,7 +47,7 @@ def test_held_block_loses_its_hash_and_stays_held():
     assert state.free_queue == (3,)
 
 
-def test_free_block_loses_its_hash_and_keeps_its_place_in_the_queue():
+def test_free_block_loses_its_hash_and_keeps_its_place_in_the_queue() -> None:
     state, _ = free_blocks(cached(5, 3), [1, 2, 3])
     assert state.free_queue == (4, 1, 2, 3)
     state, _ = evict_blocks(state, {2})
@@ -56,7 +56,7 @@ def test_free_block_loses_its_hash_and_keeps_its_place_in_the_queue():
     assert dict(state.cached) == {(H0, 0): (1,), (H2, 0): (3,)}
 
 
-def test_emits_one_removal_per_block_in_ascending_id_order():
+def test_emits_one_removal_per_block_in_ascending_id_order() -> None:
     state, _ = take_events(cached(5, 3, enable_events=True))
     state, _ = evict_blocks(state, [3, 1, 3])
     assert state.pending_events == (
@@ -65,7 +65,7 @@ def test_emits_one_removal_per_block_in_ascending_id_order():
     )
 
 
-def test_removes_every_key_of_a_block_primary_first():
+def test_removes_every_key_of_a_block_primary_first() -> None:
     request = CacheRequest((b"p2", b"p4"))
     run = Run(new_pool(2, hash_block_size=2, enable_events=True))
     run.do(get_new_blocks, 1)
@@ -81,7 +81,7 @@ def test_removes_every_key_of_a_block_primary_first():
     )
 
 
-def test_evicting_one_of_two_blocks_under_a_hash_keeps_the_other():
+def test_evicting_one_of_two_blocks_under_a_hash_keeps_the_other() -> None:
     state, _ = get_new_blocks(new_pool(3), 2)
     state, _ = cache_full_blocks(state, REQ, [1], 0, 1, 1, 0)
     state, _ = cache_full_blocks(state, REQ, [2], 0, 1, 1, 0)
@@ -90,18 +90,18 @@ def test_evicting_one_of_two_blocks_under_a_hash_keeps_the_other():
     assert state.blocks[2].block_hash == (H0, 0)
 
 
-def test_hashless_and_null_blocks_are_left_alone_without_event():
+def test_hashless_and_null_blocks_are_left_alone_without_event() -> None:
     state = held(4, 2, enable_events=True)
     after, _ = evict_blocks(state, {0, 1, 3})
     assert after == held(4, 2, enable_events=True)
 
 
-def test_evicting_nothing_changes_nothing():
+def test_evicting_nothing_changes_nothing() -> None:
     after, _ = evict_blocks(cached(3, 2), set())
     assert after == cached(3, 2)
 
 
-def test_no_event_when_events_are_disabled():
+def test_no_event_when_events_are_disabled() -> None:
     state, _ = evict_blocks(cached(3, 2), {1, 2})
     assert dict(state.cached) == {}
     assert state.pending_events == ()

@@ -10,6 +10,7 @@ from kvpool.model import (
     CacheRequest,
     InvalidBlockCount,
     NotEnoughFreeBlocks,
+    PoolState,
     cache_full_blocks,
     cache_partial_block,
     free_blocks,
@@ -24,20 +25,20 @@ from tests.model.helpers import H0, H1, REQ, Run, assert_rejected, cached, held
 # --------------------------------------------------------------------------
 
 
-def test_invalid_negative_count():
+def test_invalid_negative_count() -> None:
     assert_rejected(lambda: held(4, 1), InvalidBlockCount, get_new_blocks, -1)
 
 
-def test_invalid_count_larger_than_free_count():
+def test_invalid_count_larger_than_free_count() -> None:
     assert_rejected(lambda: held(4, 1), NotEnoughFreeBlocks, get_new_blocks, 3)
 
 
-def test_invalid_any_count_from_a_pool_with_nothing_free():
+def test_invalid_any_count_from_a_pool_with_nothing_free() -> None:
     assert_rejected(lambda: new_pool(1), NotEnoughFreeBlocks, get_new_blocks, 1)
 
 
-def test_invalid_count_larger_than_free_count_leaves_cached_free_blocks_cached():
-    def build():
+def test_invalid_count_larger_than_free_count_leaves_cached_free_blocks_cached() -> None:
+    def build() -> PoolState:
         state = cached(4, 2)
         state, _ = free_blocks(state, [2, 1])
         return state
@@ -50,27 +51,27 @@ def test_invalid_count_larger_than_free_count_leaves_cached_free_blocks_cached()
 # --------------------------------------------------------------------------
 
 
-def test_hands_out_the_front_of_the_queue_each_held_once():
+def test_hands_out_the_front_of_the_queue_each_held_once() -> None:
     state, ids = get_new_blocks(new_pool(5), 2)
     assert ids == (1, 2)
     assert state.free_queue == (3, 4)
     assert [b.ref_cnt for b in state.blocks] == [0, 1, 1, 0, 0]
 
 
-def test_zero_blocks_returns_nothing_and_changes_nothing():
+def test_zero_blocks_returns_nothing_and_changes_nothing() -> None:
     state = held(4, 1)
     after, ids = get_new_blocks(state, 0)
     assert ids == ()
     assert after == held(4, 1)
 
 
-def test_every_free_block_can_be_taken():
+def test_every_free_block_can_be_taken() -> None:
     state, ids = get_new_blocks(new_pool(4), 3)
     assert ids == (1, 2, 3)
     assert state.free_queue == ()
 
 
-def test_follows_queue_order_not_id_order():
+def test_follows_queue_order_not_id_order() -> None:
     state = held(5, 4)
     state, _ = free_blocks(state, [3, 1])  # hash-less: front, in the order given
     assert state.free_queue == (3, 1)
@@ -79,7 +80,7 @@ def test_follows_queue_order_not_id_order():
     assert state.free_queue == (1,)
 
 
-def test_evicts_the_hash_of_a_cached_free_block_it_hands_out():
+def test_evicts_the_hash_of_a_cached_free_block_it_hands_out() -> None:
     state = cached(3, 2, enable_events=True)
     state, _ = free_blocks(state, [1, 2])
     state, _ = take_events(state)
@@ -90,7 +91,7 @@ def test_evicts_the_hash_of_a_cached_free_block_it_hands_out():
     assert state.pending_events == (BlockRemoved((H0,), MEDIUM_GPU, 0),)
 
 
-def test_evicts_every_key_of_a_block_with_partial_entries():
+def test_evicts_every_key_of_a_block_with_partial_entries() -> None:
     request = CacheRequest(block_hashes=(b"p2", b"p4"))
     run = Run(new_pool(2, hash_block_size=2, enable_events=True))
     (b,) = run.do(get_new_blocks, 1)
@@ -107,7 +108,7 @@ def test_evicts_every_key_of_a_block_with_partial_entries():
     )
 
 
-def test_evicting_one_of_two_blocks_under_a_hash_keeps_the_other():
+def test_evicting_one_of_two_blocks_under_a_hash_keeps_the_other() -> None:
     run = Run(new_pool(3))
     ids = run.do(get_new_blocks, 2)
     run.do(cache_full_blocks, REQ, ids[:1], 0, 1, 1, 0)
@@ -118,7 +119,7 @@ def test_evicting_one_of_two_blocks_under_a_hash_keeps_the_other():
     assert dict(run.state.cached) == {(H0, 0): (2,)}
 
 
-def test_eviction_without_events_queues_nothing():
+def test_eviction_without_events_queues_nothing() -> None:
     state = cached(2, 1)
     state, _ = free_blocks(state, [1])
     state, _ = get_new_blocks(state, 1)
@@ -126,13 +127,13 @@ def test_eviction_without_events_queues_nothing():
     assert state.pending_events == ()
 
 
-def test_hashless_blocks_emit_no_removal():
+def test_hashless_blocks_emit_no_removal() -> None:
     state, _ = get_new_blocks(new_pool(3, enable_events=True), 2)
     assert state.pending_events == ()
 
 
 @given(st.integers(1, 8), st.data())
-def test_takes_exactly_the_first_n_of_the_queue(num_blocks, data):
+def test_takes_exactly_the_first_n_of_the_queue(num_blocks: int, data: st.DataObject) -> None:
     state = new_pool(num_blocks)
     n = data.draw(st.integers(0, num_blocks - 1))
     after, ids = get_new_blocks(state, n)

@@ -30,27 +30,27 @@ def two_sharing() -> PoolState:
 # --------------------------------------------------------------------------
 
 
-def test_invalid_unknown_source():
+def test_invalid_unknown_source() -> None:
     assert_rejected(lambda: cached(4, 2), UnknownBlock, move_block_hashes, 9, 2)
 
 
-def test_invalid_unknown_destination():
+def test_invalid_unknown_destination() -> None:
     assert_rejected(lambda: cached(4, 2), UnknownBlock, move_block_hashes, 1, None)
 
 
-def test_invalid_free_destination():
+def test_invalid_free_destination() -> None:
     assert_rejected(lambda: cached(4, 1), BlockNotHeld, move_block_hashes, 1, 2)
 
 
-def test_invalid_null_destination():
+def test_invalid_null_destination() -> None:
     assert_rejected(lambda: cached(4, 1), BlockNotHeld, move_block_hashes, 1, 0)
 
 
-def test_invalid_destination_with_a_key():
+def test_invalid_destination_with_a_key() -> None:
     assert_rejected(lambda: cached(4, 2), AlreadyCached, move_block_hashes, 1, 2)
 
 
-def test_invalid_source_onto_itself_when_keyed():
+def test_invalid_source_onto_itself_when_keyed() -> None:
     assert_rejected(lambda: cached(4, 1), AlreadyCached, move_block_hashes, 1, 1)
 
 
@@ -59,7 +59,7 @@ def test_invalid_source_onto_itself_when_keyed():
 # --------------------------------------------------------------------------
 
 
-def test_keys_move_with_their_token_count_and_no_event():
+def test_keys_move_with_their_token_count_and_no_event() -> None:
     state = two_sharing()
     events = state.pending_events
     state, _ = move_block_hashes(state, 1, 3)
@@ -69,13 +69,13 @@ def test_keys_move_with_their_token_count_and_no_event():
     assert state.blocks[1].ref_cnt == 1 and state.blocks[3].ref_cnt == 1
 
 
-def test_the_destination_is_listed_last_so_the_other_sharer_is_found_first():
+def test_the_destination_is_listed_last_so_the_other_sharer_is_found_first() -> None:
     state, _ = move_block_hashes(two_sharing(), 1, 3)
     assert dict(state.cached) == {(H0, 0): (2, 3)}
     assert get_cached_block(state, H0, [0]) == (2,)
 
 
-def test_partial_keys_follow_the_primary_key():
+def test_partial_keys_follow_the_primary_key() -> None:
     state, (a, b) = get_new_blocks(new_pool(4, hash_block_size=1), 2)
     request = CacheRequest((H0, H1), (10, 11))
     state, _ = cache_partial_block(state, request, a, 2, 0, 4)
@@ -86,6 +86,6 @@ def test_partial_keys_follow_the_primary_key():
     assert dict(state.cached) == {(H1, 0): (b,), (H0, 1): (b,)}
 
 
-def test_a_source_without_keys_changes_nothing():
+def test_a_source_without_keys_changes_nothing() -> None:
     state, _ = get_new_blocks(new_pool(4), 2)
     assert move_block_hashes(state, 1, 2)[0] == state

@@ -32,7 +32,7 @@ from tests.model.helpers import H0, H1, H2, Run
 R1 = CacheRequest(block_hashes=(H0, H1, H2), all_token_ids=(10, 11, 12))
 
 
-def test_two_requests_sharing_a_prefix_freed_in_reverse_order():
+def test_two_requests_sharing_a_prefix_freed_in_reverse_order() -> None:
     """Request 1 fills blocks 1, 2, 3 (hashes h0 h1 h2) and caches them. Request 2
     shares the first two blocks (a cache hit: touch) and gets its own block 4,
     still partially filled and so hash-less. Request 1 finishes and frees its
@@ -54,16 +54,17 @@ def test_two_requests_sharing_a_prefix_freed_in_reverse_order():
     assert run.state.free_queue == (5,)
 
     run.do(free_blocks, list(reversed(r1)))
-    assert run.state.free_queue == (5, 3)
+    # mypy keeps the narrowing of the assert above across run.do, which replaced run.state
+    assert run.state.free_queue == (5, 3)  # type: ignore[comparison-overlap]
     assert [b.ref_cnt for b in run.state.blocks] == [0, 1, 1, 0, 1, 0]
 
     run.do(free_blocks, list(reversed(r2)))
-    assert run.state.free_queue == (4, 5, 3, 2, 1)
+    assert run.state.free_queue == (4, 5, 3, 2, 1)  # type: ignore[comparison-overlap]
     assert all(b.ref_cnt == 0 for b in run.state.blocks)
     assert dict(run.state.cached) == {(H0, 0): (1,), (H1, 0): (2,), (H2, 0): (3,)}
 
 
-def test_touching_an_eviction_candidate_takes_it_off_the_queue_with_its_hash():
+def test_touching_an_eviction_candidate_takes_it_off_the_queue_with_its_hash() -> None:
     """A finished request left blocks 1 and 2 cached in the free queue. A new
     request hits h0, finds block 1 and touches it: block 1 leaves the queue,
     keeps its hash, and the next allocation no longer hands it out."""
@@ -76,13 +77,14 @@ def test_touching_an_eviction_candidate_takes_it_off_the_queue_with_its_hash():
     hit = run.ask(get_cached_block, H0, [0])
     assert hit == (1,)
     run.do(touch, hit)
-    assert run.state.free_queue == (3, 2)
+    # mypy keeps the narrowing of the assert above across run.do, which replaced run.state
+    assert run.state.free_queue == (3, 2)  # type: ignore[comparison-overlap]
     assert run.state.blocks[1] == BlockState(ref_cnt=1, block_hash=(H0, 0), hash_num_tokens=1)
     assert run.ask(get_cached_block, H0, [0]) == (1,)
     assert run.do(get_new_blocks, 2) == (3, 2)
 
 
-def test_reset_refused_while_a_block_is_in_use_then_succeeds_after_freeing():
+def test_reset_refused_while_a_block_is_in_use_then_succeeds_after_freeing() -> None:
     """Weights were updated, so the prefix cache must go. While block 2 is still
     held by a running request the reset is refused (False) and the pool is left
     exactly as it was; once the request frees it, the reset clears every hash
@@ -104,7 +106,7 @@ def test_reset_refused_while_a_block_is_in_use_then_succeeds_after_freeing():
     assert run.events()[-1] == AllBlocksCleared()
 
 
-def test_evicted_free_block_keeps_its_place_and_is_hashless_only_for_later_frees():
+def test_evicted_free_block_keeps_its_place_and_is_hashless_only_for_later_frees() -> None:
     """A KV connector reports block 2 lost. The block is free and cached: evict_blocks
     removes its hash but leaves it where it stands in the free queue (it is not
     moved to the front). Only if it is later taken and freed again does the
@@ -125,7 +127,7 @@ def test_evicted_free_block_keeps_its_place_and_is_hashless_only_for_later_frees
     assert run.state.free_queue == (2, 4, 3, 1)
 
 
-def test_two_blocks_under_one_hash_serve_the_first_inserted_then_the_second():
+def test_two_blocks_under_one_hash_serve_the_first_inserted_then_the_second() -> None:
     """Two requests computed the same first block concurrently, so blocks 1 and 2
     both carry h0 (no de-duplication). A lookup returns the one inserted first,
     block 2; once block 2 is evicted, the lookup falls back to block 1."""
@@ -142,7 +144,7 @@ def test_two_blocks_under_one_hash_serve_the_first_inserted_then_the_second():
     assert run.ask(get_cached_block, H0, [0]) is None
 
 
-def test_partial_block_is_promoted_to_a_full_block():
+def test_partial_block_is_promoted_to_a_full_block() -> None:
     """Hashes cover 2 tokens, blocks hold 4. After 2 tokens the request registers
     a partial entry for its block (key a); once the block is full,
     cache_full_blocks promotes it: the partial key is removed (BlockRemoved)
@@ -166,7 +168,7 @@ def test_partial_block_is_promoted_to_a_full_block():
     )
 
 
-def test_hashless_blocks_freed_go_to_the_front_by_default_and_to_the_back_under_append():
+def test_hashless_blocks_freed_go_to_the_front_by_default_and_to_the_back_under_append() -> None:
     """The same history under two profiles: blocks 1 and 2 are taken, neither is
     cached, and they are freed as [2, 1]. The default (hash-less first) rule puts
     them in front of block 3, ready to be reused first; vLLM 0.8-0.23 appended
@@ -180,7 +182,7 @@ def test_hashless_blocks_freed_go_to_the_front_by_default_and_to_the_back_under_
     assert append.state.free_queue == (3, 2, 1)
 
 
-def test_pool_without_prefix_caching():
+def test_pool_without_prefix_caching() -> None:
     """With prefix caching off the pool is a plain allocator: blocks are handed out
     and freed, nothing can be cached, every lookup misses, and a reset trivially
     succeeds once everything is free."""
@@ -202,7 +204,7 @@ def test_pool_without_prefix_caching():
     assert run.events() == (AllBlocksCleared(),)
 
 
-def test_same_hash_cached_in_two_kv_cache_groups():
+def test_same_hash_cached_in_two_kv_cache_groups() -> None:
     """A hybrid model has two KV cache groups. The same prefix hash h0 is cached in
     group 0 (block 1) and group 1 (block 2). A lookup over both groups hits with
     one block per group; a lookup that also asks for group 2 misses entirely."""
@@ -220,7 +222,7 @@ def test_same_hash_cached_in_two_kv_cache_groups():
     assert run.ask(get_cached_block, H0, [0, 1]) is None
 
 
-def test_event_stream_for_a_cache_evict_reset_sequence():
+def test_event_stream_for_a_cache_evict_reset_sequence() -> None:
     """A KV-aware router follows the pool through its events: three blocks are
     stored in one BlockStored, block 2 is evicted (one BlockRemoved), and after
     every block is freed the reset emits AllBlocksCleared."""
@@ -238,7 +240,7 @@ def test_event_stream_for_a_cache_evict_reset_sequence():
     assert run.events() == ()
 
 
-def test_allocating_a_cached_free_block_emits_its_removal():
+def test_allocating_a_cached_free_block_emits_its_removal() -> None:
     """Blocks 1 and 2 are cached and free (1 nearer the front). A new request asks
     for two blocks: block 3 (hash-less, freed to the front) and then block 1,
     whose hash h0 is evicted on the way out, so the router hears BlockRemoved."""

@@ -14,13 +14,13 @@ from kvpool.model import (
 from tests.model.helpers import H0, H1, cached
 
 
-def test_fresh_pool_has_no_events():
+def test_fresh_pool_has_no_events() -> None:
     state, events = take_events(new_pool(3, enable_events=True))
     assert events == ()
     assert state == new_pool(3, enable_events=True)
 
 
-def test_returns_every_pending_event_oldest_first_and_empties_the_queue():
+def test_returns_every_pending_event_oldest_first_and_empties_the_queue() -> None:
     state = cached(3, 2, enable_events=True)
     state, _ = evict_blocks(state, {2})
     state, _ = free_blocks(state, [1, 2])
@@ -34,14 +34,14 @@ def test_returns_every_pending_event_oldest_first_and_empties_the_queue():
     assert state.pending_events == ()
 
 
-def test_a_second_call_returns_nothing():
+def test_a_second_call_returns_nothing() -> None:
     state, first = take_events(cached(3, 1, enable_events=True))
     assert len(first) == 1
     state, second = take_events(state)
     assert second == ()
 
 
-def test_only_the_event_queue_changes():
+def test_only_the_event_queue_changes() -> None:
     state = cached(3, 2, enable_events=True)
     after, _ = take_events(state)
     assert after.blocks == state.blocks
@@ -50,13 +50,13 @@ def test_only_the_event_queue_changes():
     assert after.config == state.config
 
 
-def test_events_disabled_always_returns_nothing():
+def test_events_disabled_always_returns_nothing() -> None:
     state, events = take_events(cached(3, 2))
     assert events == ()
     assert state == cached(3, 2)
 
 
-def test_events_after_a_take_start_a_new_batch():
+def test_events_after_a_take_start_a_new_batch() -> None:
     state, _ = take_events(cached(3, 2, enable_events=True))
     state, _ = free_blocks(state, [1, 2])
     state, _ = reset_prefix_cache(state)
