@@ -33,7 +33,7 @@ class KeepsStaleHashOnReuse(BlockPool):
     server serves wrong KV data, and nothing crashes.
     """
 
-    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+    def get_new_blocks(self, num_blocks: object) -> list[KVCacheBlock]:
         self._drop_keys = self._forget_but_keep_map_entry  # type: ignore[method-assign]
         try:
             return super().get_new_blocks(num_blocks)

@@ -44,6 +44,7 @@ def test_planted_bug_is_found_and_shrunk_to_a_short_program(
     assert not report.conforms
     assert report.failure_kind in {"divergence", "invariant"}
     assert report.program is not None
+    assert report.failure is not None
     steps = [line for line in report.program.splitlines() if line.startswith("step ")]
     assert 1 <= len(steps) <= MAX_PROGRAM_LINES, report.program
     assert any(
