@@ -57,10 +57,10 @@ def build(data: st.DataObject) -> BlockPool:
     if pool.enable_caching and held:
         n = min(len(held), len(REQ.block_hashes) // pool.hash_block_size)
         pool.cache_full_blocks(REQ, held, 0, n, pool.hash_block_size, 0)
-    if held and data.draw(st.booleans()):
+    if bool(held) and data.draw(st.booleans()):
         pool.unpin_blocks(held[-1:], lambda block: None)
         held = held[:-1]
-    if held and data.draw(st.booleans()):
+    if bool(held) and data.draw(st.booleans()):
         pool.free_blocks(held[:1])
     return pool
 
@@ -137,7 +137,7 @@ def test_issue_20_free_with_an_int_among_blocks_changes_nothing() -> None:
     a, _ = pool.get_new_blocks(2)
     before = pool.snapshot()
     with pytest.raises(PoolError):
-        pool.free_blocks([a, 3])
+        pool.free_blocks([a, 3])  # type: ignore[list-item]
     assert pool.snapshot() == before
     pool.check_invariants()
     assert [b.block_id for b in pool.get_new_blocks(1)] == [3]
@@ -147,6 +147,6 @@ def test_issue_20_touch_with_none_among_blocks_changes_nothing() -> None:
     pool = BlockPool(4, True, 1)
     before = pool.snapshot()
     with pytest.raises(PoolError):
-        pool.touch([pool.blocks[2], None])
+        pool.touch([pool.blocks[2], None])  # type: ignore[list-item]
     assert pool.snapshot() == before
     pool.check_invariants()

@@ -7,7 +7,7 @@ impl's quick self-check; the official lock-step machine lives in kvpool.specs.
 """
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import pytest
 from hypothesis import given
@@ -19,6 +19,16 @@ from kvpool.model import PROFILES, CacheRequest, PoolState
 
 HASHES = (b"a", b"b")
 """A tiny alphabet, so different requests share hashes (and blocks share keys)."""
+
+
+# Protocols rather than Callables: a step's lambda may bind a loop variable through
+# a parameter with a default (`lambda s, i=i: ...`), which mypy cannot match to a Callable.
+class ModelOp(Protocol):
+    def __call__(self, state: PoolState, /) -> tuple[PoolState, Any]: ...
+
+
+class ImplOp(Protocol):
+    def __call__(self, pool: BlockPool, /) -> Any: ...
 
 
 class Pair:
@@ -52,8 +62,8 @@ class Pair:
 
     def step(
         self,
-        model_op: Callable[[PoolState], tuple[PoolState, Any]],
-        impl_op: Callable[[BlockPool], Any],
+        model_op: ModelOp,
+        impl_op: ImplOp,
         convert: Callable[[Any], Any] = lambda r: r,
     ) -> Any:
         model_error: Exception | None = None

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from kvpool.impl import BlockPool
-from kvpool.model import CacheRequest
+from kvpool.model import BlockStored, CacheRequest
 
 
 class NoLora:
@@ -43,4 +43,5 @@ def test_a_request_the_event_cannot_be_built_from_leaves_the_pool_as_it_was(
     # The same call with a whole request caches and reports every block.
     pool.cache_full_blocks(CacheRequest((b"a", b"b"), (1, 2)), blocks, 2 - count, 2, 1, 0)
     (stored,) = pool.take_events()
+    assert isinstance(stored, BlockStored)
     assert len(stored.block_hashes) == count

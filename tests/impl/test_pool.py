@@ -401,7 +401,7 @@ def test_cache_full_blocks_checks_every_hash_after_the_blocks(mask: list[bool] |
     pool = BlockPool(5, True, 2)
     a, b, c = pool.get_new_blocks(3)
     null = pool.null_block
-    bad = CacheRequest(block_hashes=(b"h0", 7, b"h2", None), all_token_ids=(1, 2, 3, 4))
+    bad = CacheRequest(block_hashes=(b"h0", 7, b"h2", None), all_token_ids=(1, 2, 3, 4))  # type: ignore[arg-type]
     assert_rejected(pool, InvalidArgument, pool.cache_full_blocks, bad, [a, b, c], 0, 3, 2, 0, mask)
     assert_rejected(
         pool, InvalidArgument, pool.cache_full_blocks, bad, [a, null, c], 0, 3, 2, 0, mask
@@ -462,7 +462,7 @@ def test_cache_full_blocks_one_block_calls_take_any_sequence_and_only_plain_ints
     a, b, c = pool.get_new_blocks(3)
     assert_rejected(pool, InvalidArgument, pool.cache_full_blocks, REQ, [a, b], 1, 2, 2.0, 0)
     assert_rejected(pool, InvalidArgument, pool.cache_full_blocks, REQ, [a, b], 1, 2, 2, 0.0)
-    pool.cache_full_blocks(REQ, iter([a, b]), 1, 2, 2, 0)
+    pool.cache_full_blocks(REQ, iter([a, b]), 1, 2, 2, 0)  # type: ignore[arg-type]
     pool.cache_full_blocks(REQ, (a, b, c), 2, 3, 2, 0)
     assert [x.block_hash for x in (a, b, c)] == [None, (b"h1", 0), (b"h2", 0)]
     pool.check_invariants()

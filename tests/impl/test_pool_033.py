@@ -9,6 +9,7 @@ from kvpool.impl import BlockPool, KVCacheBlock
 from kvpool.model import (
     AlreadyCached,
     BlockNotHeld,
+    BlockStored,
     CacheRequest,
     InvalidArgument,
     InvalidBlockCount,
@@ -136,7 +137,9 @@ def test_lookahead_and_medium_reach_cache_full_blocks_events() -> None:
     state, _ = model.get_new_blocks(state, 2)
     state, _ = model.cache_full_blocks(state, REQ, [1, 2], 0, 2, 1, 0)
     assert pool.snapshot() == state
-    assert state.pending_events[-1].lookahead_token_ids == ((11,), (12,))
+    stored = state.pending_events[-1]
+    assert isinstance(stored, BlockStored)
+    assert stored.lookahead_token_ids == ((11,), (12,))
 
 
 def test_cache_partial_block_replacing_matches_the_model() -> None:

@@ -3,7 +3,7 @@
 The comparison with vLLM's own pool, call for call, is tests/vllm/test_vllm_drop_in.py.
 """
 
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -160,7 +160,7 @@ def test_caller_events_build_each_kind_with_none_fields_kept_none() -> None:
         group_idx=0,
         lookahead_token_ids=None,
     )
-    kind, fields = made(stored, None)  # type: ignore[misc]
+    kind, fields = cast(tuple[str, dict[str, Any]], made(stored, None))
     assert kind == "stored" and fields["extra_keys"] is None and fields["block_hashes"] == [2]
     assert fields["parent_block_hash"] is None and fields["lookahead_token_ids"] is None
 
