@@ -6,6 +6,7 @@ so only the state comparison (or a later allocation) notices.
 """
 
 from collections.abc import Iterable
+from typing import Any
 
 from kvpool.impl import BlockPool, KVCacheBlock
 from kvpool.model import PoolConfig
@@ -52,7 +53,7 @@ class BuggyNoSnapshot:
     def __init__(self, config: PoolConfig) -> None:
         self._inner = BuggyTarget(config)
 
-    def __getattr__(self, name: str) -> object:
+    def __getattr__(self, name: str) -> Any:  # every attribute of the inner target but one
         if name == "snapshot":
             raise AttributeError(name)
         return getattr(self._inner, name)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from kvpool.model import PoolConfig
 from kvpool.specs import protocol
 from kvpool.specs.pool.model_target import ModelTarget
 from kvpool.specs.protocol.server import Server, serve
@@ -273,9 +274,7 @@ def test_the_protocol_server_bounds_a_request_line() -> None:
     assert second["error"] == "ProtocolError"
 
 
-def _config() -> object:
-    from kvpool.model import PoolConfig
-
+def _config() -> PoolConfig:
     return PoolConfig(4)
 
 

@@ -4,6 +4,7 @@ pool layer (the operation named, exit 2, no traceback)."""
 
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 
@@ -190,7 +191,7 @@ def test_a_factory_rejecting_a_valid_setup_is_a_target_error() -> None:
     from kvpool.model.errors import InvalidManagerConfig
     from kvpool.specs.request.record import build
 
-    def refuses(setup: ManagerSetup) -> object:
+    def refuses(setup: ManagerSetup) -> NoReturn:
         raise InvalidManagerConfig("not today")
 
     with pytest.raises(TargetError, match="but the model accepts it"):

@@ -11,6 +11,7 @@ from referencing import Registry, Resource
 from kvpool.model.hashing import LoraAdapter, MultiModalInput
 from kvpool.model.request import append_tokens, new_request, preempted, with_computed
 from kvpool.specs.protocol import request_codec as codec
+from kvpool.specs.protocol.codec import ProtocolError
 from kvpool.specs.protocol.request_server import RequestServer
 from kvpool.specs.request.model_target import ModelManagerTarget
 from kvpool.specs.vectors import bundled_corpus, load, load_schema
@@ -180,7 +181,7 @@ def test_the_server_reports_requests_it_cannot_read() -> None:
     ],
 )
 def test_malformed_results_are_protocol_errors(op: str, value: Any) -> None:
-    with pytest.raises(codec.ProtocolError):
+    with pytest.raises(ProtocolError):
         codec.decode_result(op, value)
 
 
@@ -195,7 +196,7 @@ def test_malformed_results_are_protocol_errors(op: str, value: Any) -> None:
 def test_a_malformed_manager_state_is_a_protocol_error(corpus: list[Any], state: Any) -> None:
     vector = next(v for v in corpus if v.data["kind"] == "manager")
     setup = codec.decode_setup(vector.data["setup"])
-    with pytest.raises(codec.ProtocolError):
+    with pytest.raises(ProtocolError):
         codec.decode_manager_state(state, setup)
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from kvpool.model.hashing import none_hash
 from kvpool.specs.protocol import request_codec as codec
-from kvpool.specs.request.target import HYBRID_LAYOUTS, LAYOUTS
+from kvpool.specs.request.target import HYBRID_LAYOUTS, LAYOUTS, ManagerFactory
 from kvpool.specs.targets import resolve
 from kvpool.specs.vectors import VectorFormatError, bundled_corpus, load
 from kvpool.specs.vectors.request_generate import (
@@ -98,9 +98,16 @@ def test_the_hash_vectors_cover_every_kind_of_extra_key(corpus: list[Any]) -> No
     }
 
 
+def in_process_factory(target: str) -> ManagerFactory:
+    """The registry's factory for a target that runs in this interpreter (never None)."""
+    factory = resolve("request", target).factory
+    assert factory is not None
+    return factory
+
+
 def test_the_hash_vectors_replay_on_the_models_hasher(corpus: list[Any]) -> None:
     hashes = [v for v in corpus if v.data["kind"] == "hash"]
-    result = run_request_corpus(resolve("request", "model").factory, hashes, hasher=ModelHasher())
+    result = run_request_corpus(in_process_factory("model"), hashes, hasher=ModelHasher())
     assert result.run == len(hashes) and result.passed == len(hashes), result.mismatches
 
 
@@ -115,9 +122,7 @@ class SaltlessHasher(ModelHasher):
 
 def test_the_hash_vectors_find_a_hasher_that_drops_the_salt(corpus: list[Any]) -> None:
     hashes = [v for v in corpus if v.data["kind"] == "hash"]
-    result = run_request_corpus(
-        resolve("request", "model").factory, hashes, hasher=SaltlessHasher()
-    )
+    result = run_request_corpus(in_process_factory("model"), hashes, hasher=SaltlessHasher())
     failed = {m.vector for m in result.mismatches}
     assert {"hash/salt/first-block", "hash/tagging/salt", "hash/all-kinds"} <= failed
 
@@ -127,6 +132,7 @@ def test_the_manager_vectors_replay_on_the_model_and_the_impl(
     corpus: list[Any], target: str
 ) -> None:
     descriptor = resolve("request", target)
+    assert descriptor.factory is not None  # an in-process target: the registry built it
     result = run_request_corpus(descriptor.factory, corpus)
     managers = sum(1 for v in corpus if v.data["kind"] == "manager")
     assert result.target_error is None
