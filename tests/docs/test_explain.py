@@ -163,7 +163,7 @@ def test_every_request_scenario_is_told_in_the_terminal(name: str) -> None:
         if outcome.step.op == "allocate_slots":
             assert "allocate_slots(" + str(outcome.step.args["request_id"]) + "): |" in out
         if outcome.step.op == "get_computed_blocks":
-            assert f"-> {outcome.result['num_tokens']} tokens" in out  # type: ignore[index]
+            assert f"-> {outcome.result['num_tokens']} tokens" in out
 
 
 @pytest.mark.parametrize("name", REQUEST_NAMES)

@@ -4,6 +4,7 @@ and texts read agree with the model's own answers."""
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -79,7 +80,7 @@ def test_the_stories_show_what_they_claim() -> None:
     )
     lookups = [o for o in request_scenarios.run(request_stories.get("hash-chain"))]
     hits = {
-        o.step.args["request_id"]: o.result["num_tokens"]  # type: ignore[index]
+        o.step.args["request_id"]: o.result["num_tokens"]
         for o in lookups
         if o.step.op == "get_computed_blocks"
     }
@@ -189,7 +190,7 @@ def test_a_story_written_to_a_file_reads_back_the_same(
 
 def test_record_is_the_hook_for_recorded_calls() -> None:
     setup = request_scenarios.setup(4, [full_attention(2)], max_model_len=8)
-    calls = [
+    calls: list[tuple[str, dict[str, Any]]] = [
         ("new_request", {"request_id": "a", "prompt": [1, 2, 3]}),
         ("allocate_slots", {"request_id": "a", "num_new_tokens": 3}),
         ("allocate_slots", {"request_id": "a", "num_new_tokens": 0}),

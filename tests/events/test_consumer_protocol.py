@@ -96,11 +96,11 @@ def test_a_served_consumer_conforms_and_replays_the_vectors() -> None:
         assert result.passed == result.run == len(vectors)
     finally:
         factory.close()
-    result = run_kvpool(
+    checked = run_kvpool(
         "check", "--layer", "events", "--target", SERVED, "--hypothesis-profile", "ci",
         "--examples", "15",
     )  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
+    assert checked.returncode == 0, checked.stdout + checked.stderr
 
 
 MISBEHAVING = {

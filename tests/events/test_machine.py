@@ -4,11 +4,11 @@ A consumer that raises, answers garbage or hangs cannot be scored: the check
 ends with a target error (exit 2), naming the step, never a traceback.
 """
 
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
-from kvpool.model import EventSemantics
+from kvpool.model import BlockStored, EventSemantics
 from kvpool.specs.checking import check
 from kvpool.specs.events.check import check_events
 from kvpool.specs.events.engine import PoolEngineFactory, model_engines, query_for
@@ -131,7 +131,10 @@ def test_the_engine_recomputes_the_last_block_of_a_fully_cached_prompt() -> None
     engine = PoolEngineFactory(ImplTarget)(EngineConfig(6, 1, EventSemantics.MULTISET))
     engine.serve([1, 2])
     engine.serve([1, 2])
-    stored = [e for e in engine.take_events() if hasattr(e, "parent_block_hash")]
+    # the events with a parent_block_hash are the stores
+    stored = cast(
+        list[BlockStored], [e for e in engine.take_events() if hasattr(e, "parent_block_hash")]
+    )
     assert [e.block_hashes for e in stored] == [(b"\x01", b"\x01\x02"), (b"\x01\x02",)]
     assert stored[1].parent_block_hash == b"\x01"
     assert engine.cached_prefix(query_for([1, 2, 2], 1)) == 2
@@ -148,7 +151,7 @@ def test_steps_can_be_left_out_of_every_program() -> None:
     machine = events_machine(
         ReferenceConsumer, model_engines(), EventSemantics.MULTISET, without=["evict"]
     )
-    assert machine.evict is None  # type: ignore[comparison-overlap]
+    assert machine.evict is None
     assert "evict" in ENGINE_STEPS
     with pytest.raises(ValueError):
         events_machine(ReferenceConsumer, model_engines(), EventSemantics.MULTISET, without=["x"])
