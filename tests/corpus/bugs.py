@@ -21,10 +21,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from kvpool.impl import BlockPool, KVCacheBlock
-from kvpool.model import AllBlocksCleared, BlockRemoved, PoolConfig
+from kvpool.model import AllBlocksCleared, BlockRemoved, HashKey, PoolConfig
 from kvpool.specs.targets.impl.pool import ImplTarget
 
 # ----------------------------------------------------------------------
@@ -41,7 +41,7 @@ class StaleHashOnReuse(BlockPool):
     pool does it too when caching is off (findings §12).
     """
 
-    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+    def get_new_blocks(self, num_blocks: object) -> list[KVCacheBlock]:
         self._drop_keys = _forget_keys_only  # type: ignore[method-assign]
         try:
             return super().get_new_blocks(num_blocks)
@@ -61,7 +61,8 @@ class TakesMostRecentlyFreed(BlockPool):
     ``pop()``/``popleft()`` mix-up. No upstream issue located.
     """
 
-    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+    # Any: the parent takes any object and validates it; this bug reads it as an int unchecked
+    def get_new_blocks(self, num_blocks: Any) -> list[KVCacheBlock]:
         queue = self.free_block_queue
         if not 0 < num_blocks <= queue.num_free_blocks:
             return super().get_new_blocks(num_blocks)
@@ -199,7 +200,8 @@ class NegativeCountInflatesFree(BlockPool):
     (merged 2026-08-18).
     """
 
-    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+    # Any: the parent takes any object and validates it; this bug reads it as an int unchecked
+    def get_new_blocks(self, num_blocks: Any) -> list[KVCacheBlock]:
         if num_blocks < 0:
             self.free_block_queue.num_free_blocks -= num_blocks
             return []
@@ -239,10 +241,12 @@ class LookupReturnsNewestDuplicate(BlockPool):
         found = super().get_cached_block(block_hash, kv_cache_group_ids)
         if found is None:
             return None
-        out = []
+        out: list[KVCacheBlock] = []
         for group_id in kv_cache_group_ids:
             entry = self._maps[group_id][block_hash]
-            out.append(list(entry.values())[-1] if type(entry) is dict else entry)
+            out.append(
+                list(entry.values())[-1] if type(entry) is dict else cast(KVCacheBlock, entry)
+            )
         return out
 
 
@@ -458,13 +462,16 @@ class PartialEventWrongBlockSize(BlockPool):
     def cache_partial_block(
         self,
         request: Any,
-        block: KVCacheBlock,
-        num_tokens: int,
-        kv_cache_group_id: int,
-        block_size: int,
-    ) -> Any:
+        block: Any,
+        num_tokens: Any,
+        kv_cache_group_id: Any,
+        block_size: Any,
+        replace_existing_hashes: Any = False,
+    ) -> HashKey | bytes | None:
         before = len(self.kv_event_queue)
-        key = super().cache_partial_block(request, block, num_tokens, kv_cache_group_id, block_size)
+        key = super().cache_partial_block(
+            request, block, num_tokens, kv_cache_group_id, block_size, replace_existing_hashes
+        )
         events = self.kv_event_queue
         for i in range(before, len(events)):
             if not isinstance(events[i], BlockRemoved):

@@ -36,6 +36,7 @@ from typing import Any
 
 from kvpool.impl.block import KVCacheBlock
 from kvpool.impl.manager import KVCacheBlocks, KVCacheManager
+from kvpool.impl.pool import BlockPool
 from kvpool.impl.single_type import (
     FullAttentionManager,
     SingleTypeKVCacheManager,
@@ -45,6 +46,7 @@ from kvpool.impl.single_type import (
 from kvpool.model.hashing import block_extra_keys, extend_block_hashes, hash_block_tokens
 from kvpool.model.manager import record
 from kvpool.model.request import Request, verify_hash_block_size
+from kvpool.model.single_type import KVCacheSpec
 from kvpool.model.state import BlockHash
 from kvpool.specs.request.target import LAYOUTS, ManagerFactory, ManagerSetup, ManagerTargetSpec
 from kvpool.specs.targets.impl.request import ImplManagerTarget
@@ -175,12 +177,14 @@ class HitCoversWholePrompt(KVCacheManager):
     refused, where a scheduler would stall.
     """
 
-    def get_computed_blocks(self, request: Any) -> tuple[KVCacheBlocks, int]:
+    def get_computed_blocks(self, request: Any) -> tuple[KVCacheBlocks, int, int]:
         verify_hash_block_size(request, self.block_pool.hash_block_size)
         if not self.enable_caching or getattr(request, "skip_reading_prefix_cache", False):
-            return self.empty_kv_cache_blocks, 0
+            return self.empty_kv_cache_blocks, 0, 0
+        self._uncached = 0
         # BUG: no room left for the last token
         blocks, num_tokens = self.find_longest_cache_hit(request.block_hashes, request.num_tokens)
+        uncached = self._uncached
         if self.prefix_cache_stats is not None:
             self.prefix_cache_stats = record(
                 self.prefix_cache_stats,
@@ -188,7 +192,8 @@ class HitCoversWholePrompt(KVCacheManager):
                 num_tokens,
                 request.num_preemptions > 0,
             )
-        return self.create_kv_cache_blocks(blocks), num_tokens
+        boundary = num_tokens + uncached if uncached else 0
+        return self.create_kv_cache_blocks(blocks), num_tokens, boundary
 
 
 class _KeepsEagleBlock(FullAttentionManager):
@@ -198,13 +203,20 @@ class _KeepsEagleBlock(FullAttentionManager):
         block_hashes: Sequence[bytes],
         max_length: int,
         kv_cache_group_ids: Sequence[int],
-        block_pool: Any,
-        kv_cache_spec: Any,
+        block_pool: BlockPool,
+        kv_cache_spec: KVCacheSpec,
         use_eagle: bool,
+        alignment: int = 0,
     ) -> tuple[list[KVCacheBlock], ...]:
         # BUG: searches as if EAGLE were off, so the last matched block is kept
         return super().find_longest_cache_hit(
-            block_hashes, max_length, kv_cache_group_ids, block_pool, kv_cache_spec, False
+            block_hashes,
+            max_length,
+            kv_cache_group_ids,
+            block_pool,
+            kv_cache_spec,
+            False,
+            alignment,
         )
 
 
@@ -231,13 +243,20 @@ class _DropsEagleBlockAfterWindow(SlidingWindowManager):
         block_hashes: Sequence[bytes],
         max_length: int,
         kv_cache_group_ids: Sequence[int],
-        block_pool: Any,
-        kv_cache_spec: Any,
+        block_pool: BlockPool,
+        kv_cache_spec: KVCacheSpec,
         use_eagle: bool,
+        alignment: int = 0,
     ) -> tuple[list[KVCacheBlock], ...]:
         # BUG: looks for a window without EAGLE's extra block, then drops one
         computed = super().find_longest_cache_hit(
-            block_hashes, max_length, kv_cache_group_ids, block_pool, kv_cache_spec, False
+            block_hashes,
+            max_length,
+            kv_cache_group_ids,
+            block_pool,
+            kv_cache_spec,
+            False,
+            alignment,
         )
         if use_eagle and computed[0]:
             for blocks in computed:
@@ -383,19 +402,22 @@ class PreemptedLookupsCounted(KVCacheManager):
     the comparison of the stats with the model's catches it.
     """
 
-    def get_computed_blocks(self, request: Any) -> tuple[KVCacheBlocks, int]:
+    def get_computed_blocks(self, request: Any) -> tuple[KVCacheBlocks, int, int]:
         verify_hash_block_size(request, self.block_pool.hash_block_size)
         if not self.enable_caching or getattr(request, "skip_reading_prefix_cache", False):
-            return self.empty_kv_cache_blocks, 0
+            return self.empty_kv_cache_blocks, 0, 0
+        self._uncached = 0
         blocks, num_tokens = self.find_longest_cache_hit(
             request.block_hashes, request.num_tokens - 1
         )
+        uncached = self._uncached
         if self.prefix_cache_stats is not None:
             # BUG: every lookup counted as a first admission
             self.prefix_cache_stats = record(
                 self.prefix_cache_stats, request.num_tokens, num_tokens, False
             )
-        return self.create_kv_cache_blocks(blocks), num_tokens
+        boundary = num_tokens + uncached if uncached else 0
+        return self.create_kv_cache_blocks(blocks), num_tokens, boundary
 
 
 # ----------------------------------------------------------------------
