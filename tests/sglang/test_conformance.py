@@ -6,9 +6,11 @@ or the Python core with events on also need its C++ page-hash extension.
 
 import os
 import random
+from collections.abc import Callable
 
 import pytest
 
+from kvpool.model import BlockStored
 from kvpool.model import radix as model
 from kvpool.model.radix import RadixConfig
 from kvpool.model.radix_errors import NotLocked
@@ -95,7 +97,7 @@ def _gone(core: str) -> SglangRadixTarget:
     return target
 
 
-PROGRAMS = {
+PROGRAMS: dict[str, Callable[[str], object]] = {
     "unlock-not-locked": lambda core: _cached(core).unlock((1, 2, 3)),
     "lock-gone-node": lambda core: _gone(core).lock((1, 2, 3)),
     "unlock-gone-node": lambda core: _gone(core).unlock((1, 2, 3)),
@@ -158,6 +160,7 @@ def test_the_rust_core_s_page_hashes_are_the_model_s() -> None:
     target.take_events()
     target.insert([1, 2, 3, 4, 5, 6], list(range(6)), 0, 0, 0)
     (stored,) = target.take_events()
+    assert isinstance(stored, BlockStored)
     assert stored.block_hashes == model.page_hashes((1, 2, 3, 4, 5, 6), 2)
 
 

@@ -29,7 +29,7 @@ def stale_hash() -> list[type]:
         (block_pool.BlockPool,),
         {"_maybe_evict_cached_block": evict_keeping_the_key},
     )
-    kv_cache_coordinator.BlockPool = stale  # type: ignore[attr-defined]
+    kv_cache_coordinator.BlockPool = stale
     return [stale]
 
 
@@ -43,5 +43,5 @@ def forward_free() -> list[type]:
     def free_head_first(self: Any, request_id: str) -> None:
         self.block_pool.free_blocks(self.pop_blocks_for_free(request_id))
 
-    managers.FullAttentionManager.free = free_head_first  # type: ignore[method-assign]
+    managers.FullAttentionManager.free = free_head_first
     return []
