@@ -49,8 +49,8 @@ def main() -> None:
     paths = list(args.histories)
     with tempfile.TemporaryDirectory() as scratch:
         if not paths:
-            head, calls = synthesize(requests=args.requests, num_blocks=40)
-            paths = [write(Path(scratch) / "synthetic.jsonl", head, calls)]
+            head, synthetic = synthesize(requests=args.requests, num_blocks=40)
+            paths = [write(Path(scratch) / "synthetic.jsonl", head, synthetic)]
         print(
             f"{'history':<40} {'calls':>8} {'read+check s':>13} {'calls/s':>10} "
             f"{'check-only calls/s':>19}  verdict"

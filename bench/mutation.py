@@ -186,13 +186,13 @@ def _mutations(node: ast.AST) -> Iterator[tuple[str, ast.AST]]:
     elif isinstance(node, ast.BinOp | ast.AugAssign):
         swapped_op = SWAP_BIN.get(type(node.op))
         if swapped_op is not None:
-            new = copy.deepcopy(node)
-            new.op = swapped_op()
-            yield f"{type(node.op).__name__} -> {swapped_op.__name__}", new
+            arithmetic = copy.deepcopy(node)
+            arithmetic.op = swapped_op()
+            yield f"{type(node.op).__name__} -> {swapped_op.__name__}", arithmetic
     elif isinstance(node, ast.BoolOp):
-        new = copy.deepcopy(node)
-        new.op = ast.Or() if isinstance(node.op, ast.And) else ast.And()
-        yield f"{type(node.op).__name__} -> {type(new.op).__name__}", new
+        logic = copy.deepcopy(node)
+        logic.op = ast.Or() if isinstance(node.op, ast.And) else ast.And()
+        yield f"{type(node.op).__name__} -> {type(logic.op).__name__}", logic
     elif isinstance(node, ast.Constant) and type(node.value) is int:
         yield f"{node.value} -> {node.value + 1}", ast.Constant(node.value + 1)
     elif isinstance(node, ast.Constant) and type(node.value) is bool:
@@ -275,7 +275,7 @@ class _Replacer(ast.NodeTransformer):
     def __init__(self, old: ast.AST, new: ast.AST | None) -> None:
         self.old, self.new = old, new
 
-    def generic_visit(self, node: ast.AST) -> ast.AST | None:
+    def generic_visit(self, node: ast.AST) -> ast.AST:
         if node is self.old:
             if self.new is None:
                 return ast.Pass()

@@ -73,10 +73,16 @@ def factory(bug: SglangBug, core: str, counts: list[int], snapshot: bool = True)
 
 
 def run(bug: SglangBug, core: str, seeds: int, budget: int) -> dict[str, Any]:
-    options = {"events": bug.events, "page_sizes": bug.page_sizes}
     counts = [0]
     started = time.perf_counter()
-    ci = check_radix(factory(bug, core, counts), bug.policy, 1, hypothesis_profile="ci", **options)
+    ci = check_radix(
+        factory(bug, core, counts),
+        bug.policy,
+        1,
+        hypothesis_profile="ci",
+        events=bug.events,
+        page_sizes=bug.page_sizes,
+    )
     ci_seconds = time.perf_counter() - started
     calls = len((ci.program or "").splitlines()) - 1
     found, times, programs, steps = 0, [], [], []
@@ -90,7 +96,8 @@ def run(bug: SglangBug, core: str, seeds: int, budget: int) -> dict[str, Any]:
             hypothesis_profile="mutation",
             max_examples=budget,
             seed=seed,
-            **options,
+            events=bug.events,
+            page_sizes=bug.page_sizes,
         )
         if not report.conforms:
             found += 1
@@ -103,7 +110,8 @@ def run(bug: SglangBug, core: str, seeds: int, budget: int) -> dict[str, Any]:
         1,
         hypothesis_profile="ci",
         shrink=False,  # only the verdict is reported
-        **options,
+        events=bug.events,
+        page_sizes=bug.page_sizes,
     )
     return {
         "ci": not ci.conforms,

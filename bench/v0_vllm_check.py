@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         os.execv(sys.executable, [sys.executable, *sys.argv])
 
     from kvpool.specs import ConformanceReport as V0Report
-    from kvpool.specs.adapters import vllm_v0_target
+    from kvpool.specs.targets.vllm import v0 as vllm_v0_target
     from kvpool.specs.v0.check import check_v0
     from kvpool.specs.v0.model_target import ModelV0Target
 
@@ -76,13 +76,13 @@ def main(argv: list[str] | None = None) -> int:
         ok = report.conforms == expect_conform
         mark = "ok" if ok else "UNEXPECTED"
         print(
-            f"\n== {name} [{report.discipline}]: {verdict}, {report.examples_run} programs, "
+            f"\n== {name} [{report.profiles[0]}]: {verdict}, {report.examples_run} programs, "
             f"{report.seconds:.1f} s: {mark}"
         )
         if not report.conforms:
             print((report.failure or "").split("\n\ncalls")[0])
             print("shrunk program:")
-            print("\n".join(f"  {line}" for line in report.program))
+            print("\n".join(f"  {line}" for line in (report.program or "").splitlines()))
         return ok
 
     show("model", check_v0(ModelV0Target, "engine", **budget), True)

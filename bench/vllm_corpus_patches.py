@@ -202,7 +202,8 @@ def _freeing_to_back(only_when_caching_off: bool) -> Wrapper:
         def patched(self: Any, ordered_blocks: Iterable[Any]) -> None:
             blocks = list(ordered_blocks)
             if only_when_caching_off and self.enable_caching:
-                return free_blocks(self, blocks)
+                free_blocks(self, blocks)
+                return
             queue = self.free_block_queue
             released: list[Any] = []
             queue.prepend_n = released.extend
@@ -303,7 +304,8 @@ def _usage_counts_null() -> dict[str, Wrapper]:
     def wrap(get_usage: Callable[..., Any]) -> Callable[..., Any]:
         def patched(self: Any) -> float:
             # BUG: divides by every block, the null block included
-            return 1.0 - self.get_num_free_blocks() / self.num_gpu_blocks
+            usage: float = 1.0 - self.get_num_free_blocks() / self.num_gpu_blocks
+            return usage
 
         return patched
 
@@ -435,7 +437,7 @@ def _promotion_keeps_key() -> dict[str, Wrapper]:
             remove = self._remove_cached_block_hashes
 
             def remove_but_keep(block: Any) -> list[Any]:
-                removed = remove(block)
+                removed: list[Any] = remove(block)
                 # BUG: the keys are reported removed but stay as the block's extra keys
                 for key in removed:
                     self.cached_block_hashes_by_block.setdefault(block.block_id, set()).add(key)
@@ -695,7 +697,8 @@ def _hybrid_free_flattened() -> dict[str, Wrapper]:
         def patched(self: Any, request_id: str) -> None:
             managers = self.single_type_managers
             if len(managers) < 2:
-                return free(self, request_id)
+                free(self, request_id)
+                return
             # BUG: every group's blocks in one list, reversed once
             blocks = self.pop_blocks_for_free(request_id)
             managers[0].block_pool.free_blocks(reversed(blocks))

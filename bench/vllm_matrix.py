@@ -153,7 +153,7 @@ def run_child(version: str, examples: int) -> dict[str, Any]:
     # Level 2, stepping over each rejection mismatch; a wrong state or result
     # stops a survey, and is looked past with one more workaround if one helps.
     started = time.perf_counter()
-    surveys = []
+    surveys: list[dict[str, Any]] = []
     for extra in [(), *((w,) for w in WORKAROUNDS if w not in chosen)]:
         found, last = survey_level2(
             VllmTargetFactory(workarounds=(*chosen, *extra)),

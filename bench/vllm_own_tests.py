@@ -648,7 +648,7 @@ def run_swap(swap: str, tests_dir: Path, output: Path | None) -> None:
         counts = by_file.setdefault(name.split("::")[0].rsplit("/", 1)[-1], [0, 0])
         counts[0] += 1
         counts[1] += name not in failures
-    results = {
+    results: dict[str, Any] = {
         "swap": swap,
         "vllm_tests": len(vllm_outcomes),
         "pass_on_vllm": len(passing),
