@@ -18,7 +18,7 @@ from kvpool.impl.single_type import (
     SlidingWindowManager,
     _cdiv,
 )
-from kvpool.specs.request.machine import ManagerFactory, ManagerSetup
+from kvpool.specs.request.target import ManagerFactory, ManagerSetup
 from kvpool.specs.targets.impl.request import ImplManagerTarget
 
 
@@ -29,7 +29,9 @@ class _OrderingBugs(KVCacheManager):
     allocate_before_touch = False
     cache_allocated_slots = False
 
-    def allocate_slots(
+    # A copy of an earlier allocate_slots, without the connector's and the scheduler's later
+    # arguments: the machine sends them only when they are not their defaults.
+    def allocate_slots(  # type: ignore[override]
         self,
         request: Any,
         num_new_tokens: int,
@@ -47,7 +49,10 @@ class _OrderingBugs(KVCacheManager):
             else new_computed_blocks.blocks
         )
         if full_sequence_must_fit and not self._full_sequence_fits(
-            request, hits, [False] * len(managers)
+            request,
+            hits,
+            [False] * len(managers),
+            request.num_computed_tokens + num_new_computed_tokens,
         ):
             return None
         for manager in managers:

@@ -7,8 +7,9 @@ defaults are, and how block lists combine.
 """
 
 import itertools
+from collections.abc import Sequence
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from hypothesis import given
@@ -30,7 +31,8 @@ from kvpool.model.single_type import (
     mamba,
     sliding_window,
 )
-from kvpool.specs.request.machine import HYBRID_LAYOUTS, layout_specs
+from kvpool.specs.request.machine import layout_specs
+from kvpool.specs.request.target import HYBRID_LAYOUTS
 
 GROUPS: dict[str, tuple[KVCacheSpec, ...]] = {
     "none": (),
@@ -261,18 +263,20 @@ def test_with_fine_grained_hits_the_prompt_tail_is_keyed_before_its_block_is_ful
     specs = (full_attention(4), full_attention(4))
     setup = ManagerSetup(12, specs, 16, 2, enable_events=True, fine_grained_hits=True)
     request = new_request("r", (1, 2, 2, 1, 1, 2, 1, 2, 2, 2, 1, 1), 2)
-    seen = []
+    seen: list[tuple[object, list[list[tuple[str, int, tuple[bytes, ...]]]]]] = []
     for target in (ModelManagerTarget(setup), ImplManagerTarget(setup)):
         target.allocate_slots(request, 10)
-        first = target.take_events()
+        first_taken = target.take_events()
         target.allocate_slots(with_computed(request, 10), 2)
-        second = target.take_events()
+        second_taken = target.take_events()
+        # events are on: stores and removals, none cleared
+        taken = cast(list[Sequence[BlockStored | BlockRemoved]], [first_taken, second_taken])
         seen.append(
             (
                 target.snapshot(),
                 [
                     [(type(e).__name__, e.group_idx, e.block_hashes) for e in events]
-                    for events in (first, second)
+                    for events in taken
                 ],
             )
         )

@@ -12,15 +12,11 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from kvpool.impl.manager import KVCacheManager
 from kvpool.model import PROFILES
-from kvpool.specs.pool.invariants import InvariantViolation
+from kvpool.specs.errors import InvariantViolation
 from kvpool.specs.request.invariants import RequestInvariantViolation
-from kvpool.specs.request.machine import (
-    HYBRID_LAYOUTS,
-    LAYOUTS,
-    ManagerDivergence,
-    manager_machine,
-)
+from kvpool.specs.request.machine import ManagerDivergence, manager_machine
 from kvpool.specs.request.model_target import ModelManagerTarget
+from kvpool.specs.request.target import HYBRID_LAYOUTS, LAYOUTS
 from kvpool.specs.targets.impl.request import ImplManagerTarget
 from tests.request.planted_bugs import BUGS, target_of
 

@@ -205,7 +205,7 @@ def _both_refuse(specs: Sequence[KVCacheSpec], interval: object, words: str, **k
     with pytest.raises(InvalidManagerConfig, match=words):
         mm.new_kv_cache_manager(100, specs, 8192, retention_interval=interval, **kw)  # type: ignore[arg-type]
     with pytest.raises(InvalidManagerConfig, match=words):
-        KVCacheManager(KVCacheConfig(100, tuple(specs), interval), 8192, **kw)  # type: ignore[arg-type]
+        KVCacheManager(KVCacheConfig(100, tuple(specs), interval), 8192, **kw)
 
 
 @pytest.mark.parametrize(("interval", "words"), [(-32, "non-negative"), (33, "multiple of")])

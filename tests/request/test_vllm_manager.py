@@ -5,7 +5,7 @@ when ``KVPOOL_REQUIRE_VLLM=1``.
 """
 
 import importlib
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -235,7 +235,7 @@ def test_vllm_033_keys_the_prompt_tail_beside_the_full_key_as_the_model_does() -
     for target in both(setup):
         assert target.allocate_slots(request, 10) is not None  # type: ignore[attr-defined]
         first = tuple(target.take_events())  # type: ignore[attr-defined]
-        assert all(e.block_size == 4 for e in first)  # type: ignore[union-attr]
+        assert all(e.block_size == 4 for e in first)
         done = with_computed(request, 10)
         assert target.allocate_slots(done, 2) is not None  # type: ignore[attr-defined]
         streams.append((first, tuple(target.take_events())))  # type: ignore[attr-defined]
@@ -272,6 +272,7 @@ def test_vllm_refuses_what_the_scope_draws_with_caching_off(
 def test_an_event_of_another_group_kind_is_not_the_models() -> None:
     """The manager's annotations must name the group's spec; else the event never matches."""
     kv_events = importlib.import_module("vllm.distributed.kv_events")
+    from kvpool.model.events import BlockStored
     from kvpool.model.single_type import full_attention
     from kvpool.specs.targets.vllm.event_shape import UnmappedEvent
     from kvpool.specs.targets.vllm.request import manager_event
@@ -293,6 +294,6 @@ def test_an_event_of_another_group_kind_is_not_the_models() -> None:
 
     names = {7: b"h"}.__getitem__
     ours = manager_event(stored("full_attention"), (full_attention(2),), names)
-    assert not isinstance(ours, UnmappedEvent) and ours.block_hashes == (b"h",)
+    assert not isinstance(ours, UnmappedEvent) and cast(BlockStored, ours).block_hashes == (b"h",)
     theirs = manager_event(stored("sliding_window"), (full_attention(2),), names)
     assert isinstance(theirs, UnmappedEvent)
