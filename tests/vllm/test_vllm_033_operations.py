@@ -182,7 +182,7 @@ def test_a_vllm_copy_served_before_it_is_written_is_found() -> None:
     from kvpool.specs.request.check import run_request_conformance
     from kvpool.specs.targets.vllm.request import VllmManagerFactory, fine_grained_scope
 
-    class LateCopies(KVCacheManager):  # type: ignore[misc]
+    class LateCopies(KVCacheManager):
         held = False
 
         def take_kv_cache_block_copies(self) -> Any:
@@ -224,7 +224,7 @@ def test_a_vllm_manager_admitting_past_the_full_sequence_gate_is_found() -> None
     """A subclass that drops ``full_sequence_must_fit``: it admits what cannot fit whole."""
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
-    class NoGate(KVCacheManager):  # type: ignore[misc]
+    class NoGate(KVCacheManager):
         def allocate_slots(self, *args: Any, **kwargs: Any) -> Any:
             kwargs.pop("full_sequence_must_fit", None)  # BUG
             return super().allocate_slots(*args, **kwargs)
@@ -237,7 +237,7 @@ def test_a_vllm_manager_freeing_the_blocks_it_pops_is_found() -> None:
     a step may still write goes back to the free queue."""
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
-    class EagerPop(KVCacheManager):  # type: ignore[misc]
+    class EagerPop(KVCacheManager):
         def pop_blocks_for_free(self, request: Any) -> Any:
             blocks = super().pop_blocks_for_free(request)
             self.block_pool.free_blocks(reversed(blocks))  # BUG

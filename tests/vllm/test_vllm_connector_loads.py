@@ -51,7 +51,7 @@ def test_a_release_without_reserved_blocks_is_not_sent_a_connector_s_loads() -> 
     class Older(KVCacheManager):
         """allocate_slots as before vLLM 0.33: no reserved blocks."""
 
-        def allocate_slots(  # type: ignore[override]
+        def allocate_slots(
             self, request: Any, num_new_tokens: int, num_new_computed_tokens: int = 0
         ) -> Any:
             return super().allocate_slots(request, num_new_tokens, num_new_computed_tokens)

@@ -148,7 +148,7 @@ def test_vllms_hasher_names_prefixes_with_every_kind_of_extra_key() -> None:
     ]
     requests.append(append_tokens(requests[0], [7, 8]))
     for request in requests:
-        hashes = target.block_hashes(request)  # type: ignore[attr-defined]
+        hashes = target.block_hashes(request)
         assert target_hashes_name_prefixes(truth, request, hashes) is None, request.request_id
     assert len(truth.target_oracle) == len(truth.target_hash_of) > len(requests)
 

@@ -7,7 +7,7 @@ the adapter finds on the class) with a mistake of old vLLM releases.
 """
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from vllm.v1.core import kv_cache_utils
 from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -44,7 +44,7 @@ def _saltless_hasher(
     def hash_without_salt(request: Any) -> list[Any]:
         salt, request.cache_salt = request.cache_salt, None
         try:
-            return hasher(request)
+            return cast(list[Any], hasher(request))
         finally:
             request.cache_salt = salt
 
