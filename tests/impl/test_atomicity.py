@@ -57,6 +57,7 @@ def build(data: st.DataObject) -> BlockPool:
     if pool.enable_caching and held:
         n = min(len(held), len(REQ.block_hashes) // pool.hash_block_size)
         pool.cache_full_blocks(REQ, held, 0, n, pool.hash_block_size, 0)
+    # bool(held): with the list on the left of `and`, mypy would expect the draw to be a list
     if bool(held) and data.draw(st.booleans()):
         pool.unpin_blocks(held[-1:], lambda block: None)
         held = held[:-1]
