@@ -193,9 +193,14 @@ class MambaAlignManager(MambaManager):
         rid = request.request_id
         before = self.num_cached_block.get(rid, 0)
         SingleTypeKVCacheManager.cache_blocks(self, request, num_tokens)
-        after = self.num_cached_block[rid]
         blocks = self.req_to_blocks[rid]
-        for i in range(before, after):
+        self._offer_cached(rid, blocks, before)
+        return blocks
+
+    def _offer_cached(self, rid: str, blocks: list[KVCacheBlock], before: int) -> None:
+        """Note and offer the states keyed since the request had ``before`` cached blocks
+        (the ones that still hold their key)."""
+        for i in range(before, self.num_cached_block[rid]):
             block = blocks[i]
             key = block._primary_key()
             if block.is_null or key is None:
@@ -205,7 +210,6 @@ class MambaAlignManager(MambaManager):
             self._pending_boundary_state_offloads.append(
                 (rid, self.kv_cache_group_id, block, tokens)
             )
-        return blocks
 
     def free(self, request_id: str) -> None:
         """Forget the request's states and its offers not yet taken, then release its blocks."""
