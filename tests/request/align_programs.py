@@ -112,3 +112,14 @@ RESEND_SETUP = ManagerSetup(
     use_eagle=True,
     retention_interval=0,
 )
+
+
+def latest_only_sibling(target: Any) -> tuple[Any, Any]:
+    """A lone "align" group of blocks of 2 under retention 0: a prompt of 11 tokens computed
+    in one chunk of 10 (its state at 10), then a sibling of 12 tokens sharing them looks up."""
+    prompt = [1, 2, 2, 1, 1, 2, 1, 2, 2, 2, 1]
+    first = new_request("a", prompt, 2)
+    target.get_computed_blocks_with_boundary(first)
+    allocated = target.allocate_slots(first, 10)
+    target.new_step_starts()
+    return allocated, target.get_computed_blocks_with_boundary(new_request("b", [*prompt, 1], 2))

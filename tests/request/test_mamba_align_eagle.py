@@ -34,7 +34,7 @@ from kvpool.specs.request.target import (
     ManagerTargetSpec,
 )
 from kvpool.specs.targets.impl.request import ImplManagerTarget
-from tests.request.align_programs import RESEND_SETUP, resend_scenario
+from tests.request.align_programs import RESEND_SETUP, latest_only_sibling, resend_scenario
 
 # --------------------------------------------------------------------------
 # Where the prompt's reusable state is
@@ -117,6 +117,22 @@ def test_an_aligned_resend_and_a_sibling_reuse_the_retained_state() -> None:
     # the states at 8 and 12 only: the replay boundaries, retention 0 keeping nothing else
     state_keys = [key for key in model.snapshot().managers.pool.cached if key[1] == 1]
     assert len(state_keys) == 2
+
+
+@pytest.mark.parametrize("eagle", [True, False])
+def test_under_latest_only_retention_the_state_kept_is_eagles_boundary(eagle: bool) -> None:
+    """Without EAGLE the replay boundary is 10 (the prompt's 11 - 1) and the state at 10 is
+    kept (by the mask, and as the prompt's boundary): the sibling hits 10. With EAGLE the
+    replay boundary and the prompt's boundary are 8, where this chunk left no state: the
+    state at 10 is not kept, and the sibling misses."""
+    setup = replace(
+        ManagerSetup(8, (mamba_align(2),), 16, 2, use_eagle=eagle), retention_interval=0
+    )
+    answers = [
+        latest_only_sibling(t) for t in (ModelManagerTarget(setup), ImplManagerTarget(setup))
+    ]
+    assert answers[0] == answers[1]
+    assert answers[0][1][1] == (0 if eagle else 10)
 
 
 # --------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from kvpool.model.single_type import full_attention, mamba_align
 from kvpool.specs.request.check import run_request_conformance
 from kvpool.specs.request.model_target import ModelManagerTarget
 from kvpool.specs.request.target import ManagerSetup
-from tests.request.align_programs import RESEND_SETUP, resend_scenario
+from tests.request.align_programs import RESEND_SETUP, latest_only_sibling, resend_scenario
 
 pytestmark = pytest.mark.usefixtures("require_vllm_manager")
 
@@ -63,6 +63,18 @@ def test_the_boundary_keyed_beside_the_full_blocks_is_offered_as_by_vllm() -> No
         offers.append(target.take_boundary_state_offloads())
     assert offers[0] == offers[1] == offers[2]
     assert [tokens for _, _, tokens in offers[0]["r"]] == [5]
+
+
+@pytest.mark.parametrize("eagle", [True, False])
+def test_the_state_kept_under_latest_only_retention_is_vllms(eagle: bool) -> None:
+    """With EAGLE the prompt's boundary and the replay boundary move to 8, where no state
+    was computed: vLLM keeps no state, and the sibling misses; without EAGLE it hits 10."""
+    setup = replace(
+        ManagerSetup(8, (mamba_align(2),), 16, 2, use_eagle=eagle), retention_interval=0
+    )
+    answers = [latest_only_sibling(target) for target in _targets(setup)]
+    assert answers[0] == answers[1] == answers[2]
+    assert answers[0][1][1] == (0 if eagle else 10)
 
 
 @pytest.mark.parametrize("eagle", [True, False])
