@@ -5,6 +5,7 @@ vLLM is optional: these tests skip, visibly, without it, and fail without it
 when ``KVPOOL_REQUIRE_VLLM=1``.
 """
 
+import os
 from dataclasses import replace
 from typing import Any
 
@@ -16,6 +17,9 @@ from kvpool.specs.request.check import run_request_conformance
 from kvpool.specs.request.model_target import ModelManagerTarget
 from kvpool.specs.request.target import ManagerSetup
 from tests.request.align_programs import RESEND_SETUP, latest_only_sibling, resend_scenario
+
+EXAMPLES = 2000 if os.environ.get("KVPOOL_HYPOTHESIS") == "deep" else 200
+"""Programs drawn: 200 by default, ten times more in a deep run (tests/conftest.py)."""
 
 pytestmark = pytest.mark.usefixtures("require_vllm_manager")
 
@@ -29,14 +33,14 @@ def _targets(setup: ManagerSetup) -> list[Any]:
 
 def test_vllm_with_eagle_beside_align_conforms_at_level_1() -> None:
     """``mamba_align_eagle_scope()``: EAGLE half the time, flagged groups, speculative
-    blocks, dense and sparse retention, the scheduler's calls; 200 programs by default."""
+    blocks, dense and sparse retention, the scheduler's calls."""
     from kvpool.specs.targets.vllm.request import mamba_align_eagle_scope
 
     report = run_request_conformance(
-        mamba_align_eagle_scope(), hypothesis_profile="ci", max_examples=200
+        mamba_align_eagle_scope(), hypothesis_profile="ci", max_examples=EXAMPLES
     )
     assert report.conforms, f"{report.failure}\n{report.program}"
-    assert report.examples_run >= 200
+    assert report.examples_run >= EXAMPLES
 
 
 def test_vllms_aligned_resend_scenario_answers_alike() -> None:
