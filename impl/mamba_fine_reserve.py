@@ -160,7 +160,7 @@ class MambaFineReservingManager(MambaFineManager):
         blocks = self.req_to_blocks[rid]
         # before the offers: a transient checkpoint's block loses the key it just took
         self._cache_checkpoint(request, blocks, checkpoint)
-        self._offer_cached(rid, blocks, before)
+        self._offer(rid, blocks, before, self.num_cached_block[rid])
 
     def _cache_checkpoint(
         self, request: Any, blocks: list[KVCacheBlock], checkpoint: tuple[int, int]
