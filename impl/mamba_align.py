@@ -26,6 +26,7 @@ from kvpool.impl.single_type import (
     block_hashes_at,
     num_prompt_tokens,
 )
+from kvpool.model.errors import InvalidManagerConfig
 from kvpool.model.mamba_align import AlignTable, Offload
 from kvpool.model.single_type import AttentionType, GroupTable, KVCacheSpec
 from kvpool.model.state import HashKey
@@ -52,6 +53,10 @@ class MambaAlignManager(MambaManager):
         """One of several groups (the manager sets it): caching rounds to whole blocks."""
         self.fine = False
         """Whether hits may end inside a block (``kvpool.impl.mamba_fine.MambaFineManager``)."""
+        self.drop_eagle_checkpoint_block = False
+        """The manager runs EAGLE (it sets this on every "align" group, flagged or not): the
+        prompt's reusable state is one block below its last boundary, not before its last
+        token (``kvpool.model.mamba_align_eagle``)."""
 
     def find_fine_hit(
         self, block_hashes: Sequence[bytes], max_length: int, kv_cache_group_ids: Sequence[int]
@@ -151,13 +156,29 @@ class MambaAlignManager(MambaManager):
             blocks[last] = null
 
     def cache_blocks(self, request: Any, num_tokens: int) -> None:
-        """Cache the full positions' states, noting each as cached this step and offered."""
-        blocks = self._cache_and_offer(request, num_tokens)
-        # The prompt's last reusable boundary, keyed again if its block lost its key; with
-        # several groups (vLLM's hybrid coordinator) what is cached is rounded to whole blocks
-        if self.hybrid:
+        """Cache the full positions' states, key the prompt's boundary again if its block lost
+        its key, then note each newly cached position as cached this step and offer it (the
+        boundary's block too when it lies among them, as vLLM 0.33.0 offers after both)."""
+        rid = request.request_id
+        before = self.num_cached_block.get(rid, 0)
+        SingleTypeKVCacheManager.cache_blocks(self, request, num_tokens)
+        blocks = self.req_to_blocks[rid]
+        self._cache_prompt_boundary(request, num_tokens, blocks)
+        self._offer(rid, blocks, before, self.num_cached_block[rid])
+
+    def _cache_prompt_boundary(
+        self, request: Any, num_tokens: int, blocks: list[KVCacheBlock]
+    ) -> None:
+        """Key the prompt's last reusable boundary again if its block lost its key."""
+        # with several groups (vLLM's hybrid coordinator) what is cached is rounded to whole
+        # blocks, except in an EAGLE group
+        if self.hybrid and not self.use_eagle:
             num_tokens = num_tokens // self.block_size * self.block_size
-        boundary = (num_prompt_tokens(request) - 1) // self.block_size * self.block_size
+        size = self.block_size
+        if self.drop_eagle_checkpoint_block:  # EAGLE reads the whole prompt, then drops a block
+            boundary = num_prompt_tokens(request) // size * size - size
+        else:  # a resend recomputes the prompt's last token
+            boundary = (num_prompt_tokens(request) - 1) // size * size
         index = num_tokens // self.block_size - 1
         if num_tokens <= 0 or num_tokens != boundary or index >= len(blocks):
             return
@@ -193,8 +214,13 @@ class MambaAlignManager(MambaManager):
         rid = request.request_id
         before = self.num_cached_block.get(rid, 0)
         SingleTypeKVCacheManager.cache_blocks(self, request, num_tokens)
-        after = self.num_cached_block[rid]
         blocks = self.req_to_blocks[rid]
+        self._offer(rid, blocks, before, self.num_cached_block[rid])
+        return blocks
+
+    def _offer(self, rid: str, blocks: list[KVCacheBlock], before: int, after: int) -> None:
+        """Note the keyed states at positions ``before..after`` as cached this step, and offer
+        them (nulls and blocks left without a key passed over)."""
         for i in range(before, after):
             block = blocks[i]
             key = block._primary_key()
@@ -205,7 +231,6 @@ class MambaAlignManager(MambaManager):
             self._pending_boundary_state_offloads.append(
                 (rid, self.kv_cache_group_id, block, tokens)
             )
-        return blocks
 
     def free(self, request_id: str) -> None:
         """Forget the request's states and its offers not yet taken, then release its blocks."""
@@ -272,6 +297,22 @@ def take_boundary_state_offloads(
     return offers
 
 
+def check_align_eagle(specs: Sequence[KVCacheSpec], use_eagle: bool) -> None:
+    """Raise InvalidManagerConfig as the model's ``mamba_align_eagle.verify`` does: EAGLE
+    beside a Mamba "align" group with prefill checkpoint blocks is not modelled.
+
+    >>> from kvpool.model.single_type import mamba_reserving
+    >>> check_align_eagle([mamba_reserving(4, 3)], True)
+    """
+    if use_eagle:
+        for spec in specs:
+            if spec.mamba_align and spec.prefill_checkpoint_alignment:
+                raise InvalidManagerConfig(
+                    'EAGLE beside a Mamba "align" group with prefill checkpoint blocks is not '
+                    "modelled"
+                )
+
+
 def per_group_lookup(
     managers: Sequence[SingleTypeKVCacheManager],
     kinds: Sequence[tuple[KVCacheSpec, list[int]]],
@@ -294,14 +335,20 @@ def per_group_lookup(
     its next block (the manager's)."""
     hits: list[list[KVCacheBlock]] = [[] for _ in managers]
     lengths = [0] * len(managers)
+    num_hashed = len(block_hashes) * block_pool.hash_block_size
     for spec, ids in kinds:
         first = managers[ids[0]]
         if isinstance(first, MambaAlignManager) and first.fine:
             # hits inside a Mamba block (kvpool.impl.mamba_fine): on hash blocks
             found, length = first.find_fine_hit(block_hashes, max_length, ids)
         else:
+            # an EAGLE group peeks one block past the limit and drops its last block; a
+            # Mamba group neither peeks nor drops (its finder ignores the flag)
+            reach = max_length
+            if first.use_eagle and spec.attention is not AttentionType.MAMBA:
+                reach = min(max_length + spec.block_size, num_hashed)
             found = type(first).find_longest_cache_hit(
-                block_hashes, max_length, ids, block_pool, spec, False, scheduler_block_size
+                block_hashes, reach, ids, block_pool, spec, first.use_eagle, scheduler_block_size
             )
             length = len(found[0]) * spec.block_size
             if extend is not None:

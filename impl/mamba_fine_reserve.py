@@ -157,19 +157,10 @@ class MambaFineReservingManager(MambaFineManager):
             return
         before = self.num_cached_block.get(rid, 0)
         SingleTypeKVCacheManager.cache_blocks(self, request, num_tokens)
-        after = self.num_cached_block[rid]
         blocks = self.req_to_blocks[rid]
+        # before the offers: a transient checkpoint's block loses the key it just took
         self._cache_checkpoint(request, blocks, checkpoint)
-        for i in range(before, after):
-            block = blocks[i]
-            key = block._primary_key()
-            if block.is_null or key is None:
-                continue
-            self.cached_blocks_this_step.add(key)
-            tokens = block.block_hash_num_tokens or 0
-            self._pending_boundary_state_offloads.append(
-                (rid, self.kv_cache_group_id, block, tokens)
-            )
+        self._offer(rid, blocks, before, self.num_cached_block[rid])
 
     def _cache_checkpoint(
         self, request: Any, blocks: list[KVCacheBlock], checkpoint: tuple[int, int]

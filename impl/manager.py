@@ -33,6 +33,7 @@ from kvpool.impl.eagle import (
 )
 from kvpool.impl.mamba_align import (
     MambaAlignManager,
+    check_align_eagle,
     per_group_lookup,
     take_boundary_state_offloads,
 )
@@ -229,9 +230,9 @@ class KVCacheManager:
                 raise InvalidManagerConfig(
                     f"a Mamba block of {spec.block_size} tokens cannot hold {max_model_len} tokens"
                 )
-        # Verify that EAGLE does not run beside a Mamba "align" group (not modelled)
-        if use_eagle and any(s.mamba_align for s in specs):
-            raise InvalidManagerConfig('EAGLE beside a Mamba "align" group is not modelled')
+        # Verify that EAGLE runs beside Mamba "align" groups only as modelled (no checkpoint
+        # blocks)
+        check_align_eagle(specs, bool(use_eagle))
         # Verify that hits inside a Mamba "align" block come in a configuration kvpool models
         fine_mamba = fine_hits_on(specs, hbs, enable_caching)
         if fine_mamba:
@@ -371,6 +372,8 @@ class KVCacheManager:
             manager.replay_eagle = use_eagle  # per-group flags aside (kvpool.impl.retention)
             if isinstance(manager, MambaAlignManager):
                 manager.hybrid = len(specs) > 1
+                # vLLM 0.33 sets it on every Mamba group under EAGLE, flagged or not
+                manager.drop_eagle_checkpoint_block = bool(use_eagle)
             # sliding-window groups cache only what hits at these multiples can use
             manager.cache_hit_alignment_tokens = scheduler
             sharded_group = manager.kv_cache_spec.dcp_sharded

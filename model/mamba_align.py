@@ -25,8 +25,9 @@ request's block list, and returns new ones. ``kvpool.model.single_type``
 calls them for a group whose spec has ``mamba_align``. What is modelled is
 vLLM 0.33.0's ``MambaManager`` with ``mamba_cache_mode == "align"`` (speculative and
 prefill checkpoint blocks: ``kvpool.model.mamba_reserve``; blocks of several hash
-blocks, whose hits may end inside a block: ``kvpool.model.mamba_fine``), no sparse
-retention; the manager refuses the rest (``kvpool.model.manager.new_kv_cache_manager``). Source:
+blocks, whose hits may end inside a block: ``kvpool.model.mamba_fine``; sparse retention:
+``kvpool.model.retention``; EAGLE: ``kvpool.model.mamba_align_eagle``); the manager refuses
+the rest (``kvpool.model.manager.new_kv_cache_manager``). Source:
 ``vllm/v1/core/single_type_kv_cache_manager.py`` in vLLM 0.33.0
 (``MambaManager.find_longest_cache_hit``, ``get_num_blocks_to_allocate``,
 ``allocate_new_blocks``, ``remove_skipped_blocks``, ``_remove_blocks_in_range``,
@@ -38,6 +39,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from kvpool.model.errors import InvalidTokenCount
+from kvpool.model.mamba_align_eagle import prompt_boundary
 from kvpool.model.pool import cache_full_blocks, free_blocks, get_cached_block, get_new_blocks
 from kvpool.model.state import NULL_BLOCK_ID, BlockHash, CacheRequest, HashKey, PoolState
 
@@ -258,11 +260,14 @@ def cache_prompt_boundary(
     num_prompt_tokens: int,
     blocks: Sequence[int],
     num_tokens: int,
+    drop_eagle: bool = False,
 ) -> tuple[PoolState, AlignTable]:
     """Key the state at the prompt's last reusable boundary again if its block lost its key.
 
     The boundary is the last block boundary before the prompt's last token (a
-    resend of the prompt recomputes that token). When caching reaches exactly
+    resend of the prompt recomputes that token); with EAGLE (``drop_eagle``) one
+    block below the last boundary within the prompt
+    (``kvpool.model.mamba_align_eagle.prompt_boundary``). When caching reaches exactly
     there and the request's block at that position holds the state but carries
     no key for it (``evict_blocks`` took it), the block is keyed again, and the
     key counts as cached this step. Anything else changes nothing: the full
@@ -276,7 +281,7 @@ def cache_prompt_boundary(
     AlignTable(last_state={}, retired={}, allocated=frozenset(), cached_this_step=frozenset(), \
 offloads=(), checkpoints={}, partial_hits={}, producer_tails={})
     """
-    boundary = (num_prompt_tokens - 1) // block_size * block_size
+    boundary = prompt_boundary(num_prompt_tokens, block_size, drop_eagle)
     index = num_tokens // block_size - 1
     if num_tokens <= 0 or num_tokens != boundary or index >= len(blocks):
         return pool, table

@@ -31,6 +31,7 @@ import kvpool.model.eagle as eagle_ops
 import kvpool.model.external as external
 import kvpool.model.geometry as geometry
 import kvpool.model.mamba_align as mamba_align
+import kvpool.model.mamba_align_eagle as align_eagle
 import kvpool.model.mamba_fine as mamba_fine
 import kvpool.model.mamba_fine_config as fine_config
 import kvpool.model.mamba_reserve as reserve
@@ -287,9 +288,8 @@ def new_kv_cache_manager(
             raise InvalidManagerConfig(
                 f"a Mamba block of {spec.block_size} tokens cannot hold {max_model_len} tokens"
             )
-    # Verify that EAGLE does not run beside a Mamba "align" group (not modelled)
-    if use_eagle and any(s.mamba_align for s in specs):
-        raise InvalidManagerConfig('EAGLE beside a Mamba "align" group is not modelled')
+    # Verify that EAGLE runs beside Mamba "align" groups only as modelled (no checkpoint blocks)
+    align_eagle.verify(specs, use_eagle)
     # Verify that hits inside a Mamba "align" block come in a configuration kvpool models
     fine_mamba = fine_config.enabled(specs, hbs, enable_caching)
     if fine_mamba:
@@ -899,6 +899,8 @@ def _cache(
             scheduler,
             config.retention_interval,
             boundaries,
+            # vLLM 0.33 moves every Mamba group's prompt boundary under EAGLE, flagged or not
+            config.use_eagle,
         )
     return m
 

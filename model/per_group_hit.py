@@ -17,7 +17,9 @@ block under decode context parallelism (``kvpool.model.align_dcp``), groups of
 one spec together. The answer: each group's own blocks, untrimmed; full
 attention's length (the first full-attention group's); a shared-prefix
 boundary of 0; and whether the shortest hit is shorter. Stats record full
-attention's length, as for the plain lookup.
+attention's length, as for the plain lookup. With EAGLE an EAGLE group (not a Mamba
+one) looks one block past that limit and drops its last matched block, as in the
+plain lookup.
 
 Sources: ``KVCacheManager.get_computed_blocks_for_connector`` in
 ``vllm/v1/core/kv_cache_manager.py`` and
@@ -30,6 +32,7 @@ Sources: ``KVCacheManager.get_computed_blocks_for_connector`` in
 from dataclasses import replace
 
 import kvpool.model.copy_on_write as cow
+import kvpool.model.eagle as eagle_ops
 import kvpool.model.mamba_fine as mamba_fine
 import kvpool.model.single_type as single
 from kvpool.model.manager import Blocks, KVCacheManagerState, record
@@ -95,6 +98,8 @@ def per_group_hit(
         else state.config.scheduler_block_size or specs[0].block_size
     )
     max_length = request.num_tokens - 1
+    num_hashed = len(request.block_hashes) * m.pool.config.hash_block_size
+    flags = eagle_ops.group_flags(specs, state.config.use_eagle, state.config.eagle_groups)
     kinds: list[tuple[KVCacheSpec, list[int]]] = []
     for g, spec in enumerate(specs):
         for known, ids in kinds:
@@ -119,8 +124,12 @@ def per_group_hit(
                 m.pool, spec, request.block_hashes, max_length, ids, found
             )
         else:
+            # an EAGLE kind peeks one block past the limit and drops its last block (a Mamba
+            # one does neither: kvpool.model.eagle.peek, kvpool.model.mamba_align_eagle)
+            eagle = any(flags[g] for g in ids)
+            reach = eagle_ops.peek(spec, max_length, num_hashed) if eagle else max_length
             found = single.find_longest_cache_hit(
-                m.pool, spec, request.block_hashes, max_length, ids, False, alignment
+                m.pool, spec, request.block_hashes, reach, ids, eagle, alignment
             )
             length = len(found[0]) * spec.block_size
         for g, blocks in zip(ids, found, strict=True):

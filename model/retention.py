@@ -15,8 +15,9 @@ Sources (vLLM 0.33.0): ``_validate_prefix_cache_retention_interval`` and
 ``SlidingWindowManager.reachable_block_mask`` in
 ``vllm/v1/core/single_type_kv_cache_manager.py``. Mamba "align" groups thin
 their state snapshots too (``mamba_align_retention_mask``, after
-``MambaManager.reachable_block_mask`` there), not beside EAGLE nor with prefill
-checkpoint blocks (the constructors refuse those: ``kvpool.model.retention_config``).
+``MambaManager.reachable_block_mask`` there; beside EAGLE too:
+``kvpool.model.mamba_align_eagle``), not with prefill checkpoint blocks (the
+constructors refuse those: ``kvpool.model.retention_config``).
 Plain numbers only, so the single-type managers can use them.
 """
 

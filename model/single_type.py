@@ -575,6 +575,7 @@ def cache_blocks(
     mask_alignment: int = 0,
     retention_interval: int | None = None,
     replay: Sequence[int] = (),
+    drop_eagle_checkpoint: bool = False,
 ) -> tuple[ManagersState, None]:
     """Put the request's blocks that are full within its first ``num_tokens`` tokens in the map.
 
@@ -594,7 +595,8 @@ def cache_blocks(
     the windows ending at the ``replay`` boundaries and at the request's
     ``shared_prefix_boundary``; a Mamba "align" group the state blocks
     ``retention.mamba_align_retention_mask`` keeps (segments' last blocks, the
-    blocks ending at those boundaries).
+    blocks ending at those boundaries). ``drop_eagle_checkpoint``: the manager runs EAGLE,
+    which moves a Mamba "align" group's prompt boundary (``kvpool.model.mamba_align_eagle``).
 
     Complexity: O(number of blocks newly cached).
 
@@ -684,9 +686,14 @@ def cache_blocks(
             mask,
         )
         table = replace(table, num_cached_block={**table.num_cached_block, rid: num_full})
-        if fine_checkpoint:
-            # noted after the checkpoint's keys (kvpool.model.mamba_fine_reserve), as vLLM
-            # 0.33.0's MambaManager.cache_blocks notes them after _cache_partial_tail_block
+        if fine_checkpoint or (
+            spec.mamba_align
+            and rid not in table.align.checkpoints
+            and spec.block_size <= state.pool.config.hash_block_size
+        ):
+            # noted after the checkpoint's keys (kvpool.model.mamba_fine_reserve), or the
+            # prompt boundary's (mamba_align.cache_prompt_boundary), as vLLM 0.33.0's
+            # MambaManager.cache_blocks notes them after _cache_partial_tail_block
             recorded = (num_cached, num_full)
         elif spec.mamba_align:
             blocks = table.req_to_blocks[rid]
@@ -752,9 +759,16 @@ def cache_blocks(
             cache_request(request),
             request.num_prompt_tokens,
             table.req_to_blocks[rid],
-            # several groups: vLLM's hybrid coordinator rounds what it caches to whole blocks
-            num_tokens // spec.block_size * spec.block_size if len(state.specs) > 1 else num_tokens,
+            # several groups: vLLM's hybrid coordinator rounds what it caches to whole blocks,
+            # but not for an EAGLE group (kvpool.model.eagle.cacheable_tokens)
+            num_tokens // spec.block_size * spec.block_size
+            if len(state.specs) > 1 and not use_eagle
+            else num_tokens,
+            drop_eagle_checkpoint,
         )
+        if recorded is not None:
+            blocks = table.req_to_blocks[rid]
+            tables = align_mode.record_cached(pool, tables, group, rid, blocks, *recorded)
         state = _with_table(replace(state, pool=pool), group, replace(table, align=tables))
     if spec.attention is AttentionType.FULL and spec.block_size > state.pool.config.hash_block_size:
         state = _cache_prompt_tail(state, group, request, num_tokens, use_eagle, fine_grained)

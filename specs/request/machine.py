@@ -295,18 +295,26 @@ def _start_rule(
     return decorate(start)
 
 
-def _align_retains(specs: Sequence[KVCacheSpec], hbs: int, dcp: int, eagle: bool) -> bool:
+def _align_eagle_modelled(specs: Sequence[KVCacheSpec], hbs: int, dcp: int, caching: bool) -> bool:
+    """Whether kvpool models EAGLE beside these groups' Mamba "align" groups (True without
+    one): no prefill checkpoint blocks, and no hits inside a Mamba block (caching on with
+    blocks of several hash blocks, or decode context parallelism): the rest is refused
+    (``kvpool.model.mamba_align_eagle``)."""
+    align = [s for s in specs if s.mamba_align]
+    return not align or not (
+        any(s.prefill_checkpoint_alignment for s in align)
+        or (caching and (dcp > 1 or any(s.block_size > hbs for s in align)))
+    )
+
+
+def _align_retains(specs: Sequence[KVCacheSpec], hbs: int, dcp: int) -> bool:
     """Whether kvpool models sparse retention on these groups with a Mamba group: every
     Mamba group in "align" mode, blocks of one hash block, no prefill checkpoint blocks,
-    no context parallelism, no EAGLE (``kvpool.model.retention_config``; the rest refused)."""
+    no context parallelism (``kvpool.model.retention_config``; the rest refused). EAGLE
+    beside them is modelled under retention too (``kvpool.model.mamba_align_eagle``)."""
     mamba = [s for s in specs if s.attention is AttentionType.MAMBA]
-    return (
-        not eagle
-        and dcp == 1
-        and all(
-            s.mamba_align and s.block_size == hbs and not s.prefill_checkpoint_alignment
-            for s in mamba
-        )
+    return dcp == 1 and all(
+        s.mamba_align and s.block_size == hbs and not s.prefill_checkpoint_alignment for s in mamba
     )
 
 
@@ -478,6 +486,8 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
         if eagle_hybrids:
             # vLLM 0.33's chunked-local finder cannot drop EAGLE's block (kvpool.model.eagle)
             eagle = eagle and not (caching and "chunked_local" in layout)
+            # beside Mamba "align" only as kvpool.model.mamba_align_eagle models it
+            eagle = eagle and _align_eagle_modelled(specs, hbs, dcp, caching)
         else:
             eagle = eagle and layout in ("full", "sliding_window")
         # flagged groups (vLLM 0.33's is_eagle_group), with EAGLE on; never a chunked-local one
@@ -493,7 +503,7 @@ class ManagerMachine(LockStep[KVCacheManagerState, ManagerTarget], RuleBasedStat
         if eagle and caching:  # the dropped tail (a scheduler block) holds every re-prefilled token
             lookahead = min(lookahead, default_scheduler_block_size(effective_specs(specs, dcp)))
         kinds = {s.attention for s in specs}
-        if (AttentionType.MAMBA in kinds and not _align_retains(specs, hbs, dcp, eagle)) or (
+        if (AttentionType.MAMBA in kinds and not _align_retains(specs, hbs, dcp)) or (
             AttentionType.SLIDING_WINDOW not in kinds and AttentionType.MAMBA not in kinds
         ):
             retention = None

@@ -123,6 +123,11 @@ def _raise(error: BaseException) -> Callable[[Callable[[], Any], int], Any]:
     return act
 
 
+HANG_TIMEOUT = 2
+"""Seconds a program may run in a hanging cell (whose target sleeps for a minute). Short: every
+hanging cell sleeps that long, and a slow program timed out earlier gets the same verdict."""
+
+
 def _hang(call: Callable[[], Any], calls: int) -> Any:
     time.sleep(60)
     return call()
@@ -147,7 +152,7 @@ FAILURES = {
         Failure("exits-3", _exit(3), 2, "raised SystemExit(3)"),
         Failure("raises-keyboard-interrupt", _raise(KeyboardInterrupt()), 2, "KeyboardInterrupt"),
         Failure("recurses-forever", _raise(RecursionError("deep")), 2, "RecursionError"),
-        Failure("hangs", _hang, 2, "ran for more than 5 s"),
+        Failure("hangs", _hang, 2, f"ran for more than {HANG_TIMEOUT} s"),
         Failure(
             "rejects-a-valid-call",
             _raise(InvalidBlockCount("refused")),

@@ -19,10 +19,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvpool.specs.cli import app
-from tests.kit.misbehaving import FAILURES, PATCH_POINTS, failing, owner
-
-HANG_TIMEOUT = 5
-"""Seconds a program may run in the hanging cell (whose target sleeps for a minute)."""
+from tests.kit.misbehaving import FAILURES, HANG_TIMEOUT, PATCH_POINTS, failing, owner
 
 NO_REJECTIONS = {"events"}
 """Layers whose targets have no rejections: a consumer raising one is a target error."""

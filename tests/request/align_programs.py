@@ -1,7 +1,8 @@
 """Seeded random scheduler runs beside a Mamba "align" group, for several targets at once.
 
 Shared by ``test_mamba_align_geometry.py`` (the model and the impl) and
-``test_vllm_mamba_align.py`` (with vLLM 0.33 too).
+``test_vllm_mamba_align.py`` (with vLLM 0.33 too); vLLM 0.33's aligned-resend test under
+EAGLE by ``test_mamba_align_eagle.py`` and ``test_vllm_mamba_align_eagle.py``.
 """
 
 import random
@@ -9,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvpool.model.request import new_request, with_computed
-from kvpool.model.single_type import full_attention, mamba_align, sliding_window
+from kvpool.model.single_type import full_attention, mamba_align, mamba_reserving, sliding_window
 from kvpool.specs.request.machine import mamba_aligned_chunk
 from kvpool.specs.request.target import ManagerSetup
 
@@ -85,3 +86,40 @@ def random_program(seed: int, make_targets: Callable[[ManagerSetup], list[Any]])
             call("new_step_starts")
     call("make_prefix_cache_stats")
     return seen
+
+
+def resend_scenario(target: Any) -> list[Any]:
+    """vLLM 0.33's test_hybrid_mamba_retention_mtp_resend_of_aligned_prompt in blocks of 4:
+    a prompt of four blocks computed a block a chunk (three look-ahead tokens), freed; its
+    resend and a longer sibling. Returns what every step answered."""
+    prompt = [i for i in range(4) for _ in range(4)]
+    first = new_request("0", prompt, 4)
+    answers: list[Any] = [target.get_computed_blocks_with_boundary(first)]
+    for start in (0, 4, 8, 12):
+        answers.append(target.allocate_slots(with_computed(first, start), 4, 0, None, 3))
+        target.new_step_starts()
+    target.free(with_computed(first, 16))
+    answers.append(target.get_computed_blocks_with_boundary(new_request("1", prompt, 4)))
+    answers.append(target.get_computed_blocks_with_boundary(new_request("2", prompt + [9] * 4, 4)))
+    return answers
+
+
+RESEND_SETUP = ManagerSetup(
+    32,
+    (full_attention(4), mamba_reserving(4, num_speculative_blocks=3)),
+    64,
+    4,
+    use_eagle=True,
+    retention_interval=0,
+)
+
+
+def latest_only_sibling(target: Any) -> tuple[Any, Any]:
+    """A lone "align" group of blocks of 2 under retention 0: a prompt of 11 tokens computed
+    in one chunk of 10 (its state at 10), then a sibling of 12 tokens sharing them looks up."""
+    prompt = [1, 2, 2, 1, 1, 2, 1, 2, 2, 2, 1]
+    first = new_request("a", prompt, 2)
+    target.get_computed_blocks_with_boundary(first)
+    allocated = target.allocate_slots(first, 10)
+    target.new_step_starts()
+    return allocated, target.get_computed_blocks_with_boundary(new_request("b", [*prompt, 1], 2))

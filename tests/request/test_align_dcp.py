@@ -61,7 +61,8 @@ def test_invalid_align_dcp_with_reserved_blocks() -> None:
 
 
 def test_invalid_align_dcp_with_eagle() -> None:
-    """The manager refuses EAGLE beside any "align" group first; the check says it too."""
+    """The manager refuses EAGLE where hits end inside a sharded block (kvpool.model.align_dcp
+    names it; EAGLE beside "align" elsewhere is kvpool.model.mamba_align_eagle's)."""
     _rejected((full_attention(4), mamba_align(4)), "EAGLE", use_eagle=True)
     specs = (full_attention(8), mamba_align(4))
     for verify in (align_dcp.verify, check_dcp_config):

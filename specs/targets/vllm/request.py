@@ -28,7 +28,8 @@ What is compared, and what is not (docs/semantics.md, "The request layer"):
   on: vLLM refuses the rest (``vllm_refuses``). Mamba's "align" mode, alone
   and beside full attention or a sliding window, is compared apart
   (``mamba_align_scope()``), and hits inside a Mamba block too
-  (``mamba_fine_scope()``);
+  (``mamba_fine_scope()``), and EAGLE beside it most densely
+  (``mamba_align_eagle_scope()``);
 * ``get_computed_blocks`` returns a 3-tuple in 0.33; the protocol's
   ``get_computed_blocks`` drops the third element (the shared-prefix boundary)
   and ``get_computed_blocks_with_boundary`` compares it;
@@ -842,7 +843,10 @@ def mamba_align_scope(factory: VllmManagerFactory | None = None) -> ManagerTarge
     (``MAMBA_ALIGN_DCP_LAYOUTS``, ``kvpool.model.align_dcp``); the scheduler's further calls,
     the connector's per-group lookup among them. Not in ``VLLM_SCOPE``: the machine drives
     these layouts with the scheduler's block-aligned chunks and no drafts. Sparse retention
-    of the states is drawn too (``kvpool.model.retention.mamba_align_retention_mask``)."""
+    of the states is drawn too (``kvpool.model.retention.mamba_align_retention_mask``), and
+    EAGLE where kvpool models it beside "align" (``kvpool.model.mamba_align_eagle``: no
+    checkpoint blocks, no hits inside a Mamba block; ``mamba_align_eagle_scope()`` draws it
+    more densely)."""
     from kvpool.model import DEFAULT_PROFILE
     from kvpool.specs.request.target import (
         MAMBA_ALIGN_DCP_LAYOUTS,
@@ -869,6 +873,34 @@ def mamba_align_scope(factory: VllmManagerFactory | None = None) -> ManagerTarge
         # one to three scheduler blocks; drawn where kvpool models it (no checkpoint blocks,
         # blocks of one hash block, no context parallelism: specs.request.machine)
         retentions=(None, None, 0, 0, 1, 2, 3),
+        # EAGLE where kvpool models it beside "align" (the machine leaves it off elsewhere)
+        eagle_hybrids=True,
+    )
+
+
+def mamba_align_eagle_scope(factory: VllmManagerFactory | None = None) -> ManagerTargetSpec:
+    """Where EAGLE beside a Mamba "align" group is compared most densely
+    (``kvpool.model.mamba_align_eagle``): the layouts of ``mamba_align_scope()`` without hits
+    inside a block, EAGLE drawn half the time with up to two groups flagged as EAGLE's (an
+    unflagged "align" group still moves its prompt boundary), one to three speculative
+    blocks, dense and sparse retention, the scheduler's calls (the connector's per-group
+    lookup, which peeks and drops as the plain one does), events on and off."""
+    from kvpool.model import DEFAULT_PROFILE
+    from kvpool.specs.request.target import MAMBA_ALIGN_GEOMETRY_LAYOUTS, MAMBA_ALIGN_LAYOUTS
+
+    return ManagerTargetSpec(
+        factory or VllmManagerFactory(),
+        layouts=MAMBA_ALIGN_LAYOUTS + MAMBA_ALIGN_GEOMETRY_LAYOUTS,
+        profiles=(DEFAULT_PROFILE,),
+        events=(False, True),
+        block_factors=(1, 2),
+        min_window=2,
+        hash_sized_layouts=MAMBA_ALIGN_LAYOUTS,
+        scheduler_calls=True,
+        mamba_reserves=((0, 0), (0, 0), (1, 0), (2, 0), (3, 0)),
+        retentions=(None, None, 0, 0, 1, 2, 3),
+        eagle_hybrids=True,
+        eagle_flags=True,
     )
 
 
