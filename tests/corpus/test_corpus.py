@@ -15,6 +15,7 @@ import pytest
 
 from kvpool.impl import BlockPool
 from kvpool.specs.conformance import run_conformance
+from tests.corpus import assert_found_by_what_it_plants
 from tests.corpus.bugs import BUGS, Bug, target_of
 
 
@@ -37,6 +38,7 @@ def test_ci_profile_finds_the_bug(bug: Bug) -> None:
     conforms, programs, kind, failure = json.loads(result.stdout.strip().splitlines()[-1])
     assert not conforms, f"{bug.name} was not found in {programs} programs"
     assert kind in {"divergence", "invariant"}, failure
+    assert_found_by_what_it_plants(bug.name, failure)
 
 
 def test_corpus_is_big_enough_and_documented() -> None:

@@ -18,6 +18,7 @@ from kvpool.impl.manager import KVCacheManager
 from kvpool.specs.request.check import run_request_conformance as run_manager_conformance
 from kvpool.specs.request.invariants import RequestInvariantViolation
 from kvpool.specs.request.machine import ManagerMachine, manager_machine
+from tests.corpus import assert_found_by_what_it_plants
 from tests.corpus.bugs import BUGS
 from tests.corpus.request_bugs import REQUEST_BUGS, RequestBug, cli_target, spec_of, target_of
 from tests.kit.helpers import run_kvpool
@@ -51,6 +52,7 @@ def test_ci_profile_finds_the_bug_from_the_command_line(bug: RequestBug, tmp_pat
     code, report = hunt(cli_target(bug), tmp_path)
     assert code == 1, f"{bug.name} was not found in {report.get('examples_run')} programs"
     assert report["failure_kind"] in {"divergence", "invariant"}, report["failure"]
+    assert_found_by_what_it_plants(bug.name, report["failure"])
     assert list((tmp_path / "regression").glob("test_kvpool_regression_*.py"))
 
 

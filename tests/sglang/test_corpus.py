@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.corpus import assert_found_by_what_it_plants
+
 pytestmark = pytest.mark.usefixtures("require_native_hash")
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,7 +28,7 @@ for bug in BUGS:
     for core in bug.plants:
         r = check_radix(bug.factory(core), bug.policy, 1, events=bug.events,
                         page_sizes=bug.page_sizes, hypothesis_profile="ci", shrink=False)
-        print(json.dumps([bug.name, core, r.conforms, r.failure_kind, r.examples_run]))
+        print(json.dumps([bug.name, core, r.conforms, r.failure_kind, r.examples_run, r.failure]))
 """
 
 
@@ -37,10 +39,12 @@ def test_ci_profile_finds_every_bug_in_every_core() -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("[")]
     assert len(rows) >= 20
-    missed = [(name, core, n) for name, core, conforms, _, n in rows if conforms]
+    missed = [(name, core, n) for name, core, conforms, _, n, _ in rows if conforms]
     assert not missed, f"not found: {missed}"
-    assert {kind for *_, kind, _ in rows} == {"divergence"}
+    assert {kind for *_, kind, _, _ in rows} == {"divergence"}
     assert {core for _, core, *_ in rows} == {"legacy", "python", "rust"}
+    for name, core, _, _, _, failure in rows:
+        assert_found_by_what_it_plants(f"{name} ({core})", failure)
 
 
 def test_the_corpus_is_documented() -> None:
