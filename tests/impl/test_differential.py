@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from kvpool import model
 from kvpool.impl import BlockPool, KVCacheBlock
 from kvpool.model import PROFILES, CacheRequest, PoolState
+from kvpool.model.profiles import with_event_semantics
 
 HASHES = (b"a", b"b")
 """A tiny alphabet, so different requests share hashes (and blocks share keys)."""
@@ -343,3 +344,96 @@ def test_get_new_blocks_evicts_each_kind_of_cached_block_like_the_model(
         assert taken == expected
     if events:
         pair.step(model.take_events, lambda p: tuple(p.take_events()))
+
+
+class _GroupId(int):
+    """An int of a subclass: a valid group id."""
+
+
+@pytest.mark.parametrize("group_id", ["0", 0.0, 1.5, None, b"\x00", _GroupId(0)])
+def test_get_cached_block_takes_one_group_id_of_any_type_like_the_model(group_id: Any) -> None:
+    """One group id (the path without loops) that is not a plain int: refused with the model's
+    error even when ``int()`` would convert it, accepted when it is an int of a subclass."""
+    config = model.PoolConfig(num_blocks=3, enable_caching=True, hash_block_size=1)
+    pair = Pair(config)
+    request = CacheRequest(block_hashes=(b"a",), all_token_ids=(1,))
+    pair.step(lambda s: model.get_new_blocks(s, 1), lambda p: p.get_new_blocks(1), _ids)
+    pair.step(
+        lambda s: model.cache_full_blocks(s, request, [1], 0, 1, 1, 0),
+        lambda p: p.cache_full_blocks(request, [p.blocks[1]], 0, 1, 1, 0),
+    )
+    pair.step(
+        lambda s: (s, model.get_cached_block(s, b"a", [group_id])),
+        lambda p: _ids(p.get_cached_block(b"a", [group_id])),
+    )
+
+
+@pytest.mark.parametrize("batch", [False, True])
+@pytest.mark.parametrize(
+    "events", [None, model.EventSemantics.MULTISET, model.EventSemantics.LAST_COPY]
+)
+def test_evicting_a_block_whose_partial_key_others_share_keeps_the_key_for_them(
+    batch: bool, events: model.EventSemantics | None
+) -> None:
+    """A block with a partial key beside its primary key, where two other blocks carry that
+    key as their primary key, is evicted first: the key stays with the other two (the map
+    holds it for them again), and the removal is announced per copy (``multiset``) or not at
+    all while a copy is left (``last-copy``). Then the other two go, the last one with the
+    key's final removal."""
+    profile = model.DEFAULT_PROFILE
+    if events is not None:
+        profile = with_event_semantics(profile, events)
+    config = model.PoolConfig(
+        num_blocks=5,
+        enable_caching=True,
+        hash_block_size=1,
+        enable_events=events is not None,
+        profile=profile,
+    )
+    pair = Pair(config)
+    request = CacheRequest(block_hashes=(b"a", b"b"), all_token_ids=(1, 2, 3))
+    pair.step(lambda s: model.get_new_blocks(s, 4), lambda p: p.get_new_blocks(4), _ids)
+    for block_id in (1, 2):  # (b"a", 0) as the primary key of two blocks
+        pair.step(
+            lambda s, i=block_id: model.cache_full_blocks(s, request, [i], 0, 1, 1, 0),
+            lambda p, i=block_id: p.cache_full_blocks(request, [p.blocks[i]], 0, 1, 1, 0),
+        )
+    pair.step(  # block 3: keyed at 2 tokens, then (b"a", 0) at 1 token beside it
+        lambda s: model.cache_full_blocks(s, request, [4, 3], 1, 2, 1, 0),
+        lambda p: p.cache_full_blocks(request, [p.blocks[4], p.blocks[3]], 1, 2, 1, 0),
+    )
+    pair.step(
+        lambda s: model.cache_partial_block(s, request, 3, 1, 0, 2),
+        lambda p: p.cache_partial_block(request, p.blocks[3], 1, 0, 2),
+    )
+    pair.step(  # block 4 has no key: to the front; then 3 before 1 and 2
+        lambda s: model.free_blocks(s, [3, 1, 2, 4]),
+        lambda p: p.free_blocks([p.blocks[i] for i in (3, 1, 2, 4)]),
+    )
+    for expected in [(4,), (3, 1, 2)] if batch else [(4,), (3,), (1,), (2,)]:
+        n = len(expected)
+        taken = pair.step(
+            lambda s, n=n: model.get_new_blocks(s, n), lambda p, n=n: p.get_new_blocks(n), _ids
+        )
+        assert taken == expected
+        if events is not None:
+            pair.step(model.take_events, lambda p: tuple(p.take_events()))
+
+
+@pytest.mark.parametrize("group_ids", [[0, 1], [1, 0], [0, 0], [1, 1], [0, 2], [0, -1]])
+def test_get_cached_block_in_several_groups_like_the_model(group_ids: list[int]) -> None:
+    """Several group ids (the path with loops), group 0 among them: a hit in every group, a
+    miss in a group without the key, a negative group refused."""
+    config = model.PoolConfig(num_blocks=4, enable_caching=True, hash_block_size=1)
+    pair = Pair(config)
+    request = CacheRequest(block_hashes=(b"a",), all_token_ids=(1,))
+    pair.step(lambda s: model.get_new_blocks(s, 2), lambda p: p.get_new_blocks(2), _ids)
+    for block_id, group in ((1, 0), (2, 1)):  # (b"a", 0) on block 1, (b"a", 1) on block 2
+        pair.step(
+            lambda s, i=block_id, g=group: model.cache_full_blocks(s, request, [i], 0, 1, 1, g),
+            lambda p, i=block_id, g=group: p.cache_full_blocks(request, [p.blocks[i]], 0, 1, 1, g),
+        )
+    pair.step(
+        lambda s: (s, model.get_cached_block(s, b"a", group_ids)),
+        lambda p: _ids(p.get_cached_block(b"a", group_ids)),
+    )
