@@ -78,6 +78,16 @@ def test_negative_lookahead_is_rejected() -> None:
         BlockPool(4, True, 1, num_hash_lookahead_tokens=-1)
 
 
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_a_bool_lookahead_is_kept_as_the_int_it_stands_for(lookahead: bool) -> None:
+    """vLLM's callers pass EAGLE's one look-ahead token as a bool; the pool keeps the int
+    (the model's config holds no bool, and ``True == 1`` alone would hide the difference)."""
+    pool = BlockPool(3, True, 1, num_hash_lookahead_tokens=lookahead)
+    assert pool.snapshot() == model.new_pool(3, num_hash_lookahead_tokens=int(lookahead))
+    assert type(pool.num_hash_lookahead_tokens) is int
+    assert type(pool.snapshot().config.num_hash_lookahead_tokens) is int
+
+
 # --------------------------------------------------------------------------
 # get_new_blocks
 # --------------------------------------------------------------------------
@@ -577,6 +587,26 @@ def test_cache_partial_block_preconditions_in_the_models_order() -> None:
     assert_rejected(pool, InvalidArgument, pool.cache_partial_block, not_bytes, a, 2, 0, 4)
 
 
+@pytest.mark.parametrize(
+    ("num_tokens", "group_id", "block_size"), [(True, 0, 2), (2, True, 4), (2, 0, 4.0)]
+)
+def test_cache_partial_block_takes_only_plain_ints_like_the_model(
+    num_tokens: Any, group_id: Any, block_size: Any
+) -> None:
+    """A bool or a float that every later check would take (``True`` tokens in blocks of two
+    hash blocks, group ``True``, a block size of ``4.0``) is refused by the type check, as the
+    model refuses it, before the block gets a key."""
+    hbs = 1 if block_size == 2 else 2
+    pool = BlockPool(3, True, hbs)
+    state, _ = model.get_new_blocks(model.new_pool(3, hash_block_size=hbs), 1)
+    (a,) = pool.get_new_blocks(1)
+    with pytest.raises(InvalidArgument):
+        model.cache_partial_block(state, REQ, 1, num_tokens, group_id, block_size)
+    assert_rejected(
+        pool, InvalidArgument, pool.cache_partial_block, REQ, a, num_tokens, group_id, block_size
+    )
+
+
 # --------------------------------------------------------------------------
 # get_cached_block, evict_blocks, reset_prefix_cache, events, queries
 # --------------------------------------------------------------------------
@@ -721,3 +751,16 @@ def test_metrics_collector_hooks_are_called() -> None:
         ("evicted", 1),
         ("reset", None),
     ]
+
+
+def test_maybe_evict_cached_block_reports_the_eviction_with_or_without_a_key() -> None:
+    """vLLM's ``_maybe_evict_cached_block`` tells the collector first, whether or not the
+    block carries a key (vllm/v1/core/block_pool.py, 0.33.0)."""
+    recorder = Recorder()
+    pool = BlockPool(3, True, 1, metrics_collector=recorder)
+    a, b = pool.get_new_blocks(2)
+    pool.cache_full_blocks(REQ, [a], 0, 1, 1, 0)
+    recorder.calls.clear()
+    assert pool._maybe_evict_cached_block(a) is True
+    assert pool._maybe_evict_cached_block(b) is False
+    assert recorder.calls == [("evicted", 1), ("evicted", 2)]

@@ -170,6 +170,9 @@ def test_not_strict_takes_what_vllm_032_takes_in_cache_partial_block() -> None:
     assert_rejected(strict, InvalidBlockSize, strict.cache_partial_block, request, b, 2, 0, 2)
     lenient = BlockPool(3, True, 2, strict=False)
     (b,) = lenient.get_new_blocks(1)
+    # An empty prefix is on a block boundary too, but it has no hash: refused in both modes
+    # (read as hash number 0, it would key the block with the request's last hash).
+    assert_rejected(lenient, InvalidPartialBlock, lenient.cache_partial_block, request, b, 0, 0, 4)
     # (and answers with the key in vLLM's shape: the hash, then the group in 4 bytes)
     assert lenient.cache_partial_block(request, b, 4, 0, 4) == b"p4\0\0\0\0"
     (c,) = lenient.get_new_blocks(1)
