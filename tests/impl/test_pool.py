@@ -657,6 +657,28 @@ def test_evict_blocks_takes_any_iterable_of_ids(kind: Any) -> None:
     ]
 
 
+def test_evict_blocks_takes_ids_of_an_int_subclass_like_the_model() -> None:
+    pool = BlockPool(4, True, 1)
+    blocks = pool.get_new_blocks(2)
+    pool.cache_full_blocks(REQ, blocks, 0, 2, 1, 0)
+    expected, _ = model.evict_blocks(pool.snapshot(), [Count(2)])
+    pool.evict_blocks([Count(2)])
+    assert pool.snapshot() == expected
+    assert blocks[1].block_hash is None and blocks[0].block_hash == (b"h0", 0)
+
+
+def test_evict_blocks_reports_a_repeated_id_to_the_collector_once() -> None:
+    """The ids are a set (vLLM's ``evict_blocks(block_ids: set[int])``): listed twice, a
+    block is evicted, and reported, once."""
+    recorder = Recorder()
+    pool = BlockPool(3, True, 1, metrics_collector=recorder)
+    (a,) = pool.get_new_blocks(1)
+    pool.cache_full_blocks(REQ, [a], 0, 1, 1, 0)
+    recorder.calls.clear()
+    pool.evict_blocks([1, 2, 1])
+    assert sorted(recorder.calls) == [("evicted", 1), ("evicted", 2)]
+
+
 def test_reset_prefix_cache_refuses_while_held_and_clears_otherwise() -> None:
     pool = BlockPool(4, True, 1, enable_kv_cache_events=True)
     blocks = pool.get_new_blocks(2)

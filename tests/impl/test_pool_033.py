@@ -129,6 +129,21 @@ def test_emit_cached_block_events_matches_the_model() -> None:
         assert_rejected(pool, InvalidBlockCount, pool.emit_cached_block_events, REQ, -1, 1, 0)
 
 
+@pytest.mark.parametrize("events", [False, True])
+def test_emit_cached_block_events_refuses_a_hash_that_is_not_bytes(events: bool) -> None:
+    """Every announced hash must be bytes, as in the model, with events on or off; a hash
+    past the announced blocks is not read."""
+    request = CacheRequest((b"h0", "h1", "h2"), (1, 2, 3))  # type: ignore[arg-type]
+    pool = BlockPool(4, True, 1, events)
+    state = pool.snapshot()
+    with pytest.raises(InvalidArgument):
+        model.emit_cached_block_events(state, request, 2, 1, 0)
+    assert_rejected(pool, InvalidArgument, pool.emit_cached_block_events, request, 2, 1, 0)
+    pool.emit_cached_block_events(request, 1, 1, 0)
+    expected, _ = model.emit_cached_block_events(state, request, 1, 1, 0)
+    assert pool.snapshot() == expected
+
+
 def test_lookahead_and_medium_reach_cache_full_blocks_events() -> None:
     pool = BlockPool(4, True, 1, True, num_hash_lookahead_tokens=1, medium="CPU")
     state = pool.snapshot()
