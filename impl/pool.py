@@ -1656,12 +1656,6 @@ class BlockPool:
     # Helpers (not operations)
     # ------------------------------------------------------------------
 
-    def _verify_known(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Raise UnknownBlock unless every block is one of this pool's own."""
-        for block in blocks:
-            if block.pool is not self:
-                raise UnknownBlock(f"block {block!r} does not belong to this pool")
-
     def _report_allocated(self, blocks: list[KVCacheBlock]) -> None:
         collector = self.metrics_collector
         assert collector is not None
