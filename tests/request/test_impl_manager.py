@@ -12,27 +12,30 @@ from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from kvpool.impl import BlockPool
-from kvpool.impl.manager import KVCacheBlocks, KVCacheConfig, KVCacheManager
+from kvpool.impl.manager import KVCacheBlockCopy, KVCacheBlocks, KVCacheConfig, KVCacheManager
 from kvpool.impl.single_type import get_manager_for_kv_cache_spec
 from kvpool.model import manager as model_manager
 from kvpool.model import pool as pool_ops
 from kvpool.model import single_type as single
 from kvpool.model.errors import InvalidArgument
 from kvpool.model.pool import new_pool
-from kvpool.model.request import new_request
+from kvpool.model.request import new_request, with_computed
 from kvpool.model.single_type import (
     KVCacheSpec,
     chunked_local,
     full_attention,
     mamba,
+    mamba_align,
     sliding_window,
 )
 from kvpool.specs.request.machine import layout_specs
-from kvpool.specs.request.target import HYBRID_LAYOUTS
+from kvpool.specs.request.model_target import ModelManagerTarget
+from kvpool.specs.request.target import HYBRID_LAYOUTS, ManagerSetup
+from kvpool.specs.targets.impl.request import ImplManagerTarget
 
 GROUPS: dict[str, tuple[KVCacheSpec, ...]] = {
     "none": (),
@@ -110,6 +113,16 @@ def test_adding_block_lists_of_different_group_counts_is_refused() -> None:
         KVCacheBlocks(([pool.blocks[1]],)) + KVCacheBlocks(([], []))
 
 
+def test_a_block_copy_keeps_its_ends_and_equals_only_a_copy_with_both_the_same() -> None:
+    # vLLM 0.33's KVCacheBlockCopy is a NamedTuple (vllm/v1/core/kv_cache_utils.py):
+    # its ends are read by name, and two copies are equal exactly when both ends are.
+    copy = KVCacheBlockCopy(2, 3)
+    assert (copy.src_block_id, copy.dst_block_id) == (2, 3)
+    assert copy == KVCacheBlockCopy(2, 3) and hash(copy) == hash(KVCacheBlockCopy(2, 3))
+    assert copy != KVCacheBlockCopy(4, 3)
+    assert copy != KVCacheBlockCopy(2, 4)
+
+
 def test_the_manager_keeps_vllms_attributes() -> None:
     config = KVCacheConfig(6, (full_attention(2), sliding_window(2, 3)))
     m = KVCacheManager(config, 16)
@@ -127,6 +140,17 @@ HYBRIDS = ["full+sliding_window", *HYBRID_LAYOUTS]
     prompt=st.lists(st.integers(1, 2), min_size=1, max_size=16),
     extra=st.lists(st.integers(1, 2), max_size=3),
     evicted=st.sets(st.integers(1, 39), max_size=12),
+)
+# Three kinds take more than one round: the first window's hit (6 tokens, found while the
+# second window still allowed 6) must be searched again at the second's (2 tokens).
+@example(
+    layout="full+sliding_window+sliding_window",
+    hbs=1,
+    window=1,
+    chunk_blocks=1,
+    prompt=[1] * 7,
+    extra=[],
+    evicted={10},
 )
 def test_a_hybrid_hit_after_any_evictions_is_the_models(
     layout: str,
@@ -319,4 +343,171 @@ def test_invalid_impl_request_without_a_prompt_length_changes_nothing_where_the_
     before = impl.snapshot()
     with pytest.raises(InvalidArgument):
         impl.cache_blocks(stranger, 8)
+    assert impl.snapshot() == before
+
+
+# --------------------------------------------------------------------------
+# Gaps found by mutation-testing impl/manager.py (2026-11-29), each compared
+# with the model and checked by hand to fail on its mutant
+# --------------------------------------------------------------------------
+
+
+def _model_and_impl(setup: ManagerSetup) -> list[Any]:
+    return [ModelManagerTarget(setup), ImplManagerTarget(setup)]
+
+
+def test_a_hit_of_one_group_reports_no_shared_prefix_boundary() -> None:
+    """With one group no other search reaches past the hit: the third value is 0."""
+    setup = ManagerSetup(8, (full_attention(2),), 16, 2)
+    first, probe = new_request("a", (1, 2, 3, 4, 5), 2), new_request("b", (1, 2, 3, 4, 5), 2)
+    for target in _model_and_impl(setup):
+        target.allocate_slots(first, 5)
+        target.free(first)
+        assert target.get_computed_blocks_with_boundary(probe) == (((1, 2),), 4, 0)
+
+
+def test_an_eagle_hybrid_hit_peeks_past_the_candidate_in_model_and_impl() -> None:
+    """Full attention drops its sixth block (hit 20 tokens); the window peeks one block
+    past that (24 tokens: every hash is cached), finds blocks 4 and 5 and drops 5, so the hit
+    stays at 20. Without the drop, the peek, or with the peek cut short, it differs."""
+    setup = ManagerSetup(16, (full_attention(4), sliding_window(4, 5)), 32, 4, use_eagle=True)
+    first = new_request("a", tuple(range(1, 28)), 4)
+    later = new_request("b", tuple(range(1, 26)), 4)
+    for target in _model_and_impl(setup):
+        assert target.allocate_slots(first, 27) == ((1, 2, 3, 4, 5, 6, 7), tuple(range(8, 15)))
+        assert target.get_computed_blocks(later) == (((1, 2, 3, 4, 5), (0, 0, 0, 0, 12)), 20)
+
+
+@pytest.mark.parametrize("num_groups", [1, 2])
+def test_fine_grained_hits_end_inside_a_block(num_groups: int) -> None:
+    """Full-attention groups with blocks of two hash blocks and fine-grained hits (the search
+    of several groups takes no scheduler-block alignment): the hit ends at the prompt's tail
+    keyed by the first request (6 of its 7 tokens), inside the second block, in every group."""
+    specs = (full_attention(4),) * num_groups
+    setup = ManagerSetup(12, specs, 16, 2, fine_grained_hits=True)
+    first = new_request("a", (1, 2, 2, 1, 1, 2, 1), 2)
+    probe = new_request("b", (1, 2, 2, 1, 1, 2, 1, 2), 2)
+    results = []
+    for target in _model_and_impl(setup):
+        target.allocate_slots(first, 7)
+        target.free(first)
+        results.append(target.get_computed_blocks(probe))
+    assert results[0] == results[1]
+    assert results[0][1] == 6
+
+
+def test_a_window_beside_a_mamba_align_group_is_searched_again_at_the_states_hit() -> None:
+    """Two kinds, neither full attention: the window first finds 12 tokens, the Mamba group
+    has a state only at 8, and the window must be searched again at 8 (its two blocks
+    before 8), not have its hit at 12 cut back to 8 (a null block, then block 2)."""
+    setup = ManagerSetup(24, (sliding_window(4, 8), mamba_align(4)), 64, 4)
+    tokens = (0, 0, 0, 0, 1, 1, 1, 1, 0, 1, 0, 1, 1, 0, 0, 1)
+    first = new_request("a", tokens, 4)
+    for target in _model_and_impl(setup):
+        assert target.allocate_slots(first, 8) == ((1, 2), (0, 3))
+        target.new_step_starts()  # a state cached in a step is hit from the next one on
+        assert target.allocate_slots(with_computed(first, 8), 8) == ((4, 5), (0, 6))
+        target.new_step_starts()
+        target.free(with_computed(first, 16))
+        assert target.get_computed_blocks(new_request("b", tokens[:14], 4)) == (
+            ((1, 2), (0, 3)),
+            8,
+        )
+
+
+def _eagle_hit_after_evictions(
+    num_tokens: int, window: int, eagle_groups: tuple[int, ...], evicted: set[int]
+) -> list[object]:
+    """Full attention and two windows, blocks of two tokens, the window's second twice as
+    wide: one request's tokens cached, freed, some blocks evicted, the same tokens looked up
+    again, in the model and the impl (EAGLE on the groups flagged, all when none is)."""
+    specs = (full_attention(2), sliding_window(2, window), sliding_window(2, window + 3))
+    impl = KVCacheManager(
+        KVCacheConfig(40, specs, eagle_groups=eagle_groups), 32, hash_block_size=1, use_eagle=True
+    )
+    model = model_manager.new_kv_cache_manager(
+        40, specs, 32, hash_block_size=1, use_eagle=True, eagle_groups=eagle_groups
+    )
+    first = new_request("a", [1] * num_tokens, 1)
+    assert impl.allocate_slots(first, num_tokens) is not None
+    model, _ = model_manager.allocate_slots(model, first, num_tokens)
+    impl.free(first)
+    model, _ = model_manager.free(model, "a")
+    impl.evict_blocks(evicted)
+    model, _ = model_manager.evict_blocks(model, evicted)
+    probe = new_request("b", [1] * num_tokens, 1)
+    blocks, num_hit, _ = impl.get_computed_blocks(probe)
+    _, expected = model_manager.get_computed_blocks(model, probe)
+    return [(tuple(tuple(g) for g in blocks.get_block_ids()), num_hit), expected]
+
+
+def test_an_eagle_kind_drops_once_per_candidate_length() -> None:
+    """EAGLE on every group: a kind that dropped its block at a candidate length is searched
+    without dropping in the next round at that length (dropping again would leave the first
+    window a null block where the model has block 3)."""
+    impl, model = _eagle_hit_after_evictions(4, 1, (), set())
+    assert impl == model == (((1,), (3,), (5,)), 2)
+
+
+def test_an_eagle_kind_drops_again_when_a_kind_without_eagle_cuts_the_hit() -> None:
+    """Only the first window is EAGLE's, and its second block (6) is evicted. Once a kind
+    that does not drop cuts the candidate, the EAGLE kinds that dropped at the longer one drop
+    again at the new length: here that leaves no hit (without it, 2 tokens)."""
+    impl, model = _eagle_hit_after_evictions(7, 1, (1,), {6})
+    assert impl == model == (((), (), ()), 0)
+
+
+@pytest.mark.parametrize("num_groups", [1, 2])
+@pytest.mark.parametrize(
+    ("first", "probe", "evicted"),
+    [
+        # the probe leaves the cached tokens after the first block: no tail to extend into
+        ((1, 2, 2, 1, 1, 2, 1, 2), (1, 2, 2, 1, 2, 2, 2, 2, 2), ()),
+        # the first's tail (10 of 11 tokens) is keyed in its third block, but the second
+        # block (2) is evicted: a hit never jumps the hole to reach that tail
+        ((1, 2, 2, 1, 1, 2, 1, 2, 2, 1, 1), (1, 2, 2, 1, 1, 2, 1, 2, 2, 1, 1), (2,)),
+        # the first's tail ends at 6 tokens, past what the probe may hit (5 of its 6)
+        ((1, 2, 2, 1, 1, 2, 1), (1, 2, 2, 1, 1, 2), ()),
+    ],
+)
+def test_a_fine_grained_hit_without_a_tail_in_reach_ends_on_its_last_block(
+    num_groups: int, first: tuple[int, ...], probe: tuple[int, ...], evicted: tuple[int, ...]
+) -> None:
+    setup = ManagerSetup(12, (full_attention(4),) * num_groups, 16, 2, fine_grained_hits=True)
+    # each group's first block: group 1's blocks follow all of group 0's
+    expected = (((1,), (-(-len(first) // 4) + 1,))[:num_groups], 4)
+    for target in _model_and_impl(setup):
+        request = new_request("a", first, 2)
+        target.allocate_slots(request, len(first))
+        target.free(request)
+        target.evict_blocks(evicted)
+        assert target.get_computed_blocks(new_request("b", probe, 2)) == expected
+
+
+def test_a_fine_grained_hit_takes_the_highest_cached_boundary_below_a_missing_one() -> None:
+    """Blocks of four hash blocks: the first request's tail is keyed at 4 tokens, the probe
+    differs from 4 on, so the search steps down one hash block at a time past 6 to 4."""
+    setup = ManagerSetup(12, (full_attention(8),), 16, 2, fine_grained_hits=True)
+    for target in _model_and_impl(setup):
+        request = new_request("a", (1, 2, 2, 1, 1), 2)
+        target.allocate_slots(request, 5)
+        target.free(request)
+        probe = new_request("b", (1, 2, 2, 1, 2, 2, 2, 2), 2)
+        assert target.get_computed_blocks(probe) == (((1,),), 4)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"request_id": "r", "num_tokens": 5},  # no block hashes
+        {"request_id": "r", "num_tokens": "5", "block_hashes": []},
+        {"request_id": "r", "num_tokens": 5, "block_hashes": None},
+    ],
+)
+def test_invalid_request_to_look_up_changes_nothing(fields: dict[str, object]) -> None:
+    impl = KVCacheManager(KVCacheConfig(8, (full_attention(2),)), 16)
+    impl.allocate_slots(new_request("a", (1, 2, 3, 4, 5), 2), 5)
+    before = impl.snapshot()
+    with pytest.raises(InvalidArgument):
+        impl.get_computed_blocks(SimpleNamespace(**fields))
     assert impl.snapshot() == before
