@@ -511,3 +511,51 @@ def test_invalid_request_to_look_up_changes_nothing(fields: dict[str, object]) -
     with pytest.raises(InvalidArgument):
         impl.get_computed_blocks(SimpleNamespace(**fields))
     assert impl.snapshot() == before
+
+
+def test_a_subclass_search_that_reports_nothing_past_its_hit_gives_no_boundary() -> None:
+    """A subclass may override find_longest_cache_hit (the bug corpora do) and leave no
+    tokens past its hit: the lookup's shared-prefix boundary is then 0, whatever an earlier
+    lookup's search reached (here the window's block 9 evicted: full attention reached 8
+    tokens, the hit stopped at 6)."""
+
+    class SecondLookupMisses(KVCacheManager):
+        searched = False
+
+        def find_longest_cache_hit(self, block_hashes: Any, max_length: int) -> Any:
+            if self.searched:
+                return tuple([] for _ in self.managers), 0
+            self.searched = True
+            return super().find_longest_cache_hit(block_hashes, max_length)
+
+    impl = SecondLookupMisses(KVCacheConfig(16, (full_attention(2), sliding_window(2, 2))), 16)
+    first = new_request("a", tuple(range(1, 10)), 2)
+    assert impl.allocate_slots(first, 9) is not None
+    impl.free(first)
+    impl.evict_blocks([9])
+    probe = new_request("b", tuple(range(1, 10)), 2)
+    assert impl.get_computed_blocks(probe)[1:] == (6, 8)
+    assert impl.get_computed_blocks(probe)[1:] == (0, 0)
+
+
+@pytest.mark.parametrize(("num_blocks", "fits"), [(3, False), (4, True)])
+def test_a_hit_ending_inside_a_block_needs_a_free_block_for_its_copy(
+    num_blocks: int, fits: bool
+) -> None:
+    """The hit of 6 tokens ends inside its second block (fine-grained hits): allocating
+    takes both hit blocks from the free queue and one more for the private copy, so two free
+    blocks are not enough and three are."""
+    setup = ManagerSetup(num_blocks, (full_attention(4),), 16, 2, fine_grained_hits=True)
+    tokens = (1, 2, 2, 1, 1, 2, 1)
+    states = []
+    for target in _model_and_impl(setup):
+        first = new_request("a", tokens, 2)
+        target.allocate_slots(first, 7)
+        target.free(first)
+        probe = new_request("b", (*tokens, 2), 2)
+        hit, num_hit = target.get_computed_blocks(probe)
+        assert (hit, num_hit) == (((1, 2),), 6)
+        allocated = target.allocate_slots(probe, 2, num_hit, hit)
+        assert (allocated is not None) is fits
+        states.append(target.snapshot())
+    assert states[0] == states[1]
