@@ -8,6 +8,7 @@ defaults are, and how block lists combine.
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -457,6 +458,15 @@ def test_an_eagle_kind_drops_again_when_a_kind_without_eagle_cuts_the_hit() -> N
     assert impl == model == (((), (), ()), 0)
 
 
+def test_an_eagle_kind_does_not_drop_again_when_a_kind_without_eagle_agrees() -> None:
+    """Only the first window is EAGLE's, full attention's second block (2) is evicted. A
+    search without EAGLE that finds the candidate itself is no cut: the kinds that dropped
+    at that length stay done (dropping again would leave the first window a null block
+    where the model has block 5)."""
+    impl, model = _eagle_hit_after_evictions(7, 1, (1,), {2})
+    assert impl == model == (((1,), (5,), (9,)), 2)
+
+
 @pytest.mark.parametrize("num_groups", [1, 2])
 @pytest.mark.parametrize(
     ("first", "probe", "evicted"),
@@ -559,3 +569,90 @@ def test_a_hit_ending_inside_a_block_needs_a_free_block_for_its_copy(
         assert (allocated is not None) is fits
         states.append(target.snapshot())
     assert states[0] == states[1]
+
+
+@pytest.mark.parametrize(
+    "blocks", [[[]], ([], None)], ids=["a-list-of-groups", "a-group-not-a-list"]
+)
+def test_invalid_hits_not_a_tuple_of_lists_change_nothing(blocks: Any) -> None:
+    impl = KVCacheManager(KVCacheConfig(8, (full_attention(2), full_attention(2))), 16)
+    request = new_request("a", (1, 2, 3, 4, 5), 2)
+    before = impl.snapshot()
+    with pytest.raises(InvalidArgument, match="tuple of lists"):
+        impl.allocate_slots(request, 5, 0, KVCacheBlocks(blocks))
+    assert impl.snapshot() == before
+
+
+def test_a_hit_beside_a_mamba_group_with_hits_inside_its_blocks_is_the_models() -> None:
+    """Full attention of one hash block beside Mamba "align" blocks of three
+    (kvpool.impl.mamba_fine): the hybrid search takes the Mamba group's hit from its own
+    search, which ends where the state was kept (12 tokens)."""
+    setup = ManagerSetup(32, (full_attention(4), mamba_align(12)), 64, 4)
+    tokens = tuple(range(16))
+    answers = []
+    for target in _model_and_impl(setup):
+        first = new_request("a", tokens, 4)
+        target.allocate_slots(first, 12)
+        target.new_step_starts()  # a state cached in a step is hit from the next one on
+        target.free(with_computed(first, 12))
+        answers.append(target.get_computed_blocks(new_request("b", tokens, 4)))
+    assert answers[0] == answers[1]
+    assert answers[0][1] == 12
+
+
+def test_external_tokens_and_the_step_s_own_get_blocks_in_model_and_impl() -> None:
+    """A connector loads 12 tokens and the step computes 2: blocks for all 14, the step's
+    own (block 4) returned after the three the load fills."""
+    setup = ManagerSetup(16, (full_attention(4),), 64, 4)
+    request = new_request("r", tuple(range(14)), 4)
+    for target in _model_and_impl(setup):
+        assert target.allocate_slots(request, 2, num_external_computed_tokens=12) == ((4,),)
+        assert target.snapshot().managers.tables[0].req_to_blocks["r"] == (1, 2, 3, 4)
+
+
+@pytest.mark.parametrize(
+    ("caching", "delay"), [(False, False), (True, True)], ids=["no-caching", "delayed"]
+)
+def test_hashes_are_read_only_by_the_step_that_caches(caching: bool, delay: bool) -> None:
+    """Without caching, or with caching delayed to cache_blocks, allocating never reads the
+    hashes: a request whose hashes are not bytes gets its blocks, as in the model."""
+    setup = ManagerSetup(8, (full_attention(2),), 16, 2, enable_caching=caching)
+    request = replace(new_request("a", (1, 2, 3, 4, 5), 2), block_hashes=(1, 2))
+    for target in _model_and_impl(setup):
+        assert target.allocate_slots(request, 5, delay_cache_blocks=delay) == ((1, 2, 3),)
+
+
+@pytest.mark.parametrize("value", [5, 0.0])
+def test_invalid_encoder_tokens_change_nothing(value: object) -> None:
+    """kvpool models only vLLM's default of 0 (an int) encoder tokens."""
+    impl = KVCacheManager(KVCacheConfig(8, (full_attention(2),)), 16)
+    before = impl.snapshot()
+    with pytest.raises(InvalidArgument, match="num_encoder_tokens"):
+        impl.allocate_slots(new_request("a", (1, 2, 3), 2), 3, num_encoder_tokens=value)
+    assert impl.snapshot() == before
+
+
+def test_an_async_load_takes_no_new_tokens_in_model_and_impl() -> None:
+    """While a connector loads 12 tokens, the step asks for none: blocks for the load only."""
+    setup = ManagerSetup(16, (full_attention(4),), 64, 4)
+    request = new_request("r", tuple(range(14)), 4)
+    for target in _model_and_impl(setup):
+        allocated = target.allocate_slots(
+            request, 0, num_external_computed_tokens=12, delay_cache_blocks=True
+        )
+        assert allocated == ((),)
+        assert target.snapshot().managers.tables[0].req_to_blocks["r"] == (1, 2, 3)
+
+
+@pytest.mark.parametrize(("num_blocks", "fits"), [(4, True), (3, False)])
+def test_a_full_sequence_that_must_fit_is_admitted_exactly_when_it_fits(
+    num_blocks: int, fits: bool
+) -> None:
+    """A prompt of 5 tokens, blocks of 2, max_model_len 6: the whole sequence needs three
+    blocks; a pool with three free admits it, one with two refuses it."""
+    setup = ManagerSetup(num_blocks, (full_attention(2),), 6, 2)
+    for target in _model_and_impl(setup):
+        allocated = target.allocate_slots(
+            new_request("a", (1, 2, 3, 4, 5), 2), 2, full_sequence_must_fit=True
+        )
+        assert (allocated is not None) is fits
