@@ -656,3 +656,35 @@ def test_a_full_sequence_that_must_fit_is_admitted_exactly_when_it_fits(
             new_request("a", (1, 2, 3, 4, 5), 2), 2, full_sequence_must_fit=True
         )
         assert (allocated is not None) is fits
+
+
+def test_one_external_token_gets_a_block_of_its_own() -> None:
+    """Blocks of one token: the loaded token's block is not among the step's new blocks."""
+    setup = ManagerSetup(8, (full_attention(1),), 16, 1)
+    for target in _model_and_impl(setup):
+        request = new_request("r", (1, 2, 3), 1)
+        assert target.allocate_slots(request, 1, num_external_computed_tokens=1) == ((2,),)
+
+
+@pytest.mark.parametrize(("reserved", "fits"), [(2, True), (3, False)])
+def test_external_tokens_and_reserved_blocks_must_leave_the_pool_enough(
+    reserved: int, fits: bool
+) -> None:
+    """Five free blocks; loading 8 tokens and computing 4 takes three: they fit beside a
+    reservation of two blocks, not of three."""
+    setup = ManagerSetup(6, (full_attention(4),), 64, 4)
+    request = new_request("r", tuple(range(14)), 4)
+    for target in _model_and_impl(setup):
+        allocated = target.allocate_slots(
+            request, 4, num_external_computed_tokens=8, reserved_blocks=reserved
+        )
+        assert (allocated is not None) is fits
+
+
+def test_external_tokens_beyond_the_free_blocks_are_refused() -> None:
+    """Three free blocks; loading 8 tokens and computing 6 takes four: refused."""
+    setup = ManagerSetup(4, (full_attention(4),), 64, 4)
+    request = new_request("r", tuple(range(15)), 4)
+    for target in _model_and_impl(setup):
+        assert target.allocate_slots(request, 6, num_external_computed_tokens=8) is None
+        assert target.snapshot().managers.tables[0].req_to_blocks == {}
