@@ -688,3 +688,73 @@ def test_external_tokens_beyond_the_free_blocks_are_refused() -> None:
     for target in _model_and_impl(setup):
         assert target.allocate_slots(request, 6, num_external_computed_tokens=8) is None
         assert target.snapshot().managers.tables[0].req_to_blocks == {}
+
+
+def test_hits_in_vllms_kv_cache_blocks_class_are_taken() -> None:
+    """A connector's caller may wrap the pool's blocks in vLLM's KVCacheBlocks (read by class
+    name): the hit is taken as from kvpool's own class."""
+
+    class KVCacheBlocks:  # stands in for vllm.v1.core.kv_cache_manager.KVCacheBlocks
+        def __init__(self, blocks: Any) -> None:
+            self.blocks = blocks
+
+    impl = KVCacheManager(KVCacheConfig(8, (full_attention(2),)), 16)
+    first = new_request("a", (1, 2, 3, 4, 5), 2)
+    impl.allocate_slots(first, 5)
+    impl.free(first)
+    probe = new_request("b", (1, 2, 3, 4, 5), 2)
+    hit, num_hit, _ = impl.get_computed_blocks(probe)
+    allocated = impl.allocate_slots(probe, 1, num_hit, KVCacheBlocks(hit.blocks))
+    assert allocated is not None
+    assert impl.get_block_ids("b") == ([1, 2, 3],)
+
+
+def test_an_async_load_of_one_token_takes_no_new_tokens() -> None:
+    setup = ManagerSetup(8, (full_attention(1),), 16, 1)
+    for target in _model_and_impl(setup):
+        request = new_request("r", (1, 2, 3), 1)
+        allocated = target.allocate_slots(
+            request, 0, num_external_computed_tokens=1, delay_cache_blocks=True
+        )
+        assert allocated == ((),)
+
+
+def test_invalid_external_token_after_a_hit_ending_inside_a_block_changes_nothing() -> None:
+    """Not modelled: refused by name, in model and impl alike, even for one token."""
+    setup = ManagerSetup(8, (full_attention(4),), 16, 2, fine_grained_hits=True)
+    tokens = (1, 2, 2, 1, 1, 2, 1)
+    for target in _model_and_impl(setup):
+        first = new_request("a", tokens, 2)
+        target.allocate_slots(first, 7)
+        target.free(first)
+        probe = new_request("b", (*tokens, 2, 2), 2)
+        hit, num_hit = target.get_computed_blocks(probe)
+        assert num_hit == 6
+        before = target.snapshot()
+        with pytest.raises(InvalidArgument, match="inside a block"):
+            target.allocate_slots(probe, 2, num_hit, hit, num_external_computed_tokens=1)
+        assert target.snapshot() == before
+
+
+def test_a_hit_inside_a_mamba_block_is_copied_in_model_and_impl() -> None:
+    """A consumer resuming inside a Mamba "align" block (kvpool.impl.mamba_fine) gets one
+    pending copy of that state to a private block, the same in model and impl."""
+    setup = ManagerSetup(32, (full_attention(4), mamba_align(12)), 64, 4)
+    prompt = tuple(range(22))
+    answers = []
+    for target in _model_and_impl(setup):
+        producer = new_request("a", prompt, 4)
+        target.allocate_slots(producer, 20)  # stops at its prompt's partial boundary
+        target.new_step_starts()
+        target.allocate_slots(with_computed(producer, 20), 2)
+        _, retained = target.take_kv_cache_block_copies()
+        target.free_blocks(list(retained))
+        target.new_step_starts()
+        target.free(with_computed(producer, 22))
+        consumer = new_request("b", (*prompt[:21], 99, 98), 4)
+        hit, num_hit = target.get_computed_blocks(consumer)
+        target.allocate_slots(consumer, 3, num_hit, hit)
+        answers.append((num_hit, target.take_kv_cache_block_copies()))
+    assert answers[0] == answers[1]
+    num_hit, (copies, _) = answers[0]
+    assert num_hit == 20 and len(copies) == 1
