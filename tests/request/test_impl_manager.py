@@ -758,3 +758,32 @@ def test_a_hit_inside_a_mamba_block_is_copied_in_model_and_impl() -> None:
     assert answers[0] == answers[1]
     num_hit, (copies, _) = answers[0]
     assert num_hit == 20 and len(copies) == 1
+
+
+def test_a_hit_ending_inside_its_only_block_is_copied() -> None:
+    """Fine-grained hits: the first request's tail is keyed at 2 tokens, inside its first
+    block; a probe's hit of that one block is copied to a private block, in model and impl."""
+    setup = ManagerSetup(8, (full_attention(4),), 16, 2, fine_grained_hits=True)
+    answers = []
+    for target in _model_and_impl(setup):
+        first = new_request("a", (1, 2, 1), 2)
+        target.allocate_slots(first, 3)
+        target.free(first)
+        probe = new_request("b", (1, 2, 1, 1, 2), 2)
+        hit, num_hit = target.get_computed_blocks(probe)
+        assert (hit, num_hit) == (((1,),), 2)
+        allocated = target.allocate_slots(probe, 3, num_hit, hit)
+        answers.append((allocated, target.take_kv_cache_block_copies(), target.snapshot()))
+    assert answers[0] == answers[1]
+    assert tuple(answers[0][1][0]) == ((1, 2),)
+
+
+def test_invalid_hash_of_a_block_the_step_fills_changes_nothing() -> None:
+    """The hashes the caching step will read are checked before anything changes."""
+    impl = KVCacheManager(KVCacheConfig(8, (full_attention(2),)), 16)
+    request = new_request("a", (1, 2, 3, 4, 5), 2)
+    bad = replace(request, block_hashes=(request.block_hashes[0], 2))
+    before = impl.snapshot()
+    with pytest.raises(InvalidArgument):
+        impl.allocate_slots(bad, 5)
+    assert impl.snapshot() == before
