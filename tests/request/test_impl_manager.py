@@ -787,3 +787,14 @@ def test_invalid_hash_of_a_block_the_step_fills_changes_nothing() -> None:
     with pytest.raises(InvalidArgument):
         impl.allocate_slots(bad, 5)
     assert impl.snapshot() == before
+
+
+def test_a_running_request_s_full_sequence_counts_the_blocks_it_holds() -> None:
+    """Three usable blocks, the sequence needs three: the request holds one after its first
+    step, so the two free ones are enough for the rest of the whole sequence."""
+    setup = ManagerSetup(4, (full_attention(2),), 6, 2)
+    request = new_request("a", (1, 2, 3, 4, 5), 2)
+    for target in _model_and_impl(setup):
+        assert target.allocate_slots(request, 2) == ((1,),)
+        running = with_computed(request, 2)
+        assert target.allocate_slots(running, 2, full_sequence_must_fit=True) == ((2,),)
