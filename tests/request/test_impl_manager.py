@@ -798,3 +798,31 @@ def test_a_running_request_s_full_sequence_counts_the_blocks_it_holds() -> None:
         assert target.allocate_slots(request, 2) == ((1,),)
         running = with_computed(request, 2)
         assert target.allocate_slots(running, 2, full_sequence_must_fit=True) == ((2,),)
+
+
+@pytest.mark.parametrize(
+    ("specs", "num_blocks", "must_fit", "expected"),
+    [
+        # three free blocks, counted for the step as a connector's load is counted
+        ((full_attention(1), sliding_window(1, 1)), 4, False, ((2,), (3,))),
+        # four free blocks, counted for the whole sequence as a connector's load is counted
+        ((sliding_window(1, 1),), 5, True, ((1,),)),
+    ],
+    ids=["counted", "full-sequence"],
+)
+def test_a_window_counts_no_block_for_one_loaded_token_it_skips(
+    specs: tuple[KVCacheSpec, ...],
+    num_blocks: int,
+    must_fit: bool,
+    expected: tuple[tuple[int, ...], ...],
+) -> None:
+    """Blocks of one token, a window of one: one token loaded by a connector is already
+    outside the window when the step computes the next, so its block is a null block and
+    is not counted (kvpool.impl.external), in model and impl alike."""
+    setup = ManagerSetup(num_blocks, specs, 8, 1)
+    for target in _model_and_impl(setup):
+        request = new_request("r", (1, 2, 3, 4, 5), 1)
+        allocated = target.allocate_slots(
+            request, 1, num_external_computed_tokens=1, full_sequence_must_fit=must_fit
+        )
+        assert allocated == expected
