@@ -22,7 +22,7 @@ from kvpool.impl.single_type import get_manager_for_kv_cache_spec
 from kvpool.model import manager as model_manager
 from kvpool.model import pool as pool_ops
 from kvpool.model import single_type as single
-from kvpool.model.errors import InvalidArgument
+from kvpool.model.errors import InvalidArgument, InvalidTokenCount, UnknownGroup
 from kvpool.model.pool import new_pool
 from kvpool.model.request import new_request, with_computed
 from kvpool.model.single_type import (
@@ -826,3 +826,43 @@ def test_a_window_counts_no_block_for_one_loaded_token_it_skips(
             request, 1, num_external_computed_tokens=1, full_sequence_must_fit=must_fit
         )
         assert allocated == expected
+
+
+def _allocation_refused(impl: KVCacheManager, request: Any, *args: Any, **kwargs: Any) -> None:
+    before = impl.snapshot()
+    with pytest.raises((InvalidArgument, InvalidTokenCount, UnknownGroup)):
+        impl.allocate_slots(request, *args, **kwargs)
+    assert impl.snapshot() == before
+
+
+def test_invalid_request_to_allocate_for_changes_nothing() -> None:
+    """A request without the computed tokens, preemptions or token ids allocating reads."""
+    impl = KVCacheManager(KVCacheConfig(8, (full_attention(2),)), 16)
+    probe = new_request("r", (1, 2, 3, 4, 5), 2)
+    read = ("request_id", "num_tokens", "block_hashes")
+    _allocation_refused(impl, SimpleNamespace(**{n: getattr(probe, n) for n in read}), 5)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"num_new_tokens": "5"},
+        {"num_new_tokens": 5, "num_lookahead_tokens": 1.0},
+        {"num_new_tokens": 5, "reserved_blocks": -1},
+        {"num_new_tokens": 5, "skip_zeroing_group_ids": (3,)},
+    ],
+)
+def test_invalid_allocation_arguments_change_nothing(kwargs: dict[str, Any]) -> None:
+    impl = KVCacheManager(KVCacheConfig(8, (full_attention(2),)), 16)
+    _allocation_refused(impl, new_request("r", (1, 2, 3, 4, 5), 2), **kwargs)
+
+
+def test_invalid_shared_prefix_boundary_under_sparse_retention_changes_nothing() -> None:
+    """A sparse-retention manager reads the request's shared-prefix boundary: not an int, it
+    is refused by name before anything changes."""
+    config = KVCacheConfig(
+        8, (full_attention(2), sliding_window(2, 2)), prefix_cache_retention_interval=2
+    )
+    impl = KVCacheManager(config, 16)
+    request = replace(new_request("r", (1, 2, 3, 4, 5), 2), shared_prefix_boundary="0")
+    _allocation_refused(impl, request, 5)
