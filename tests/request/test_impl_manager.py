@@ -617,7 +617,7 @@ def test_hashes_are_read_only_by_the_step_that_caches(caching: bool, delay: bool
     """Without caching, or with caching delayed to cache_blocks, allocating never reads the
     hashes: a request whose hashes are not bytes gets its blocks, as in the model."""
     setup = ManagerSetup(8, (full_attention(2),), 16, 2, enable_caching=caching)
-    request = replace(new_request("a", (1, 2, 3, 4, 5), 2), block_hashes=(1, 2))
+    request = replace(new_request("a", (1, 2, 3, 4, 5), 2), block_hashes=cast(Any, (1, 2)))
     for target in _model_and_impl(setup):
         assert target.allocate_slots(request, 5, delay_cache_blocks=delay) == ((1, 2, 3),)
 
@@ -782,7 +782,7 @@ def test_invalid_hash_of_a_block_the_step_fills_changes_nothing() -> None:
     """The hashes the caching step will read are checked before anything changes."""
     impl = KVCacheManager(KVCacheConfig(8, (full_attention(2),)), 16)
     request = new_request("a", (1, 2, 3, 4, 5), 2)
-    bad = replace(request, block_hashes=(request.block_hashes[0], 2))
+    bad = replace(request, block_hashes=cast(Any, (request.block_hashes[0], 2)))
     before = impl.snapshot()
     with pytest.raises(InvalidArgument):
         impl.allocate_slots(bad, 5)
@@ -864,5 +864,5 @@ def test_invalid_shared_prefix_boundary_under_sparse_retention_changes_nothing()
         8, (full_attention(2), sliding_window(2, 2)), prefix_cache_retention_interval=2
     )
     impl = KVCacheManager(config, 16)
-    request = replace(new_request("r", (1, 2, 3, 4, 5), 2), shared_prefix_boundary="0")
+    request = replace(new_request("r", (1, 2, 3, 4, 5), 2), shared_prefix_boundary=cast(Any, "0"))
     _allocation_refused(impl, request, 5)
