@@ -753,11 +753,15 @@ def test_a_hit_inside_a_mamba_block_is_copied_in_model_and_impl() -> None:
         target.free(with_computed(producer, 22))
         consumer = new_request("b", (*prompt[:21], 99, 98), 4)
         hit, num_hit = target.get_computed_blocks(consumer)
-        target.allocate_slots(consumer, 3, num_hit, hit)
-        answers.append((num_hit, target.take_kv_cache_block_copies()))
+        target.take_new_block_ids()
+        allocated = target.allocate_slots(consumer, 3, num_hit, hit)
+        copies = target.take_kv_cache_block_copies()
+        answers.append((num_hit, allocated, copies, target.take_new_block_ids()))
     assert answers[0] == answers[1]
-    num_hit, (copies, _) = answers[0]
+    num_hit, allocated, (copies, _), zeroed = answers[0]
     assert num_hit == 20 and len(copies) == 1
+    # both groups' new blocks returned; the attention group's recorded for zeroing
+    assert allocated is not None and len(allocated) == 2 and list(zeroed) == list(allocated[0])
 
 
 def test_a_hit_ending_inside_its_only_block_is_copied() -> None:
