@@ -608,6 +608,9 @@ def test_external_tokens_and_the_step_s_own_get_blocks_in_model_and_impl() -> No
     for target in _model_and_impl(setup):
         assert target.allocate_slots(request, 2, num_external_computed_tokens=12) == ((4,),)
         assert target.snapshot().managers.tables[0].req_to_blocks["r"] == (1, 2, 3, 4)
+        # no Mamba group: nothing to zero; the loaded blocks are cached with the step's
+        assert list(target.take_new_block_ids()) == []
+        assert target.get_computed_blocks(new_request("o", tuple(range(14)), 4))[1] == 12
 
 
 @pytest.mark.parametrize(
@@ -642,6 +645,8 @@ def test_an_async_load_takes_no_new_tokens_in_model_and_impl() -> None:
         )
         assert allocated == ((),)
         assert target.snapshot().managers.tables[0].req_to_blocks["r"] == (1, 2, 3)
+        # caching delayed: nothing is cached until the load is done
+        assert target.get_computed_blocks(new_request("o", tuple(range(14)), 4))[1] == 0
 
 
 @pytest.mark.parametrize(("num_blocks", "fits"), [(4, True), (3, False)])
