@@ -875,3 +875,27 @@ def test_invalid_shared_prefix_boundary_under_sparse_retention_changes_nothing()
     impl = KVCacheManager(config, 16)
     request = replace(new_request("r", (1, 2, 3, 4, 5), 2), shared_prefix_boundary=cast(Any, "0"))
     _allocation_refused(impl, request, 5)
+
+
+@pytest.mark.parametrize(
+    ("num_blocks", "first_runs", "fits"),
+    [(4, False, False), (5, False, True), (5, True, True)],
+    ids=["free-hits-too-many", "free-hits-fit", "running-hits"],
+)
+def test_a_full_sequence_that_must_fit_counts_its_free_hits(
+    num_blocks: int, first_runs: bool, fits: bool
+) -> None:
+    """The probe hits the first request's two blocks; its whole sequence (7 tokens) needs
+    two more. With the first freed its hits come off the free queue too (four blocks; the
+    step alone would take three), with the first still running they are already held."""
+    setup = ManagerSetup(num_blocks, (full_attention(2),), 8, 2)
+    for target in _model_and_impl(setup):
+        first = new_request("a", (1, 2, 3, 4), 2)
+        assert target.allocate_slots(first, 4) is not None
+        if not first_runs:
+            target.free(first)
+        probe = new_request("b", (1, 2, 3, 4, 5, 6, 7), 2)
+        hit, num_hit = target.get_computed_blocks(probe)
+        assert num_hit == 4
+        allocated = target.allocate_slots(probe, 1, num_hit, hit, full_sequence_must_fit=True)
+        assert (allocated is not None) is fits
