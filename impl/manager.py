@@ -626,9 +626,11 @@ class KVCacheManager:
             if new_computed_blocks is None
             else getattr(new_computed_blocks, "blocks", None)
         )
-        hits: tuple[Sequence[KVCacheBlock], ...] = given
-        if type(hits) is not tuple or not all(isinstance(g, Sequence) for g in hits):
+        # Checked while still untyped: the compiled build checks the typed local below itself,
+        # and would raise a bare TypeError for vLLM's class holding a list
+        if type(given) is not tuple or not all(isinstance(g, Sequence) for g in given):
             raise InvalidArgument("new_computed_blocks.blocks must be a tuple of lists")
+        hits: tuple[Sequence[KVCacheBlock], ...] = given
         # Verify that the request is hashed in the pool's hash blocks
         verify_hash_block_size(request, self.block_pool.hash_block_size)
         ext: int = num_external_computed_tokens

@@ -575,6 +575,13 @@ def test_a_hit_ending_inside_a_block_needs_a_free_block_for_its_copy(
     "blocks", [[[]], ([], None)], ids=["a-list-of-groups", "a-group-not-a-list"]
 )
 def test_invalid_hits_not_a_tuple_of_lists_change_nothing(blocks: Any) -> None:
+    """Hits in vLLM's KVCacheBlocks (taken by class name), whose constructor takes anything:
+    kvpool's own class refuses these at construction in the compiled build."""
+
+    class KVCacheBlocks:  # stands in for vllm.v1.core.kv_cache_manager.KVCacheBlocks
+        def __init__(self, blocks: Any) -> None:
+            self.blocks = blocks
+
     impl = KVCacheManager(KVCacheConfig(8, (full_attention(2), full_attention(2))), 16)
     request = new_request("a", (1, 2, 3, 4, 5), 2)
     before = impl.snapshot()
