@@ -164,3 +164,14 @@ class HashBlockSizeMismatch(RequestError, ValueError):
 
 class UnknownRequest(RequestError, ValueError):
     """A request id names no request holding blocks in this manager."""
+
+
+class InvalidHiSparseLayout(InvalidManagerConfig):
+    """The groups do not make a HiSparse layout vLLM accepts (docs/hisparse.md, "The groups")."""
+
+
+class HiSparseNotModelled(RequestError, ValueError):
+    """A call would take a HiSparse path kvpool does not model yet (docs/hisparse.md, "Slices").
+
+    Raised before anything changes, so the state is as it was.
+    """
