@@ -55,6 +55,7 @@ def check(
     target_name: str | None = None,
     on_example: Callable[[int], None] | None = None,
     program_timeout: float | None = DEFAULT_PROGRAM_TIMEOUT,
+    shrink: bool = True,
 ) -> ConformanceReport:
     """Check ``target`` at ``layer`` and report whether it conforms; never raises for a target.
 
@@ -63,7 +64,8 @@ def check(
     the v0 layer the disciplines (``any``, ``engine``), at the events layer
     the event semantics (``multiset``, ``last-copy``; default: run under both,
     the verdict counting those the target claims), at the radix layer the
-    eviction policy (default ``lru``). Raises
+    eviction policy (default ``lru``). ``shrink=False`` shows a failing
+    program as it was found, unshrunk (the verdict is the same). Raises
     ``TargetSpecError`` if the string names no target, or the options do not
     fit the layer: those are the caller's mistakes, not the target's.
     """
@@ -89,6 +91,7 @@ def check(
         target_name=name,
         on_example=on_example,
         program_timeout=program_timeout,
+        shrink=shrink,
     )
     if layer == "pool":
         _known_profiles(chosen)

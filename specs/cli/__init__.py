@@ -158,6 +158,13 @@ def check(
             "problem stops the run); none."
         ),
     ] = DatabaseChoice.AUTO,
+    shrink: Annotated[
+        bool,
+        typer.Option(
+            help="Shrink a failing program to a minimal one (--no-shrink: show it as found; "
+            "the verdict comes as soon as the failure, the program is longer)."
+        ),
+    ] = True,
 ) -> None:
     """Run the lock-step state machine against a target and report conformance.
 
@@ -209,6 +216,7 @@ def check(
             steps,
             seed,
             program_timeout,
+            shrink,
         )
     except KeyboardInterrupt:
         _close(descriptor)
@@ -321,6 +329,7 @@ def _run_with_progress(
     steps: int | None,
     seed: int | None,
     program_timeout: float,
+    shrink: bool,
 ) -> ConformanceReport:
     """The check, with a progress bar on a terminal; options that do not fit exit 2."""
     total = examples or Settings.get_profile(hypothesis_profile).max_examples
@@ -346,6 +355,7 @@ def _run_with_progress(
                 steps=steps,
                 seed=seed,
                 program_timeout=program_timeout,
+                shrink=shrink,
                 on_example=lambda n: progress.update(task, completed=min(n, total)),
             )
         except TargetSpecError as error:

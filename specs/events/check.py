@@ -14,8 +14,6 @@ import json
 from collections.abc import Callable, Collection, Sequence
 from typing import Unpack
 
-from hypothesis import Phase
-
 from kvpool.model import EVENT_SEMANTICS
 from kvpool.specs.errors import TargetAbort, TargetError
 from kvpool.specs.events.engine import model_engines
@@ -37,7 +35,6 @@ def check_events(
     claimed: Sequence[str] | None = None,
     preflight: Callable[[int, Sequence[str]], None] | None = None,
     without: Collection[str] = (),
-    shrink: bool = True,
     **options: Unpack[RunOptions],
 ) -> ConformanceReport:
     """Check a consumer (``make_consumer``) or a producer (``make_engine``); never raises for it.
@@ -48,7 +45,6 @@ def check_events(
     ``claimed`` those the verdict counts (default: ``semantics`` when given,
     else what the factory declares in ``event_semantics``, else all).
     ``without`` leaves engine steps out of every program (``ENGINE_STEPS``).
-    ``shrink=False`` reports the first failing program as found (faster).
     ``options`` are the runner's (``kvpool.specs.runner.run.RunOptions``).
 
     >>> check_events(ReferenceConsumer, max_examples=5, steps=10).verdicts
@@ -90,7 +86,6 @@ def check_events(
     consumer = make_consumer if make_consumer is not None else ReferenceConsumer
     engines = make_engine if make_engine is not None else model_engines()
     replay_on = target_name if under_test == "consumer" else "model"
-    overrides = None if shrink else {"phases": [Phase.explicit, Phase.reuse, Phase.generate]}
     for name in chosen:
         machine = events_machine(
             consumer, engines, EVENT_SEMANTICS[name], under_test, without=without
@@ -101,7 +96,6 @@ def check_events(
             profiles=(name,),
             explain=lambda failure, s=name: counterexample(failure, replay_on, s),  # type: ignore[misc]
             traced_program=True,
-            overrides=overrides,
             **options,
         )
         _merge(report, part, name, name in claims)

@@ -3,7 +3,7 @@
 from collections.abc import Callable, Collection, Sequence
 from typing import Unpack
 
-from hypothesis import HealthCheck, Phase
+from hypothesis import HealthCheck
 
 from kvpool.specs.radix.machine import PAGE_SIZES, radix_machine
 from kvpool.specs.radix.target import RadixTargetFactory
@@ -19,7 +19,6 @@ def check_radix(
     events: Sequence[bool] = (True, False),
     page_sizes: Sequence[int] = PAGE_SIZES,
     skip: Collection[tuple[str, str]] = (),
-    shrink: bool = True,
     preflight: Callable[[], None] | None = None,
     **options: Unpack[RunOptions],
 ) -> ConformanceReport:
@@ -31,8 +30,8 @@ def check_radix(
     from. ``skip`` names (operation, model error) pairs not sent at level 2
     (known findings, ``kvpool.specs.targets.sglang.findings.skip_for``).
     ``preflight`` may raise ``TargetError`` before any program runs.
-    ``shrink=False`` stops at the first failing program. The failing program
-    is reported as the calls the target received, with the model's results.
+    The failing program is reported as the calls the target received, with the
+    model's results.
     ``options`` are the runner's (``kvpool.specs.runner.run.RunOptions``).
 
     >>> from kvpool.specs.radix.model_target import ModelRadixTarget
@@ -42,15 +41,12 @@ def check_radix(
     machine = radix_machine(
         make_target, policy, level, events=events, page_sizes=page_sizes, skip=skip
     )
-    overrides: dict[str, object] = {"suppress_health_check": list(HealthCheck)}
-    if not shrink:
-        overrides["phases"] = [Phase.explicit, Phase.reuse, Phase.generate]
     return run_machine(
         machine,
         level=level,
         profiles=(policy,),
         preflight=preflight,
         traced_program=True,
-        overrides=overrides,
+        overrides={"suppress_health_check": list(HealthCheck)},
         **options,
     )

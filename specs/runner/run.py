@@ -25,8 +25,9 @@ import unittest
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TypedDict, Unpack
+from typing import Any, TypedDict, Unpack, cast
 
+from hypothesis import Phase
 from hypothesis import settings as Settings
 from hypothesis.errors import Flaky, HypothesisException, Unsatisfiable
 from hypothesis.internal.conjecture import providers
@@ -50,7 +51,9 @@ class RunOptions(TypedDict, total=False):
     ``target``). ``on_example`` is called with the number of programs run so
     far. A program running longer than ``program_timeout`` seconds (default
     60) ends the check with a target error: the target hangs; None removes the
-    limit.
+    limit. ``shrink=False`` reports the first failing program as it was found,
+    without shrinking it to a minimal one: the verdict comes as soon as the
+    failure does (the programs run are the same), the program shown is longer.
     """
 
     hypothesis_profile: str
@@ -60,6 +63,7 @@ class RunOptions(TypedDict, total=False):
     target_name: str
     on_example: Callable[[int], None] | None
     program_timeout: float | None
+    shrink: bool
 
 
 FAILURES = (Divergence, InvariantViolation, TargetError, TargetAbort)
@@ -171,6 +175,13 @@ def run_machine(
     counted = _counting(machine, report, on_example, lambda: deadlines.start_program(), programs)
     database = _database(report, hypothesis_profile, seed)
     chosen_overrides = dict(overrides or {})
+    if not options.get("shrink", True):
+        phases = cast(
+            "Sequence[Phase]",
+            chosen_overrides.get("phases", Settings.get_profile(hypothesis_profile).phases),
+        )
+        chosen_overrides["phases"] = [phase for phase in phases if phase is not Phase.shrink]
+        report.notes.append("not shrunk: a failing program is shown as it was found")
     if database is not None or _profile_has_database(hypothesis_profile) or seed is not None:
         chosen_overrides["database"] = database
     test = machine_test(counted, hypothesis_profile, max_examples, steps, seed, chosen_overrides)

@@ -2,7 +2,7 @@
 
 from typing import Unpack
 
-from hypothesis import HealthCheck, Phase
+from hypothesis import HealthCheck
 
 from kvpool.specs.runner.report import ConformanceReport
 from kvpool.specs.runner.run import RunOptions, run_machine
@@ -13,17 +13,13 @@ from kvpool.specs.v0.target import V0TargetFactory
 def check_v0(
     make_target: V0TargetFactory,
     discipline: str = "any",
-    *,
-    shrink: bool = True,
     **options: Unpack[RunOptions],
 ) -> ConformanceReport:
     """Run the v0 machine against ``make_target`` and report whether it conforms.
 
     ``discipline`` is ``any`` (every valid program) or ``engine`` (what vLLM's
     v0 block manager does; ``kvpool.specs.v0.machine``); the report names it
-    as its profile. ``shrink=False`` stops at the first failing program
-    instead of shrinking it to a minimal one (faster, longer programs). The
-    failing program is reported as the calls the target received, with the
+    as its profile. The failing program is reported as the calls the target received, with the
     model's results. ``options`` are the runner's
     (``kvpool.specs.runner.run.RunOptions``).
 
@@ -32,14 +28,11 @@ def check_v0(
     True
     """
     machine = v0_machine(make_target, discipline)
-    overrides: dict[str, object] = {"suppress_health_check": list(HealthCheck)}
-    if not shrink:
-        overrides["phases"] = [Phase.explicit, Phase.reuse, Phase.generate]
     return run_machine(
         machine,
         level=1,
         profiles=(discipline,),
         traced_program=True,
-        overrides=overrides,
+        overrides={"suppress_health_check": list(HealthCheck)},
         **options,
     )

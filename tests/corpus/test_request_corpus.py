@@ -25,7 +25,10 @@ from tests.kit.helpers import run_kvpool
 
 
 def hunt(target: str, tmp_path: Path) -> tuple[int, dict[str, Any]]:
-    """``kvpool check --layer request`` with ``ci`` on a target: (exit code, JSON report)."""
+    """``kvpool check --layer request`` with ``ci`` on a target: (exit code, JSON report).
+
+    Unshrunk: whether it is found is what matters here, and the first failing program is
+    the one a shrinking run starts from (the shrunk program is tests/kit/test_reports.py's)."""
     report = tmp_path / "report.json"
     result = run_kvpool(
         "check",
@@ -35,6 +38,7 @@ def hunt(target: str, tmp_path: Path) -> tuple[int, dict[str, Any]]:
         target,
         "--hypothesis-profile",
         "ci",
+        "--no-shrink",
         "--format",
         "json",
         "--output",

@@ -58,7 +58,9 @@ def test_the_node_manager_conforms_at_level_2_in_every_profile() -> None:
 
 
 def test_a_bug_planted_in_the_node_manager_is_found(tmp_path: Path) -> None:
-    code, output = check("--target", f"cmd:{node()} {TARGETS / 'buggy_manager.js'}", cwd=tmp_path)
+    code, output = check(
+        "--target", f"cmd:{node()} {TARGETS / 'buggy_manager.js'}", "--no-shrink", cwd=tmp_path
+    )
     assert code == 1, output
     assert "Where they part" in output
     assert "free_queue" in output

@@ -30,6 +30,28 @@ def test_a_divergence_reports_time_to_first_failure_apart_from_shrinking() -> No
     assert "(before shrinking)" in text and "shrinking" in text
 
 
+def test_without_shrinking_the_first_failing_program_is_reported_as_found() -> None:
+    shrunk = run_conformance(make_target, hypothesis_profile="ci")
+    found = run_conformance(make_target, hypothesis_profile="ci", shrink=False)
+    assert not shrunk.conforms and not found.conforms
+    assert found.failure_kind == shrunk.failure_kind
+    # The same programs run up to the failure; then only its replay for the report.
+    assert found.programs_to_first_failure == shrunk.programs_to_first_failure
+    assert found.programs_to_first_failure is not None
+    assert found.examples_run == found.programs_to_first_failure + 1 < shrunk.examples_run
+    assert found.program is not None and shrunk.program is not None
+    assert len(found.program.splitlines()) > len(shrunk.program.splitlines())
+    assert "not shrunk: a failing program is shown as it was found" in found.notes
+    assert not any("not shrunk" in note for note in shrunk.notes)
+
+
+def test_kvpool_check_no_shrink_gives_the_same_verdict() -> None:
+    target = "tests.kit.buggy_pool:make_target"
+    result = CliRunner().invoke(app, ["check", "--target", target, "--no-shrink"])
+    assert result.exit_code == 1, result.output
+    assert "not shrunk" in result.output
+
+
 def test_a_conforming_run_reports_no_first_failure() -> None:
     report = run_conformance(ModelTarget, max_examples=5, steps=5)
     assert report.conforms

@@ -92,7 +92,7 @@ def test_a_hasher_that_drops_a_key_is_found_through_vllms_hasher(
     manager: str, left_out: str
 ) -> None:
     code, output = check(
-        "--layer", "request", "--target", f"vllm:tests.vllm.user_managers:{manager}"
+        "--layer", "request", "--target", f"vllm:tests.vllm.user_managers:{manager}", "--no-shrink"
     )
     assert code == 1, output
     assert "target_hashes_name_prefixes" in output
