@@ -77,6 +77,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="Operations per program (default: the Hypothesis profile's).",
     )
     group.addoption(
+        "--kvpool-no-shrink",
+        action="store_true",
+        default=False,
+        help="Show a failing program as it was found, not shrunk (same verdict, sooner).",
+    )
+    group.addoption(
         "--kvpool-record",
         default=None,
         metavar="DIR",
@@ -166,6 +172,7 @@ class ConformanceItem(pytest.Item):
                 hypothesis_profile=options.kvpool_hypothesis_profile,
                 max_examples=options.kvpool_examples,
                 steps=options.kvpool_steps,
+                shrink=not options.kvpool_no_shrink,
             )
         except TargetSpecError as error:
             raise KvpoolFailure(str(error)) from None
@@ -184,7 +191,8 @@ class ConformanceItem(pytest.Item):
             except OSError as error:
                 lines.append(f"cannot write the regression files to {directory}: {error}")
         if report.program and report.failure_kind != "flaky":
-            lines += ["Minimal failing program (the operations the target received):"]
+            which = "Minimal failing program" if report.shrunk else "Failing program, not shrunk"
+            lines += [f"{which} (the operations the target received):"]
             lines.append(report.program)
         if report.counterexample is not None:
             lines.append(render_text(print_counterexample, report.counterexample))

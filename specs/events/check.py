@@ -22,7 +22,7 @@ from kvpool.specs.events.model_target import ReferenceConsumer
 from kvpool.specs.events.target import ConsumerFactory, EngineFactory, claimed_semantics
 from kvpool.specs.protocol.codec import Json
 from kvpool.specs.runner.report import ConformanceReport, Counterexample
-from kvpool.specs.runner.run import RunOptions, run_machine
+from kvpool.specs.runner.run import NOT_SHRUNK, RunOptions, run_machine
 
 VERDICTS = ("conforms", "diverges", "target error")
 
@@ -66,6 +66,9 @@ def check_events(
         hypothesis_profile=options.get("hypothesis_profile", "ci"),
         layer="events",
     )
+    if not options.get("shrink", True):
+        report.shrunk = False
+        report.notes.append(NOT_SHRUNK)
     try:
         if preflight is not None:
             preflight(1, chosen)

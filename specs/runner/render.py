@@ -56,9 +56,8 @@ def print_terminal(console: Console, report: ConformanceReport) -> None:
         title = TITLES.get(report.failure_kind or "", "could not be checked")
         console.rule(Text(f"{report.target} {title}", style="red"))
         if report.program and report.failure_kind not in ("flaky",):
-            console.print(
-                "[bold]Minimal failing program[/bold] (the operations the target received):"
-            )
+            which = "Minimal failing program" if report.shrunk else "Failing program, not shrunk"
+            console.print(f"[bold]{which}[/bold] (the operations the target received):")
             console.print(report.program, markup=False, highlight=False)
         if report.counterexample is not None:
             print_counterexample(console, report.counterexample)

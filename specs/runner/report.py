@@ -88,7 +88,10 @@ class ConformanceReport:
     """One of ``FAILURE_KINDS`` when it does not conform."""
     failure: str | None = None
     program: str | None = None
-    """The minimal failing program, one numbered step per line."""
+    """The failing program, one numbered step per line: the minimal one when ``shrunk``."""
+    shrunk: bool = True
+    """False when the run was asked not to shrink (``shrink=False``): ``program`` is the
+    first failing program as it was found."""
     notes: list[str] = field(default_factory=list)
     counterexample: Counterexample | None = None
     """Where target and model part, side by side, and a regression test (divergences only)."""

@@ -66,6 +66,9 @@ class RunOptions(TypedDict, total=False):
     shrink: bool
 
 
+NOT_SHRUNK = "not shrunk: a failing program is shown as it was found"
+"""The note of a run asked not to shrink (``shrink=False``)."""
+
 FAILURES = (Divergence, InvariantViolation, TargetError, TargetAbort)
 """What ends a program as a failure of the target (anything else is Hypothesis's or the kit's)."""
 
@@ -181,7 +184,8 @@ def run_machine(
             chosen_overrides.get("phases", Settings.get_profile(hypothesis_profile).phases),
         )
         chosen_overrides["phases"] = [phase for phase in phases if phase is not Phase.shrink]
-        report.notes.append("not shrunk: a failing program is shown as it was found")
+        report.shrunk = False
+        report.notes.append(NOT_SHRUNK)
     if database is not None or _profile_has_database(hypothesis_profile) or seed is not None:
         chosen_overrides["database"] = database
     test = machine_test(counted, hypothesis_profile, max_examples, steps, seed, chosen_overrides)

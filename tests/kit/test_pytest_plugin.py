@@ -112,3 +112,20 @@ def test_the_v0_layer_has_no_vectors(pytester: pytest.Pytester) -> None:
     )
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(["*the v0 layer has no conformance vectors*"])
+
+
+def test_no_shrink_shows_the_program_as_found(pytester: pytest.Pytester) -> None:
+    result = pytester.runpytest(
+        "-p",
+        "no:cacheprovider",
+        "--kvpool-target=tests.kit.buggy_pool:WrongUsage",
+        "--kvpool-no-shrink",
+    )
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*tests.kit.buggy_pool:WrongUsage: divergence*",
+            "*Failing program, not shrunk*",
+        ]
+    )
+    assert "Minimal failing program" not in result.stdout.str()

@@ -41,8 +41,11 @@ def test_without_shrinking_the_first_failing_program_is_reported_as_found() -> N
     assert found.examples_run == found.programs_to_first_failure + 1 < shrunk.examples_run
     assert found.program is not None and shrunk.program is not None
     assert len(found.program.splitlines()) > len(shrunk.program.splitlines())
+    assert not found.shrunk and shrunk.shrunk
     assert "not shrunk: a failing program is shown as it was found" in found.notes
     assert not any("not shrunk" in note for note in shrunk.notes)
+    text = render_text(print_terminal, found)
+    assert "Failing program, not shrunk" in text and "Minimal failing program" not in text
 
 
 def test_kvpool_check_no_shrink_gives_the_same_verdict() -> None:
@@ -50,6 +53,15 @@ def test_kvpool_check_no_shrink_gives_the_same_verdict() -> None:
     result = CliRunner().invoke(app, ["check", "--target", target, "--no-shrink"])
     assert result.exit_code == 1, result.output
     assert "not shrunk" in result.output
+
+
+def test_an_events_check_without_shrinking_says_so() -> None:
+    from kvpool.specs.events.check import check_events
+    from kvpool.specs.events.model_target import ReferenceConsumer
+
+    report = check_events(ReferenceConsumer, max_examples=3, steps=5, shrink=False)
+    assert report.conforms and not report.shrunk
+    assert "not shrunk: a failing program is shown as it was found" in report.notes
 
 
 def test_a_conforming_run_reports_no_first_failure() -> None:
