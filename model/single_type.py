@@ -760,9 +760,11 @@ def cache_blocks(
             request.num_prompt_tokens,
             table.req_to_blocks[rid],
             # several groups: vLLM's hybrid coordinator rounds what it caches to whole blocks,
-            # but not for an EAGLE group (kvpool.model.eagle.cacheable_tokens)
+            # but not for an EAGLE group (kvpool.model.eagle.cacheable_tokens), nor with hits
+            # on hash blocks (under decode context parallelism, kvpool.model.align_dcp:
+            # vLLM 0.33.0's _align_cacheable leaves the count as it is)
             num_tokens // spec.block_size * spec.block_size
-            if len(state.specs) > 1 and not use_eagle
+            if len(state.specs) > 1 and not use_eagle and not fine_grained
             else num_tokens,
             drop_eagle_checkpoint,
         )

@@ -29,6 +29,7 @@ from kvpool.specs.pool.check import run_conformance
 from kvpool.specs.radix.check import check_radix
 from kvpool.specs.request.check import run_request_conformance
 from kvpool.specs.request.target import ManagerTargetSpec
+from kvpool.specs.runner.render import verdict as verdict_of
 from kvpool.specs.runner.report import ConformanceReport
 from kvpool.specs.runner.run import RunOptions
 from kvpool.specs.runner.watchdog import DEFAULT_PROGRAM_TIMEOUT
@@ -104,12 +105,7 @@ def check(
         )
     if layer == "request":
         _known_profiles(chosen)
-        # The request layer's recorder guards its factory itself, naming the setup as the
-        # protocol writes it (kvpool.specs.request.record.build).
-        scope = ManagerTargetSpec(descriptor.factory, **descriptor.scope)
-        if chosen:
-            scope = replace(scope, profiles=tuple(profile_named(p) for p in chosen))
-        return run_request_conformance(scope, level=level, **options)
+        return _check_request(descriptor, chosen, level, options)
     if layer == "events":
         return _check_events(descriptor, factory, list(profiles or ()), **options)
     if layer == "radix":
@@ -121,6 +117,74 @@ def check(
         )
     discipline = chosen[0] if chosen else "any"
     return check_v0(factory, discipline, **options)
+
+
+def _check_request(
+    descriptor: TargetDescriptor, chosen: list[str], level: int, options: RunOptions
+) -> ConformanceReport:
+    """The main scope, then each of the descriptor's parts, until one fails: one report.
+
+    Each part runs the whole budget (``max_examples``) as a check of its own; the report
+    adds up programs and time, names each part's verdict and, on a failure, is that
+    part's failure.
+    """
+    parts = (("main", descriptor.scope), *descriptor.parts)
+    report: ConformanceReport | None = None
+    on_example = options.get("on_example")
+    for name, fields in parts:
+        if report is not None and not report.conforms:
+            report.parts[name] = "not run"
+            continue
+        # The request layer's recorder guards its factory itself, naming the setup as the
+        # protocol writes it (kvpool.specs.request.record.build).
+        scope = ManagerTargetSpec(descriptor.factory, **fields)  # type: ignore[arg-type]
+        if chosen:
+            scope = replace(scope, profiles=tuple(profile_named(p) for p in chosen))
+        done = 0 if report is None else report.examples_run
+        part_options = RunOptions(**options)
+        if on_example is not None:
+            part_options["on_example"] = _counted_from(done, on_example)
+        part = run_request_conformance(scope, level=level, **part_options)
+        if descriptor.parts and part.conforms and part.examples_run == 0:
+            part.fail("nothing-ran", f"no program of the part {name!r} was run")
+        if report is None:
+            report = part
+        else:
+            _add_part(report, part)
+        if descriptor.parts:
+            report.parts[name] = verdict_of(part)
+            if not part.conforms and name != "main":
+                report.notes.append(f"the part {name!r} failed (the parts before it conform)")
+    assert report is not None
+    return report
+
+
+def _counted_from(done: int, on_example: Callable[[int], None]) -> Callable[[int], None]:
+    """``on_example`` told the programs of the parts before too."""
+    return lambda n: on_example(done + n)
+
+
+def _add_part(report: ConformanceReport, part: ConformanceReport) -> None:
+    """Fold a later part's run into ``report`` (every part before it conformed)."""
+    if not part.conforms:
+        report.conforms = False
+        report.failure_kind = part.failure_kind
+        report.failure = part.failure
+        report.program = part.program
+        report.counterexample = part.counterexample
+        report.shrunk = part.shrunk
+        report.from_database = part.from_database
+        if part.seconds_to_first_failure is not None:
+            report.seconds_to_first_failure = report.seconds + part.seconds_to_first_failure
+            report.programs_to_first_failure = report.examples_run + (
+                part.programs_to_first_failure or 0
+            )
+            report.shrink_seconds = part.shrink_seconds
+    report.examples_run += part.examples_run
+    report.seconds += part.seconds
+    if part.max_examples is not None:
+        report.max_examples = (report.max_examples or 0) + part.max_examples
+    report.notes.extend(note for note in part.notes if note not in report.notes)
 
 
 class GuardedFactory:

@@ -9,7 +9,7 @@ model after every call.
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from kvpool.model import DEFAULT_PROFILE, PROFILES, KVCacheEvent, Profile
 from kvpool.model.manager import Blocks, KVCacheManagerState, PrefixCacheStats
@@ -105,6 +105,65 @@ MAMBA_ALIGN_GEOMETRY_LAYOUTS = ("wide_full+mamba_align", "wide_sliding_window+ma
 """Mamba "align" blocks of one hash block beside full attention or a sliding window of
 blocks two or four times larger (the scheduler block): hits end on the larger blocks
 (``kvpool.model.manager.verify_align_geometry``). Drawn only where a scope lists them."""
+
+
+FINE_GRAINED_PART: Mapping[str, Any] = {
+    "layouts": ("full+full",),
+    "events": (False, True),
+    "block_factors": (2,),
+    "min_window": 2,
+    "fine_grained": (True,),
+}
+"""Fine-grained hits with copy-on-write, drawn densely: two full-attention groups (a hybrid
+coordinator) of blocks two hash blocks long, every program asking for them."""
+
+MAMBA_ALIGN_PART: Mapping[str, Any] = {
+    "layouts": MAMBA_ALIGN_LAYOUTS + MAMBA_ALIGN_GEOMETRY_LAYOUTS + MAMBA_ALIGN_DCP_LAYOUTS,
+    "events": (False, True),
+    "block_factors": (1, 2),
+    "min_window": 2,
+    "hash_sized_layouts": MAMBA_ALIGN_LAYOUTS,
+    # the connector's per-group lookup among the scheduler's calls
+    "scheduler_calls": True,
+    # bare, and with checkpoint blocks 1 or 2 blocks apart, speculative blocks, or both
+    "mamba_reserves": ((0, 0), (0, 0), (0, 1), (0, 2), (1, 0), (2, 0), (1, 1)),
+    # decode world sizes for MAMBA_ALIGN_DCP_LAYOUTS (at least 2 there; the other layouts
+    # have a Mamba group and run without context parallelism)
+    "context_parallel": ((2, 1), (4, 1)),
+    # dense, latest-only, one to three scheduler blocks; drawn where kvpool models sparse
+    # retention of "align" states (no checkpoint blocks, blocks of one hash block, no
+    # context parallelism: kvpool.specs.request.machine)
+    "retentions": (None, None, 0, 0, 1, 2, 3),
+    # EAGLE where kvpool models it beside "align" (the machine leaves it off elsewhere)
+    "eagle_hybrids": True,
+}
+"""Mamba in vLLM's "align" mode: alone, beside full attention or a sliding window, beside
+larger blocks, beside sharded full attention under decode context parallelism, with
+speculative and prefill checkpoint blocks, sparse retention and EAGLE where modelled. The
+machine drives these layouts with the scheduler's block-aligned chunks and no drafts."""
+
+MAMBA_FINE_PART: Mapping[str, Any] = {
+    "layouts": MAMBA_FINE_LAYOUTS,
+    "events": (False, True),
+    "block_factors": (2, 3, 4),
+    "min_window": 2,
+    "scheduler_calls": True,
+    # checkpoints 1 or 2 hash blocks apart on these layouts, 1 or 2 speculative blocks, both
+    "mamba_reserves": ((0, 0), (0, 0), (0, 0), (0, 1), (0, 2), (1, 0), (2, 0), (1, 1)),
+}
+"""Hits inside a Mamba "align" block of two to four hash blocks beside full attention, with
+and without prefill checkpoint and speculative blocks. Driven with the scheduler's chunks
+(stopping at the prompt's partial boundary) and no drafts."""
+
+PARTS_033: tuple[tuple[str, Mapping[str, Any]], ...] = (
+    ("fine-grained hits", FINE_GRAINED_PART),
+    ('Mamba "align"', MAMBA_ALIGN_PART),
+    ("hits inside a Mamba block", MAMBA_FINE_PART),
+)
+"""The parts of the request layer's space checked apart from a target's main scope: what
+vLLM 0.33 added that the main scope does not draw (each asks a contract of the machine the
+main scope's programs do not keep). ``kvpool check --layer request`` checks a target that
+has them (kvpool's model and impl, vLLM 0.33) on each in turn (``TargetDescriptor.parts``)."""
 
 
 @dataclass(frozen=True)

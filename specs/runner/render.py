@@ -74,6 +74,8 @@ def print_terminal(console: Console, report: ConformanceReport) -> None:
     for profile, outcome in report.verdicts.items():
         claim = "claimed" if profile in report.claimed else "not claimed"
         table.add_row(Text(f"verdict under {profile} ({claim})"), Text(outcome))
+    for part, outcome in report.parts.items():
+        table.add_row(Text(f"part: {part}"), Text(outcome))
     table.add_row("Hypothesis profile", Text(report.hypothesis_profile))
     asked = f" (the run asked for {report.max_examples})" if report.max_examples else ""
     longest = f", up to {report.steps_per_program} steps each" if report.steps_per_program else ""

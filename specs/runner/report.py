@@ -100,6 +100,10 @@ class ConformanceReport:
     for each profile run, claimed or not."""
     claimed: tuple[str, ...] = ()
     """Of ``profiles``, those the target claims: only their verdicts decide ``conforms``."""
+    parts: dict[str, str] = field(default_factory=dict)
+    """Layers checked in parts, one after the other (the request layer: the main scope, then
+    what vLLM 0.33 added): ``conforms``, ``diverges``, ``target error`` or ``not run`` (an
+    earlier part failed) for each part, in order. Empty for a check of one part."""
     layer: str = "pool"
     max_examples: int | None = None
     """How many programs the run was asked for (the settings profile's, or ``--examples``)."""

@@ -127,6 +127,10 @@ class TargetDescriptor:
     ``events``)."""
     release: str | None = None
     """A vLLM release to check in a child interpreter that imports it."""
+    parts: tuple[tuple[str, Mapping[str, Any]], ...] = ()
+    """Further parts of the layer's space, each (name, scope), checked after ``scope`` one
+    by one until one fails (request layer: ``request_target.PARTS_033``, what vLLM 0.33
+    added that the main scope does not draw)."""
 
     @property
     def operations(self) -> frozenset[str]:
@@ -253,6 +257,7 @@ def _request(spec: str) -> TargetDescriptor:
                 "eagle_hybrids": True,
                 "retentions": RETENTIONS,
             },
+            parts=request_target.PARTS_033,
         )
     if spec == "model":
         from kvpool.specs.request.model_target import ModelManagerTarget
@@ -267,6 +272,7 @@ def _request(spec: str) -> TargetDescriptor:
                 "eagle_hybrids": True,
                 "retentions": RETENTIONS,
             },
+            parts=request_target.PARTS_033,
         )
     if spec.startswith("cmd:"):
         from kvpool.specs.targets.cmd.request import CMD_SCOPE, CmdManagerFactory
@@ -303,11 +309,17 @@ def _vllm_request(spec: str) -> TargetDescriptor:
         factory = vllm_manager_factory(VLLM if release is not None else spec)
     except ValueError as error:
         raise TargetSpecError(str(error)) from error
-    return _from_scope(spec, scope(factory), release=release)
+    # What vLLM 0.33 added is compared on 0.33 only (the adapter drives it on that API)
+    version = installed_version() or ""
+    parts = request_target.PARTS_033 if version.startswith("0.33") else ()
+    return _from_scope(spec, scope(factory), release=release, parts=parts)
 
 
 def _from_scope(
-    spec: str, scope: request_target.ManagerTargetSpec, release: str | None = None
+    spec: str,
+    scope: request_target.ManagerTargetSpec,
+    release: str | None = None,
+    parts: tuple[tuple[str, Mapping[str, Any]], ...] = (),
 ) -> TargetDescriptor:
     return TargetDescriptor(
         "request",
@@ -333,6 +345,7 @@ def _from_scope(
             "connector_loads": scope.connector_loads,
             "eagle_flags": scope.eagle_flags,
         },
+        parts=parts,
     )
 
 

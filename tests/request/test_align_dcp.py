@@ -190,6 +190,41 @@ def test_a_hit_ends_inside_a_sharded_block_as_vllm(specs: tuple[KVCacheSpec, ...
     assert _hit_inside_a_sharded_block(VllmManagerTarget(setup)) == model
 
 
+def _boundary_evicted_then_prompt_done(target: Any) -> list[Any]:
+    """The prompt's boundary state (4 of 5 tokens) loses its key to ``evict_blocks``; the last
+    token's step caches 5 tokens. With hits on hash blocks vLLM 0.33.0 does not round that
+    down to the Mamba block (``_align_cacheable``), so the boundary is not keyed again and a
+    resend of the prompt hits only the state at 2. (Found by ``kvpool check --layer request --target
+    impl --level 2``'s Mamba "align" part: the model rounded, as without hits on hash blocks.)"""
+    prompt = [1, 2, 2, 1, 1]
+    a = new_request("a", prompt, 2)
+    answers: list[Any] = [target.allocate_slots(a, 2)]
+    answers.append(target.allocate_slots(with_computed(a, 2), 2))
+    state_block = answers[-1][1][0]
+    target.evict_blocks({state_block})
+    answers.append(target.allocate_slots(with_computed(a, 4), 1))
+    target.new_step_starts()
+    answers.append(target.get_computed_blocks(new_request("b", prompt, 2)))
+    return answers
+
+
+BOUNDARY_SETUP = ManagerSetup(8, (full_attention(2), mamba_align(2)), 16, 2, dcp_world_size=2)
+
+
+def test_an_evicted_boundary_is_not_keyed_again_past_it_model_and_impl() -> None:
+    model = _boundary_evicted_then_prompt_done(ModelManagerTarget(BOUNDARY_SETUP))
+    assert model[-1][1] == 2, model[-1]
+    assert _boundary_evicted_then_prompt_done(ImplManagerTarget(BOUNDARY_SETUP)) == model
+
+
+@pytest.mark.usefixtures("require_vllm_manager")
+def test_an_evicted_boundary_is_not_keyed_again_past_it_as_vllm() -> None:
+    from kvpool.specs.targets.vllm.request import VllmManagerTarget
+
+    model = _boundary_evicted_then_prompt_done(ModelManagerTarget(BOUNDARY_SETUP))
+    assert _boundary_evicted_then_prompt_done(VllmManagerTarget(BOUNDARY_SETUP)) == model
+
+
 # --------------------------------------------------------------------------
 # The machine draws it: the impl in lock-step, and vLLM compared
 # --------------------------------------------------------------------------

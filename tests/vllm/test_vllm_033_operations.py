@@ -246,3 +246,15 @@ def test_a_vllm_manager_freeing_the_blocks_it_pops_is_found() -> None:
             return blocks
 
     _vllm_subclass_is_found(EagerPop, "pop_blocks_for_free")
+
+
+def test_kvpool_check_compares_vllm_033_in_every_part() -> None:
+    """``kvpool check --layer request --target vllm`` runs the main scope and then what vLLM
+    0.33 added (``PARTS_033``: fine-grained hits, Mamba "align", hits inside a Mamba block)."""
+    from kvpool.specs.request.target import PARTS_033
+    from kvpool.specs.targets import resolve
+    from kvpool.specs.targets.vllm.releases import installed_version
+
+    descriptor = resolve("request", "vllm")
+    version = installed_version() or ""
+    assert descriptor.parts == (PARTS_033 if version.startswith("0.33") else ())

@@ -818,28 +818,24 @@ def scope(factory: VllmManagerFactory | None = None) -> ManagerTargetSpec:
 
 
 def fine_grained_scope(factory: VllmManagerFactory | None = None) -> ManagerTargetSpec:
-    """Where vLLM's fine-grained hits and copy-on-write are compared: two full-attention
-    groups (a hybrid coordinator) of blocks two hash blocks long, events on and off, the
-    switch turned on by ``enable_fine_grained_hits``."""
+    """Where vLLM's fine-grained hits and copy-on-write are compared (``FINE_GRAINED_PART``):
+    two full-attention groups (a hybrid coordinator) of blocks two hash blocks long, events
+    on and off, the switch turned on by ``enable_fine_grained_hits``."""
     from kvpool.model import DEFAULT_PROFILE
+    from kvpool.specs.request.target import FINE_GRAINED_PART
 
     return ManagerTargetSpec(
-        factory or VllmManagerFactory(),
-        layouts=("full+full",),
-        profiles=(DEFAULT_PROFILE,),
-        events=(False, True),
-        block_factors=(2,),
-        min_window=2,
-        fine_grained=(True,),
+        factory or VllmManagerFactory(), profiles=(DEFAULT_PROFILE,), **FINE_GRAINED_PART
     )
 
 
 def mamba_align_scope(factory: VllmManagerFactory | None = None) -> ManagerTargetSpec:
-    """Where vLLM's Mamba "align" mode is compared (``kvpool.model.mamba_align``): a Mamba
-    group alone, beside full attention and beside a sliding window, blocks of one hash block
-    when caching is on, events on and off; and a Mamba block of one hash block beside blocks
-    two or four times larger (``MAMBA_ALIGN_GEOMETRY_LAYOUTS``); Mamba blocks of one hash block
-    beside sharded full attention under decode context parallelism, hits on hash blocks
+    """Where vLLM's Mamba "align" mode is compared (``MAMBA_ALIGN_PART``,
+    ``kvpool.model.mamba_align``): a Mamba group alone, beside full attention and beside a
+    sliding window, blocks of one hash block when caching is on, events on and off; and a
+    Mamba block of one hash block beside blocks two or four times larger
+    (``MAMBA_ALIGN_GEOMETRY_LAYOUTS``); Mamba blocks of one hash block beside sharded full
+    attention under decode context parallelism, hits on hash blocks
     (``MAMBA_ALIGN_DCP_LAYOUTS``, ``kvpool.model.align_dcp``); the scheduler's further calls,
     the connector's per-group lookup among them. Not in ``VLLM_SCOPE``: the machine drives
     these layouts with the scheduler's block-aligned chunks and no drafts. Sparse retention
@@ -848,33 +844,10 @@ def mamba_align_scope(factory: VllmManagerFactory | None = None) -> ManagerTarge
     checkpoint blocks, no hits inside a Mamba block; ``mamba_align_eagle_scope()`` draws it
     more densely)."""
     from kvpool.model import DEFAULT_PROFILE
-    from kvpool.specs.request.target import (
-        MAMBA_ALIGN_DCP_LAYOUTS,
-        MAMBA_ALIGN_GEOMETRY_LAYOUTS,
-        MAMBA_ALIGN_LAYOUTS,
-    )
+    from kvpool.specs.request.target import MAMBA_ALIGN_PART
 
     return ManagerTargetSpec(
-        factory or VllmManagerFactory(),
-        layouts=MAMBA_ALIGN_LAYOUTS + MAMBA_ALIGN_GEOMETRY_LAYOUTS + MAMBA_ALIGN_DCP_LAYOUTS,
-        profiles=(DEFAULT_PROFILE,),
-        events=(False, True),
-        block_factors=(1, 2),
-        min_window=2,
-        hash_sized_layouts=MAMBA_ALIGN_LAYOUTS,
-        # the connector's per-group lookup (hit_diverged) among the scheduler's calls
-        scheduler_calls=True,
-        # bare, and with checkpoint blocks 1 or 2 blocks apart, speculative blocks, or both
-        mamba_reserves=((0, 0), (0, 0), (0, 1), (0, 2), (1, 0), (2, 0), (1, 1)),
-        # decode world sizes for MAMBA_ALIGN_DCP_LAYOUTS (at least 2 there; the other
-        # layouts have a Mamba group and run without context parallelism)
-        context_parallel=((2, 1), (4, 1)),
-        # sparse retention of the "align" states (kvpool.model.retention): dense, latest-only,
-        # one to three scheduler blocks; drawn where kvpool models it (no checkpoint blocks,
-        # blocks of one hash block, no context parallelism: specs.request.machine)
-        retentions=(None, None, 0, 0, 1, 2, 3),
-        # EAGLE where kvpool models it beside "align" (the machine leaves it off elsewhere)
-        eagle_hybrids=True,
+        factory or VllmManagerFactory(), profiles=(DEFAULT_PROFILE,), **MAMBA_ALIGN_PART
     )
 
 
@@ -905,7 +878,8 @@ def mamba_align_eagle_scope(factory: VllmManagerFactory | None = None) -> Manage
 
 
 def mamba_fine_scope(factory: VllmManagerFactory | None = None) -> ManagerTargetSpec:
-    """Where hits inside a Mamba "align" block are compared (``kvpool.model.mamba_fine``):
+    """Where hits inside a Mamba "align" block are compared (``MAMBA_FINE_PART``,
+    ``kvpool.model.mamba_fine``):
     full attention of one or two hash blocks beside a Mamba block of two to four hash
     blocks, caching on (off: blocks of one hash block), events on and off, the scheduler's
     further calls (the connector's per-group lookup, the copies, the producer's partial tail
@@ -914,19 +888,10 @@ def mamba_fine_scope(factory: VllmManagerFactory | None = None) -> ManagerTarget
     ``VLLM_SCOPE``: the machine drives it with the scheduler's chunks (stopping at the
     prompt's partial boundary) and no drafts."""
     from kvpool.model import DEFAULT_PROFILE
-    from kvpool.specs.request.target import MAMBA_FINE_LAYOUTS
+    from kvpool.specs.request.target import MAMBA_FINE_PART
 
     return ManagerTargetSpec(
-        factory or VllmManagerFactory(),
-        layouts=MAMBA_FINE_LAYOUTS,
-        profiles=(DEFAULT_PROFILE,),
-        events=(False, True),
-        block_factors=(2, 3, 4),
-        min_window=2,
-        scheduler_calls=True,
-        # checkpoints 1 or 2 hash blocks apart on these layouts (specs.request.machine),
-        # 1 or 2 speculative blocks, both
-        mamba_reserves=((0, 0), (0, 0), (0, 0), (0, 1), (0, 2), (1, 0), (2, 0), (1, 1)),
+        factory or VllmManagerFactory(), profiles=(DEFAULT_PROFILE,), **MAMBA_FINE_PART
     )
 
 
