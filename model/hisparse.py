@@ -14,10 +14,12 @@ answers and later frees agree (docs/hisparse.md, "Surprises").
 
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
+from functools import partial
 
 import kvpool.model.hisparse_core as core
 import kvpool.model.pool as pool_ops
 from kvpool.model.errors import HiSparseNotModelled, InvalidArgument, InvalidTokenCount
+from kvpool.model.events import MEDIUM_CPU, MEDIUM_GPU
 from kvpool.model.hisparse_types import PageTransfer, ResidencyUpdate, RowMirror
 from kvpool.model.manager import KVCacheManagerState, tiers, with_tiers
 from kvpool.model.state import NULL_BLOCK_ID
@@ -342,3 +344,57 @@ def copies(state: KVCacheManagerState) -> Mapping[tuple[bytes, int], tuple[int, 
 def hot_required(state: KVCacheManagerState) -> frozenset[str]:
     """The requests asked for a hot region (each hot manager's ``hot_required``)."""
     return tiers(state).hs.hot_required
+
+
+# --------------------------------------------------------------------------
+# The deferred free: blocks of two pools
+# --------------------------------------------------------------------------
+
+PoolBlock = tuple[str, int]
+"""A block named with its pool: (``MEDIUM_CPU`` for the host pool or ``MEDIUM_GPU``, id).
+Block ids are numbered per pool, so a block handed out of a HiSparse manager names both."""
+
+
+def pop_blocks_for_free(
+    state: KVCacheManagerState, request_id: str, *, finished: bool = False
+) -> tuple[KVCacheManagerState, tuple[PoolBlock, ...]]:
+    """A HiSparse manager's ``pop_blocks_for_free``: the request leaves every group (the
+    coordinator's part runs: publication detached or dropped, clean pages unpinned) and
+    its remaining blocks come back still held, group by group, each group's in allocation
+    order without leading nulls, named with their pool (vLLM 0.33.0 returns block objects
+    that know their pool: ``BlockPool.free_blocks`` hands each to its own)."""
+    t = tiers(state)
+    # Verify that the id is a str
+    rid = _verify_id(request_id)
+    t, popped = core.pop(t, rid, bool(finished))
+    return with_tiers(state, t), tuple(
+        (MEDIUM_CPU if on_host else MEDIUM_GPU, b) for on_host, b in popped
+    )
+
+
+def free_pool_blocks(
+    state: KVCacheManagerState, blocks: Iterable[PoolBlock]
+) -> tuple[KVCacheManagerState, None]:
+    """Release one reference per listed block, each in its own pool, in the listed order
+    (``BlockPool.free_blocks`` through ``block.pool``, vLLM 0.33.0)."""
+    t = tiers(state)
+    try:
+        listed = tuple(blocks)
+    except TypeError as error:
+        raise InvalidArgument(f"expected (pool, block id) pairs: {error}") from error
+    # Verify that every entry names a pool and an int block id
+    for entry in listed:
+        if (
+            not isinstance(entry, tuple)
+            or len(entry) != 2
+            or entry[0] not in (MEDIUM_CPU, MEDIUM_GPU)
+            or not isinstance(entry[1], int)
+            or isinstance(entry[1], bool)
+        ):
+            raise InvalidArgument(f"expected a (pool, block id) pair, got {entry!r}")
+    host_ids = [b for medium, b in listed if medium == MEDIUM_CPU]
+    device_ids = [b for medium, b in listed if medium == MEDIUM_GPU]
+    # the pool checks its ids (UnknownBlock, OverFree) before anything changes
+    t, _ = core.host_pool(t, partial(pool_ops.free_blocks, ordered_block_ids=host_ids))
+    t, _ = core.device_pool(t, partial(pool_ops.free_blocks, ordered_block_ids=device_ids))
+    return with_tiers(state, t), None

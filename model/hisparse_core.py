@@ -461,3 +461,32 @@ def free(t: Tiers, request_id: str, finished: bool) -> Tiers:
 def resident_row(t: Tiers, group: int, request_id: str, start: int = 0) -> Sequence[int]:
     """The residency row from ``start`` (the table row: slice 1 changes no live row)."""
     return t.managers.tables[group].req_to_blocks.get(request_id, ())[start:]
+
+
+def pop(t: Tiers, request_id: str, finished: bool) -> tuple[Tiers, tuple[tuple[bool, int], ...]]:
+    """Take the request out of every group, its blocks still held: (on host, block id) in
+    group order, each group's without its leading nulls; the coordinator's part runs at
+    the source group, as in ``free`` (``KVCacheCoordinator.pop_blocks_for_free``)."""
+    hs = t.hs
+    t = replace(t, hs=replace(hs, hot_required=hs.hot_required - {request_id}))
+    dropped: frozenset[tuple[int, int]] = frozenset()
+    popped: list[tuple[bool, int]] = []
+    for g in range(len(t.managers.specs)):
+        if g == t.layout.source:
+            t, dropped = coordinator_free(t, request_id, finished)
+        table = t.managers.tables[g]
+        row = tuple(
+            NULL_BLOCK_ID if (g, page) in dropped else b
+            for page, b in enumerate(table.req_to_blocks.get(request_id, ()))
+        )
+        head = 0
+        while head < len(row) and row[head] == NULL_BLOCK_ID:
+            head += 1
+        popped.extend((g == t.layout.source, b) for b in row[head:])
+        table = single.GroupTable(
+            req_to_blocks={r: b for r, b in table.req_to_blocks.items() if r != request_id},
+            num_cached_block={r: n for r, n in table.num_cached_block.items() if r != request_id},
+        )
+        tables = (*t.managers.tables[:g], table, *t.managers.tables[g + 1 :])
+        t = replace(t, managers=replace(t.managers, tables=tables))
+    return t, tuple(popped)

@@ -1249,9 +1249,17 @@ def estimate_cached_tokens(state: KVCacheManagerState, request_id: str) -> int:
     >>> estimate_cached_tokens(new_kv_cache_manager(4, [full_attention(2)], 8), "r")
     0
     """
-    pool = state.managers.pool
     cached: int | None = None
-    for table in state.managers.tables:
+    layout = state.config.hisparse
+    for g, table in enumerate(state.managers.tables):
+        pool = state.managers.pool
+        if layout is not None:
+            # HiSparse: resident and hot groups are not prefix-cacheable; the source's
+            # blocks are the host pool's (vLLM 0.33.0 KVCacheManager.estimate_cached_tokens)
+            if g in layout.residents or g in layout.hots:
+                continue
+            if g == layout.source and state.host_pool is not None:
+                pool = state.host_pool
         group = max(
             (pool.blocks[b].hash_num_tokens or 0 for b in table.req_to_blocks.get(request_id, ())),
             default=0,

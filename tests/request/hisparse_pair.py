@@ -221,6 +221,30 @@ class Pair:
         self.vllm.free(theirs)
         self.compare()
 
+    def pop(self, request_id: str, finished: bool = False) -> list[Any]:
+        """``pop_blocks_for_free`` on both; vLLM's blocks back, to free later."""
+        from vllm.v1.request import RequestStatus
+
+        _, theirs = self.requests[request_id]
+        theirs.status = RequestStatus.FINISHED_STOPPED if finished else RequestStatus.PREEMPTED
+        self.model, mine = hs.pop_blocks_for_free(self.model, request_id, finished=finished)
+        other = self.vllm.pop_blocks_for_free(theirs)
+        host = self.coordinator.get_host_block_pool()
+        assert list(mine) == [
+            ("CPU" if host.blocks[b.block_id] is b else "GPU", b.block_id) for b in other
+        ]
+        self.compare()
+        return list(other)
+
+    def free_popped(self, blocks: list[Any]) -> None:
+        """Free popped blocks in reverse on the device pool, as vLLM's scheduler does: each
+        goes to its own pool."""
+        host = self.coordinator.get_host_block_pool()
+        named = [("CPU" if host.blocks[b.block_id] is b else "GPU", b.block_id) for b in blocks]
+        self.model, _ = hs.free_pool_blocks(self.model, named[::-1])
+        self.vllm.block_pool.free_blocks(reversed(blocks))
+        self.compare()
+
     def reset(self) -> bool:
         self.model, mine = mgr.reset_prefix_cache(self.model)
         assert mine == self.vllm.reset_prefix_cache()

@@ -206,3 +206,25 @@ def test_running_request_grows_without_hot_capacity() -> None:
     pair.computed("r", 32)
     pair.append("r", [1])
     assert pair.allocate_scheduled("r", 1)
+
+
+def test_deferred_free_retains_host_blocks_until_fence() -> None:
+    pair = Pair(16, 16)
+    pair.request("free", list(range(16)))
+    assert pair.allocate("free", 16, delay_cache_blocks=True)
+    pair.free_popped(pair.pop("free"))
+    assert len(pair.model.managers.pool.free_queue) == 15
+
+
+@pytest.mark.parametrize("finished", [True, False])
+def test_deferred_free_with_spills_in_flight(finished: bool) -> None:
+    pair = Pair(32, 16, enable_caching=True)
+    pair.request("r", list(range(50)))
+    assert pair.allocate_scheduled("r", 50)
+    counts = {t.transfer_id: 1 for t in pair.offload()}
+    pair.spills(counts, {0: 1})
+    blocks = pair.pop("r", finished=finished)
+    pair.spills({}, counts)
+    pair.free_popped(blocks)
+    pair.request("probe", list(range(50)))
+    assert pair.hit("probe") == (48 if finished else 16)
