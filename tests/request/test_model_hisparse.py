@@ -173,13 +173,18 @@ def test_worked_example_one_request_written_back_and_published() -> None:
     assert _rows(m, "device", (5, 6, 7, 8)) == [(2, 0), (1, 0), (2, 0), (2, 0)]
     assert m.hisparse is not None
     book = m.hisparse.books["a"]
-    assert (book.valid, book.ready_prefix_pages, book.pinned_clean) == ({1}, 0, {1})
+    assert (book.valid, book.ready_prefix_pages, book.pinned_clean) == (
+        frozenset({1}),
+        0,
+        frozenset({1}),
+    )
     assert mgr.get_computed_blocks(m, _request("b"))[1][1] == 0
     m, _ = hs.update_spills(m, {0: 1, 2: 1, 3: 1}, {0: 1, 2: 1, 3: 1})
     assert _rows(m, "host", (1, 2, 3, 4)) == [(1, 1)] * 4
     assert _rows(m, "device", (5, 6, 7, 8)) == [(1, 0)] * 4
+    assert m.hisparse is not None
     book = m.hisparse.books["a"]
-    assert (book.valid, book.ready_prefix_pages) == ({0, 1, 2, 3}, 4)
+    assert (book.valid, book.ready_prefix_pages) == (frozenset({0, 1, 2, 3}), 4)
     assert len(hs.copies(m)) == 4
     assert mgr.get_computed_blocks(m, _request("b"))[1][1] == 48
     m, _ = mgr.free(m, "a", finished=True)
@@ -331,7 +336,7 @@ def test_invalid_spans(spans: Any) -> None:
 def test_invalid_residency_update_ids() -> None:
     m = _running()
     with pytest.raises(InvalidArgument):
-        hs.take_residency_updates(m, [1])
+        hs.take_residency_updates(m, [1])  # type: ignore[list-item]
 
 
 def test_unknown_ids_get_a_book_as_in_vllm() -> None:
