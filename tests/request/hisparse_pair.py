@@ -12,6 +12,7 @@ different functions). vLLM is built as its tests build it
 
 from collections.abc import Sequence
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import kvpool.model.hisparse as hs
@@ -140,6 +141,12 @@ def _model_summary(event: KVCacheEvent) -> tuple[Any, ...]:
     return ("AllBlocksCleared",)
 
 
+def _pool_of(host: Any, block: Any) -> str:
+    """The medium of a vLLM block: the host pool's own object, or a device block."""
+    on_host = block.block_id < len(host.blocks) and host.blocks[block.block_id] is block
+    return "CPU" if on_host else "GPU"
+
+
 class Pair:
     """One HiSparse manager on each side, the same calls on both."""
 
@@ -230,9 +237,7 @@ class Pair:
         self.model, mine = hs.pop_blocks_for_free(self.model, request_id, finished=finished)
         other = self.vllm.pop_blocks_for_free(theirs)
         host = self.coordinator.get_host_block_pool()
-        assert list(mine) == [
-            ("CPU" if host.blocks[b.block_id] is b else "GPU", b.block_id) for b in other
-        ]
+        assert list(mine) == [(_pool_of(host, b), b.block_id) for b in other]
         self.compare()
         return list(other)
 
@@ -240,7 +245,7 @@ class Pair:
         """Free popped blocks in reverse on the device pool, as vLLM's scheduler does: each
         goes to its own pool."""
         host = self.coordinator.get_host_block_pool()
-        named = [("CPU" if host.blocks[b.block_id] is b else "GPU", b.block_id) for b in blocks]
+        named = [(_pool_of(host, b), b.block_id) for b in blocks]
         self.model, _ = hs.free_pool_blocks(self.model, named[::-1])
         self.vllm.block_pool.free_blocks(reversed(blocks))
         self.compare()
@@ -332,10 +337,24 @@ class Pair:
         self.coordinator.get_host_block_pool().free_blocks(blocks)
         self.compare()
 
-    def press_device(self, count: int) -> None:
-        t, _ = core.device_pool(mgr.tiers(self.model), lambda p: pool_ops.get_new_blocks(p, count))
+    def press_device(self, count: int) -> list[Any]:
+        """Take blocks from the device pool directly; vLLM's blocks back."""
+        t, mine = core.device_pool(
+            mgr.tiers(self.model), partial(pool_ops.get_new_blocks, num_blocks=count)
+        )
         self.model = mgr.with_tiers(self.model, t)
-        self.vllm.block_pool.get_new_blocks(count)
+        other = self.vllm.block_pool.get_new_blocks(count)
+        assert list(mine) == [b.block_id for b in other]
+        self.compare()
+        return list(other)
+
+    def release_device(self, blocks: list[Any]) -> None:
+        ids = [b.block_id for b in blocks]
+        t, _ = core.device_pool(
+            mgr.tiers(self.model), partial(pool_ops.free_blocks, ordered_block_ids=ids)
+        )
+        self.model = mgr.with_tiers(self.model, t)
+        self.vllm.block_pool.free_blocks(blocks)
         self.compare()
 
     # -- the states --------------------------------------------------------
@@ -375,3 +394,148 @@ class Pair:
             assert dict(book.pending) == state.pending_pages, r
             assert book.pinned_clean == state.pinned_clean, r
             assert book.synced_pages == state.synced_pages, r
+
+
+def run_random_program(seed: int, steps: int) -> Pair:
+    """A seeded random program over every slice-1 call, on both sides, compared at each call.
+
+    Prompts share prefixes so that hits and publication matter; transfers are
+    acknowledged by one or two workers, partially, out of order, after frees; the
+    pools are pressed directly, as vLLM's tests do. A call the model refuses as not
+    modelled (a hot region to allocate) is not sent to vLLM.
+    """
+    import random
+
+    from kvpool.model.errors import HiSparseNotModelled
+
+    rng = random.Random(seed)
+    caching = rng.random() < 0.8
+    pair = Pair(
+        rng.choice([12, 20, 32]),
+        rng.choice([6, 10, 16]),
+        max_model_len=rng.choice([64, 128]),
+        enable_caching=caching,
+        enable_events=True,
+        num_prefill_lookahead=rng.choice([0, 0, 3]),
+        num_resident_groups=rng.choice([1, 1, 2]),
+        max_in_flight_tokens=rng.choice([None, 48]),
+    )
+    max_len = pair.model.config.max_model_len
+    stems = [[rng.randrange(50) for _ in range(80)] for _ in range(3)]
+    running: dict[str, int] = {}
+    workers: dict[int, int] = {}
+    held_host: list[Any] = []
+    held_device: list[Any] = []
+    counter = 0
+
+    def schedule(rid: str, chunk: int, **kwargs: Any) -> None:
+        ours, _ = pair.requests[rid]
+        try:
+            ok = pair.allocate_scheduled(rid, chunk, **kwargs)
+        except HiSparseNotModelled:
+            return
+        if ok:
+            running[rid] = min(ours.num_computed_tokens + chunk, ours.num_tokens)
+
+    for _ in range(steps):
+        op = rng.choice(
+            [
+                "admit",
+                "admit",
+                "step",
+                "step",
+                "step",
+                "ack",
+                "ack",
+                "free",
+                "pop",
+                "press",
+                "release",
+                "reset",
+                "hit",
+                "views",
+                "hot",
+            ]
+        )
+        if op == "admit":
+            counter += 1
+            rid = f"r{counter % 7}" if rng.random() < 0.3 else f"r{counter}"
+            if rid in running:
+                continue
+            stem = rng.choice(stems)
+            length = rng.randrange(1, min(80, max_len))
+            pair.request(rid, stem[:length])
+            schedule(rid, rng.randrange(1, length + 1), full_sequence_must_fit=rng.random() < 0.3)
+        elif op == "step" and running:
+            rid = rng.choice(sorted(running))
+            ours, _ = pair.requests[rid]
+            pair.computed(rid, running[rid])
+            if running[rid] >= ours.num_tokens:
+                if ours.num_tokens >= max_len:
+                    continue
+                pair.append(rid, [rng.randrange(50)])
+            ours, _ = pair.requests[rid]
+            remaining = ours.num_tokens - ours.num_computed_tokens
+            schedule(
+                rid, rng.randrange(1, remaining + 1), num_lookahead_tokens=rng.choice([0, 0, 4])
+            )
+        elif op == "ack":
+            for t in pair.offload():
+                workers[t.transfer_id] = rng.choice([1, 1, 2])
+            # one request's transfers per call: vLLM publishes the requests a call completes in
+            # the order of a set of ids, which PYTHONHASHSEED decides (docs/hisparse.md)
+            assert pair.model.hisparse is not None
+            owners = {tid: pair.model.hisparse.transfers[tid].request_id for tid in workers}
+            owner = rng.choice(sorted(set(owners.values()))) if owners else None
+            chosen = [tid for tid in sorted(workers) if owners[tid] == owner and rng.random() < 0.7]
+            enqueued = {tid: workers[tid] for tid in chosen}
+            completed = {tid: rng.randrange(1, workers[tid] + 1) for tid in chosen}
+            if rng.random() < 0.2:
+                completed[10_000] = 1
+            pair.spills(enqueued, completed)
+            done = set(pair.model.hisparse.transfers) if pair.model.hisparse else set()
+            workers = {tid: w for tid, w in workers.items() if tid in done}
+        elif op in ("free", "pop") and running:
+            rid = rng.choice(sorted(running))
+            del running[rid]
+            finished = rng.random() < 0.5
+            if op == "free":
+                pair.free(rid, finished=finished)
+            else:
+                pair.free_popped(pair.pop(rid, finished=finished))
+        elif op == "press":
+            if rng.random() < 0.5:
+                count = rng.randrange(0, len(pair.model.host_pool.free_queue) + 1)  # type: ignore[union-attr]
+                held_host.extend(pair.press_host(count))
+            else:
+                count = rng.randrange(0, len(pair.model.managers.pool.free_queue) + 1)
+                held_device.extend(pair.press_device(count))
+        elif op == "release":
+            if held_host:
+                pair.release_host(held_host)
+                held_host = []
+            if held_device:
+                pair.release_device(held_device)
+                held_device = []
+                pair.compare()
+        elif op == "reset":
+            pair.reset()
+        elif op == "hit":
+            counter += 1
+            probe = f"probe{counter}"
+            stem = rng.choice(stems)
+            pair.request(probe, stem[: rng.randrange(1, 80)])
+            pair.hit(probe)
+        elif op == "views" and running:
+            spans = [(rid, pair.requests[rid][0].num_computed_tokens, 1) for rid in running]
+            pair.mirrors(spans)
+            pair.all_resident(spans)
+            pair.residency(sorted(running))
+        elif op == "hot" and running:
+            rid = rng.choice(sorted(running))
+            pair.model, _ = hs.require_hot(pair.model, rid)
+            for hot in pair.coordinator.hot_managers:
+                hot.require_hot(rid)
+            pair.compare()
+        pair.events()
+    return pair

@@ -8,7 +8,7 @@ optional: these tests skip, visibly, without it, and fail when ``KVPOOL_REQUIRE_
 
 import pytest
 
-from tests.request.hisparse_pair import BLOCK, Pair
+from tests.request.hisparse_pair import BLOCK, Pair, run_random_program
 
 pytestmark = pytest.mark.usefixtures("require_vllm_manager")
 
@@ -228,3 +228,9 @@ def test_deferred_free_with_spills_in_flight(finished: bool) -> None:
     pair.free_popped(blocks)
     pair.request("probe", list(range(50)))
     assert pair.hit("probe") == (48 if finished else 16)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_programs(seed: int) -> None:
+    """Seeded random programs over every slice-1 call (``run_random_program``)."""
+    run_random_program(seed, 60)
