@@ -249,13 +249,10 @@ def new_kv_cache_manager(
     pcp_world_size: int = 1,
     retention_interval: int | None = None,
     eagle_groups: Sequence[int] = (),
-    hisparse: HiSparseConfig | None = None,
 ) -> KVCacheManagerState:
     """A manager over a fresh pool of ``num_blocks``, one group per spec.
 
-    With ``hisparse`` the groups play HiSparse's roles (``kvpool.model.hisparse_layout``
-    checks them, and refuses by name what no slice models beside it) and the source
-    group's blocks come from a host pool of ``host_num_blocks`` (docs/hisparse.md).
+    (A manager with HiSparse groups: ``new_hisparse_manager``.)
 
     Groups may have different block sizes (``kvpool.model.geometry``): each a
     multiple of ``hash_block_size`` (by default their greatest common divisor),
@@ -287,6 +284,106 @@ def new_kv_cache_manager(
     >>> usage(m)
     0.0
     """
+    return _new_manager(
+        num_blocks,
+        specs,
+        max_model_len,
+        hash_block_size,
+        enable_caching,
+        use_eagle,
+        log_stats,
+        enable_events,
+        profile,
+        fine_grained_hits,
+        max_in_flight_tokens,
+        num_prefill_lookahead,
+        scheduler_block_size,
+        dcp_world_size,
+        pcp_world_size,
+        retention_interval,
+        eagle_groups,
+        None,
+    )
+
+
+def new_hisparse_manager(
+    num_blocks: int,
+    specs: Sequence[KVCacheSpec],
+    max_model_len: int,
+    hisparse: HiSparseConfig,
+    hash_block_size: int | None = None,
+    enable_caching: bool = True,
+    use_eagle: bool = False,
+    log_stats: bool = False,
+    enable_events: bool = False,
+    profile: Profile = DEFAULT_PROFILE,
+    fine_grained_hits: bool = False,
+    max_in_flight_tokens: int | None = None,
+    num_prefill_lookahead: int = 0,
+    scheduler_block_size: int | None = None,
+    dcp_world_size: int = 1,
+    pcp_world_size: int = 1,
+    retention_interval: int | None = None,
+    eagle_groups: Sequence[int] = (),
+) -> KVCacheManagerState:
+    """``new_kv_cache_manager`` for a manager whose groups play HiSparse's roles.
+
+    ``hisparse`` names the roles beside the specs (``kvpool.model.hisparse_layout``,
+    which checks them as vLLM 0.33.0's ``HiSparseCoordinator.__init__`` does and refuses
+    by name what no slice models beside HiSparse); the source group's blocks come from a
+    host pool of ``host_num_blocks`` (docs/hisparse.md). A constructor of its own, not a
+    keyword of ``new_kv_cache_manager``, whose callers spread ``dict[str, int]`` keywords.
+
+    >>> from kvpool.model.hisparse_layout import HiSparseConfig
+    >>> from kvpool.model.single_type import full_attention
+    >>> roles = HiSparseConfig((0,), 16, (1,), (2,), ((3, 2),))
+    >>> m = new_hisparse_manager(32, [full_attention(16)] * 4, 128, roles, hash_block_size=16)
+    >>> m.host_pool.config.medium, num_free_blocks(m)
+    ('CPU', 31)
+    """
+    return _new_manager(
+        num_blocks,
+        specs,
+        max_model_len,
+        hash_block_size,
+        enable_caching,
+        use_eagle,
+        log_stats,
+        enable_events,
+        profile,
+        fine_grained_hits,
+        max_in_flight_tokens,
+        num_prefill_lookahead,
+        scheduler_block_size,
+        dcp_world_size,
+        pcp_world_size,
+        retention_interval,
+        eagle_groups,
+        hisparse,
+    )
+
+
+def _new_manager(
+    num_blocks: int,
+    specs: Sequence[KVCacheSpec],
+    max_model_len: int,
+    hash_block_size: int | None,
+    enable_caching: bool,
+    use_eagle: bool,
+    log_stats: bool,
+    enable_events: bool,
+    profile: Profile,
+    fine_grained_hits: bool,
+    max_in_flight_tokens: int | None,
+    num_prefill_lookahead: int,
+    scheduler_block_size: int | None,
+    dcp_world_size: int,
+    pcp_world_size: int,
+    retention_interval: int | None,
+    eagle_groups: Sequence[int],
+    hisparse: HiSparseConfig | None,
+) -> KVCacheManagerState:
+    """``new_kv_cache_manager``'s work, with HiSparse roles or without (None)."""
     # Verify that requests can hold at least one token
     if max_model_len < 1:
         raise InvalidManagerConfig(f"max_model_len={max_model_len} must be positive")

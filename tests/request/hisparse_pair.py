@@ -47,16 +47,16 @@ def new_model(
     num_resident_groups: int = 1,
 ) -> mgr.KVCacheManagerState:
     config = replace(model_config(num_resident_groups), host_num_blocks=host_num_blocks)
-    return mgr.new_kv_cache_manager(
+    return mgr.new_hisparse_manager(
         num_blocks,
         [full_attention(BLOCK)] * (2 + 2 * num_resident_groups),
         max_model_len,
+        config,
         hash_block_size=BLOCK,
         enable_caching=enable_caching,
         enable_events=enable_events,
         max_in_flight_tokens=max_in_flight_tokens,
         num_prefill_lookahead=num_prefill_lookahead,
-        hisparse=config,
     )
 
 

@@ -29,9 +29,7 @@ FOUR = [full_attention(BLOCK)] * 4
 
 
 def _build(config: HiSparseConfig, specs: list[KVCacheSpec] | None = None, **kwargs: Any) -> None:
-    mgr.new_kv_cache_manager(
-        32, specs or FOUR, 128, hash_block_size=BLOCK, hisparse=config, **kwargs
-    )
+    mgr.new_hisparse_manager(32, specs or FOUR, 128, config, hash_block_size=BLOCK, **kwargs)
 
 
 BASE = replace(model_config(), host_num_blocks=16)
