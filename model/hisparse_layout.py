@@ -6,7 +6,7 @@ vLLM 0.33.0 names a group's role in its ``KVCacheGroupSpec`` (``role``,
 group is a full-attention ``KVCacheSpec`` of one block size: the source and the
 indexer are full attention in vLLM too, and the resident and hot groups only ever
 use their block size) and names the roles beside them, in a ``HiSparseConfig``
-given to ``new_kv_cache_manager``: the source group, the indexer groups, the
+given to ``new_hisparse_manager``: the source group, the indexer groups, the
 resident groups, the hot groups with their ``blocks_per_request``, and the host
 pool's size. ``derive_layout`` checks it as ``HiSparseCoordinator.__init__``
 (``vllm/v1/hisparse/coordinator.py``, 0.33.0) and ``get_hisparse_coordinator``
