@@ -30,6 +30,8 @@ import kvpool.model.copy_on_write as cow
 import kvpool.model.eagle as eagle_ops
 import kvpool.model.external as external
 import kvpool.model.geometry as geometry
+import kvpool.model.hisparse_admission as hisparse_admission
+import kvpool.model.hisparse_core as hisparse_core
 import kvpool.model.mamba_align as mamba_align
 import kvpool.model.mamba_align_eagle as align_eagle
 import kvpool.model.mamba_fine as mamba_fine
@@ -42,13 +44,21 @@ from kvpool.model.errors import (
     CachingDisabled,
     HitOnRunningRequest,
     InvalidArgument,
+    InvalidHiSparseLayout,
     InvalidHit,
     InvalidManagerConfig,
     InvalidTokenCount,
     NoNewTokens,
     UnknownBlock,
 )
-from kvpool.model.events import KVCacheEvent
+from kvpool.model.events import MEDIUM_CPU, KVCacheEvent
+from kvpool.model.hisparse_layout import (
+    HiSparseConfig,
+    HiSparseLayout,
+    derive_layout,
+    verify_features,
+)
+from kvpool.model.hisparse_state import HiSparseState
 from kvpool.model.profiles import DEFAULT_PROFILE, Profile
 from kvpool.model.request import Request, verify_hash_block_size
 from kvpool.model.retention_config import verify_retention_interval
@@ -194,6 +204,8 @@ class ManagerConfig:
     eagle_groups: tuple[int, ...] = ()
     """The groups flagged as EAGLE's (vLLM 0.33's ``is_eagle_group``); none: with
     ``use_eagle`` every group is (``kvpool.model.eagle.group_flags``)."""
+    hisparse: HiSparseLayout | None = None
+    """HiSparse's roles and numbers (``kvpool.model.hisparse_layout``); None without it."""
 
 
 @dataclass(frozen=True)
@@ -212,6 +224,11 @@ class KVCacheManagerState:
     block) in the order recorded: the copy destinations, and where the config needs
     zeroing (``records_new_block_ids``: beside a Mamba group) every new block of an
     attention group."""
+    host_pool: PoolState | None = None
+    """HiSparse's host pool (medium CPU), where the source group's blocks live; its events
+    go to the end of the device pool's queue as they happen (``kvpool.model.hisparse_core``)."""
+    hisparse: HiSparseState | None = None
+    """HiSparse's coordinator books (``kvpool.model.hisparse_state``); None without it."""
 
 
 def new_kv_cache_manager(
@@ -234,6 +251,8 @@ def new_kv_cache_manager(
     eagle_groups: Sequence[int] = (),
 ) -> KVCacheManagerState:
     """A manager over a fresh pool of ``num_blocks``, one group per spec.
+
+    (A manager with HiSparse groups: ``new_hisparse_manager``.)
 
     Groups may have different block sizes (``kvpool.model.geometry``): each a
     multiple of ``hash_block_size`` (by default their greatest common divisor),
@@ -265,6 +284,106 @@ def new_kv_cache_manager(
     >>> usage(m)
     0.0
     """
+    return _new_manager(
+        num_blocks,
+        specs,
+        max_model_len,
+        hash_block_size,
+        enable_caching,
+        use_eagle,
+        log_stats,
+        enable_events,
+        profile,
+        fine_grained_hits,
+        max_in_flight_tokens,
+        num_prefill_lookahead,
+        scheduler_block_size,
+        dcp_world_size,
+        pcp_world_size,
+        retention_interval,
+        eagle_groups,
+        None,
+    )
+
+
+def new_hisparse_manager(
+    num_blocks: int,
+    specs: Sequence[KVCacheSpec],
+    max_model_len: int,
+    hisparse: HiSparseConfig,
+    hash_block_size: int | None = None,
+    enable_caching: bool = True,
+    use_eagle: bool = False,
+    log_stats: bool = False,
+    enable_events: bool = False,
+    profile: Profile = DEFAULT_PROFILE,
+    fine_grained_hits: bool = False,
+    max_in_flight_tokens: int | None = None,
+    num_prefill_lookahead: int = 0,
+    scheduler_block_size: int | None = None,
+    dcp_world_size: int = 1,
+    pcp_world_size: int = 1,
+    retention_interval: int | None = None,
+    eagle_groups: Sequence[int] = (),
+) -> KVCacheManagerState:
+    """``new_kv_cache_manager`` for a manager whose groups play HiSparse's roles.
+
+    ``hisparse`` names the roles beside the specs (``kvpool.model.hisparse_layout``,
+    which checks them as vLLM 0.33.0's ``HiSparseCoordinator.__init__`` does and refuses
+    by name what no slice models beside HiSparse); the source group's blocks come from a
+    host pool of ``host_num_blocks`` (docs/hisparse.md). A constructor of its own, not a
+    keyword of ``new_kv_cache_manager``, whose callers spread ``dict[str, int]`` keywords.
+
+    >>> from kvpool.model.hisparse_layout import HiSparseConfig
+    >>> from kvpool.model.single_type import full_attention
+    >>> roles = HiSparseConfig((0,), 16, (1,), (2,), ((3, 2),))
+    >>> m = new_hisparse_manager(32, [full_attention(16)] * 4, 128, roles, hash_block_size=16)
+    >>> m.host_pool.config.medium, num_free_blocks(m)
+    ('CPU', 31)
+    """
+    return _new_manager(
+        num_blocks,
+        specs,
+        max_model_len,
+        hash_block_size,
+        enable_caching,
+        use_eagle,
+        log_stats,
+        enable_events,
+        profile,
+        fine_grained_hits,
+        max_in_flight_tokens,
+        num_prefill_lookahead,
+        scheduler_block_size,
+        dcp_world_size,
+        pcp_world_size,
+        retention_interval,
+        eagle_groups,
+        hisparse,
+    )
+
+
+def _new_manager(
+    num_blocks: int,
+    specs: Sequence[KVCacheSpec],
+    max_model_len: int,
+    hash_block_size: int | None,
+    enable_caching: bool,
+    use_eagle: bool,
+    log_stats: bool,
+    enable_events: bool,
+    profile: Profile,
+    fine_grained_hits: bool,
+    max_in_flight_tokens: int | None,
+    num_prefill_lookahead: int,
+    scheduler_block_size: int | None,
+    dcp_world_size: int,
+    pcp_world_size: int,
+    retention_interval: int | None,
+    eagle_groups: Sequence[int],
+    hisparse: HiSparseConfig | None,
+) -> KVCacheManagerState:
+    """``new_kv_cache_manager``'s work, with HiSparse roles or without (None)."""
     # Verify that requests can hold at least one token
     if max_model_len < 1:
         raise InvalidManagerConfig(f"max_model_len={max_model_len} must be positive")
@@ -278,6 +397,26 @@ def new_kv_cache_manager(
     geometry.verify_context_parallel(specs, dcp_world_size, pcp_world_size)
     specs = geometry.effective_specs(specs, dcp_world_size)
     hbs = geometry.default_hash_block_size(specs) if hash_block_size is None else hash_block_size
+    layout: HiSparseLayout | None = None
+    if hisparse is not None:
+        # Verify that HiSparse comes without the features no slice models beside it
+        verify_features(
+            use_eagle,
+            eagle_groups,
+            retention_interval,
+            dcp_world_size,
+            pcp_world_size,
+            fine_grained_hits,
+        )
+        # Verify the HiSparse layout as vLLM's coordinator does
+        layout = derive_layout(
+            hisparse,
+            specs,
+            num_blocks,
+            max_model_len,
+            max_in_flight_tokens,
+            eagle_ops.num_reprefillable_tokens(num_prefill_lookahead),
+        )
     # Verify that a Mamba block holds a whole request, or the group is in "align" mode
     for spec in specs:
         if (
@@ -342,12 +481,34 @@ def new_kv_cache_manager(
         pcp_world_size,
         retention_interval,
         tuple(eagle_groups),
+        layout,
     )
+    host_pool = None
+    if layout is not None:
+        host_pool = pool_ops.new_pool(
+            layout.host_num_blocks, enable_caching, hbs, enable_events, profile, MEDIUM_CPU
+        )
     return KVCacheManagerState(
         config=config,
         managers=managers,
         stats=PrefixCacheStats() if log_stats else None,
+        host_pool=host_pool,
+        hisparse=HiSparseState() if layout is not None else None,
     )
+
+
+def tiers(state: KVCacheManagerState) -> hisparse_core.Tiers:
+    """A HiSparse manager's parts (``kvpool.model.hisparse_core``)."""
+    layout = state.config.hisparse
+    # Verify that the manager has HiSparse groups (vLLM: get_hisparse_coordinator)
+    if layout is None or state.host_pool is None or state.hisparse is None:
+        raise InvalidHiSparseLayout("No HiSparse cache group is configured")
+    return hisparse_core.Tiers(state.managers, state.host_pool, state.hisparse, layout)
+
+
+def with_tiers(state: KVCacheManagerState, t: hisparse_core.Tiers) -> KVCacheManagerState:
+    """The manager with its HiSparse parts replaced."""
+    return replace(state, managers=t.managers, host_pool=t.host, hisparse=t.hs)
 
 
 def verify_align_geometry(
@@ -577,9 +738,14 @@ def get_computed_blocks_with_boundary(
     empty: Blocks = tuple(() for _ in state.managers.specs)
     if not state.managers.pool.config.enable_caching or request.skip_reading_prefix_cache:
         return state, (empty, 0, 0)
-    blocks, num_tokens, uncached = find_hit_with_boundary(
-        state, request.block_hashes, request.num_tokens - 1
-    )
+    if state.config.hisparse is not None:
+        blocks, num_tokens, uncached = hisparse_admission.find_hit(
+            tiers(state), request.block_hashes, request.num_tokens - 1
+        )
+    else:
+        blocks, num_tokens, uncached = find_hit_with_boundary(
+            state, request.block_hashes, request.num_tokens - 1
+        )
     if state.stats is not None:
         stats = record(state.stats, request.num_tokens, num_tokens, request.num_preemptions > 0)
         state = replace(state, stats=stats)
@@ -646,13 +812,33 @@ def allocate_slots(
     external.verify_connector_arguments(
         m, request, num_new_computed_tokens, ext, reserved_blocks, skip_zeroing_group_ids
     )
-    # Verify that the hits have one entry per group, of known blocks
+    # Verify that the hits have one entry per group, of known blocks (of its own pool)
     if len(hits) != len(m.specs):
         raise InvalidHit(f"{len(hits)} hit lists for {len(m.specs)} groups")
-    for group_hits in hits:
+    layout = state.config.hisparse
+    for g, group_hits in enumerate(hits):
+        size = m.pool.config.num_blocks
+        if layout is not None and g == layout.source and state.host_pool is not None:
+            size = state.host_pool.config.num_blocks
         for b in group_hits:
-            if not 0 <= b < m.pool.config.num_blocks:
+            if not 0 <= b < size:
                 raise UnknownBlock(f"hit block {b} is not a block of the pool")
+    if layout is not None:
+        t, result = hisparse_admission.allocate(
+            tiers(state),
+            request,
+            num_new_tokens,
+            num_new_computed_tokens,
+            hits,
+            num_lookahead_tokens,
+            delay_cache_blocks,
+            full_sequence_must_fit,
+            ext,
+            reserved_blocks,
+            state.config.max_model_len,
+            _scheduler_block_size(state),
+        )
+        return with_tiers(state, t), result
     has_hits = any(hits)
     # Verify that hits come only with prefix caching
     if has_hits and not m.pool.config.enable_caching:
@@ -905,11 +1091,15 @@ def _cache(
     return m
 
 
-def free(state: KVCacheManagerState, request_id: str) -> tuple[KVCacheManagerState, None]:
+def free(
+    state: KVCacheManagerState, request_id: str, *, finished: bool = False
+) -> tuple[KVCacheManagerState, None]:
     """Release every block of the request in every group (each group's blocks last first).
 
     A request holding nothing is not an error (it was aborted before its
-    first allocation).
+    first allocation). ``finished`` is what vLLM reads from the request's status
+    (``Request.is_finished``): with HiSparse, a finished request's pending publication
+    waits for its spills, anyone else's is dropped (``kvpool.model.hisparse_core.free``).
 
     Complexity: O(blocks the request holds).
 
@@ -918,6 +1108,8 @@ def free(state: KVCacheManagerState, request_id: str) -> tuple[KVCacheManagerSta
     >>> free(m, "nobody")[0] == m
     True
     """
+    if state.config.hisparse is not None:
+        return with_tiers(state, hisparse_core.free(tiers(state), request_id, finished)), None
     m = state.managers
     for g in range(len(m.specs)):
         m, _ = single.free(m, g, request_id)
@@ -940,7 +1132,32 @@ def cache_blocks(
     _verify_shared_prefix_boundary(state, request)
     if not m.pool.config.enable_caching:
         return state, None
+    if state.config.hisparse is not None:
+        return with_tiers(state, _cache_hisparse(state, request, num_computed_tokens)), None
     return replace(state, managers=_cache(state, m, request, num_computed_tokens)), None
+
+
+def _cache_hisparse(
+    state: KVCacheManagerState, request: Request, num_computed_tokens: int
+) -> hisparse_core.Tiers:
+    """The indexers cache; the source records its publication (``hisparse_core``)."""
+    t = tiers(state)
+    cacheable = eagle_ops.cacheable_tokens(
+        len(t.managers.specs),
+        t.layout.block_size,
+        _scheduler_block_size(state),
+        False,
+        False,
+        t.layout.num_reprefillable_tokens,
+        num_computed_tokens,
+    )
+    for g in range(len(t.managers.specs)):
+        if g == t.layout.source:
+            t = hisparse_core.publish_when_ready(t, request, cacheable)
+        elif g in t.layout.indexers:
+            managers, _ = single.cache_blocks(t.managers, g, request, cacheable)
+            t = replace(t, managers=managers)
+    return t
 
 
 def _verify_shared_prefix_boundary(state: KVCacheManagerState, request: Request) -> None:
@@ -977,8 +1194,15 @@ def reset_prefix_cache(state: KVCacheManagerState) -> tuple[KVCacheManagerState,
     >>> done, m.stats.reset
     (True, True)
     """
-    pool, done = pool_ops.reset_prefix_cache(state.managers.pool)
-    state = replace(state, managers=replace(state.managers, pool=pool))
+    if state.config.hisparse is not None:
+        # each pool resets on its own, the host's first, whatever the other answers
+        # (KVCacheCoordinator.reset_prefix_cache, vLLM 0.33.0; docs/hisparse.md)
+        t, host_done = hisparse_core.host_pool(tiers(state), pool_ops.reset_prefix_cache)
+        t, device_done = hisparse_core.device_pool(t, pool_ops.reset_prefix_cache)
+        state, done = with_tiers(state, t), host_done and device_done
+    else:
+        pool, done = pool_ops.reset_prefix_cache(state.managers.pool)
+        state = replace(state, managers=replace(state.managers, pool=pool))
     if done and state.stats is not None:
         state = replace(state, stats=replace(state.stats, reset=True))
     return state, done
@@ -1122,9 +1346,17 @@ def estimate_cached_tokens(state: KVCacheManagerState, request_id: str) -> int:
     >>> estimate_cached_tokens(new_kv_cache_manager(4, [full_attention(2)], 8), "r")
     0
     """
-    pool = state.managers.pool
     cached: int | None = None
-    for table in state.managers.tables:
+    layout = state.config.hisparse
+    for g, table in enumerate(state.managers.tables):
+        pool = state.managers.pool
+        if layout is not None:
+            # HiSparse: resident and hot groups are not prefix-cacheable; the source's
+            # blocks are the host pool's (vLLM 0.33.0 KVCacheManager.estimate_cached_tokens)
+            if g in layout.residents or g in layout.hots:
+                continue
+            if g == layout.source and state.host_pool is not None:
+                pool = state.host_pool
         group = max(
             (pool.blocks[b].hash_num_tokens or 0 for b in table.req_to_blocks.get(request_id, ())),
             default=0,

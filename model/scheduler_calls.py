@@ -30,7 +30,7 @@ import kvpool.model.mamba_align as mamba_align
 import kvpool.model.mamba_fine as mamba_fine
 import kvpool.model.per_group_hit as per_group_hit
 import kvpool.model.single_type as single
-from kvpool.model.errors import InvalidTokenCount
+from kvpool.model.errors import HiSparseNotModelled, InvalidTokenCount
 from kvpool.model.manager import (
     Blocks,
     KVCacheManagerState,
@@ -71,6 +71,12 @@ def pop_blocks_for_free(
     >>> blocks, num_free_blocks(m)
     ((1, 2), 1)
     """
+    # Verify that the blocks are of one pool (kvpool.model.hisparse.pop_blocks_for_free
+    # names each block with its pool)
+    if state.config.hisparse is not None:
+        raise HiSparseNotModelled(
+            "HiSparse blocks are of two pools: use kvpool.model.hisparse.pop_blocks_for_free"
+        )
     m = state.managers
     popped: list[int] = []
     tables = []

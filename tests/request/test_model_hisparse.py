@@ -1,0 +1,384 @@
+"""kvpool's HiSparse model, slice 1 (docs/hisparse.md): the layout's refusals, each
+operation's preconditions (the state unchanged after a refusal), and the two worked
+examples, whose numbers are vLLM 0.33.0's answers."""
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+import kvpool.model.hisparse as hs
+import kvpool.model.hisparse_core as core
+import kvpool.model.manager as mgr
+import kvpool.model.pool as pool_ops
+import kvpool.model.scheduler_calls as calls
+from kvpool.model.errors import (
+    HiSparseNotModelled,
+    InvalidArgument,
+    InvalidHiSparseLayout,
+    InvalidTokenCount,
+    UnknownBlock,
+)
+from kvpool.model.events import BlockStored
+from kvpool.model.hisparse_layout import HiSparseConfig
+from kvpool.model.request import Request, new_request
+from kvpool.model.single_type import KVCacheSpec, full_attention, sliding_window
+from tests.request.hisparse_pair import BLOCK, model_config, new_model
+
+FOUR = [full_attention(BLOCK)] * 4
+
+
+def _build(config: HiSparseConfig, specs: list[KVCacheSpec] | None = None, **kwargs: Any) -> None:
+    mgr.new_hisparse_manager(32, specs or FOUR, 128, config, hash_block_size=BLOCK, **kwargs)
+
+
+BASE = replace(model_config(), host_num_blocks=16)
+
+# --------------------------------------------------------------------------
+# The layout
+# --------------------------------------------------------------------------
+
+
+def test_layout_numbers() -> None:
+    m = new_model(32, 16, max_in_flight_tokens=40)
+    layout = m.config.hisparse
+    assert layout is not None
+    assert (layout.max_spill_pages, layout.transition_watermark, layout.max_admission_pages) == (
+        8,
+        3,
+        3,
+    )
+    assert m.host_pool is not None and m.host_pool.config.medium == "CPU"
+    assert m.managers.pool.config.medium == "GPU"
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        pytest.param(replace(BASE, source_groups=()), id="no_source"),
+        pytest.param(replace(BASE, source_groups=(0, 1), indexer_groups=()), id="two_sources"),
+        pytest.param(replace(BASE, host_num_blocks=None), id="no_host_capacity"),
+        pytest.param(replace(BASE, host_num_blocks=0), id="host_pool_without_blocks"),
+        pytest.param(HiSparseConfig((2,), 16, (0,), (1,), ((3, 2),)), id="source_after_resident"),
+        pytest.param(replace(BASE, indexer_groups=(7,)), id="role_out_of_range"),
+        pytest.param(replace(BASE, indexer_groups=(1, 2)), id="two_roles"),
+        pytest.param(replace(BASE, hot_groups=((3, 0),)), id="empty_hot_region"),
+    ],
+)
+def test_invalid_layout(config: HiSparseConfig) -> None:
+    with pytest.raises(InvalidHiSparseLayout):
+        _build(config)
+
+
+def test_invalid_resident_block_sizes_differ() -> None:
+    config = HiSparseConfig((0,), 16, (1,), (2, 3), ((4, 2),))
+    specs = [full_attention(16)] * 3 + [full_attention(32), full_attention(16)]
+    with pytest.raises(InvalidHiSparseLayout, match="one block size"):
+        _build(config, specs)
+
+
+def test_invalid_resident_block_size_not_the_source() -> None:
+    specs = [full_attention(32), full_attention(16), full_attention(16), full_attention(16)]
+    with pytest.raises(InvalidHiSparseLayout, match="must match"):
+        _build(BASE, specs)
+
+
+def test_invalid_role_on_a_sliding_window_group() -> None:
+    with pytest.raises(InvalidHiSparseLayout):
+        _build(BASE, [*FOUR[:3], sliding_window(BLOCK, 32)])
+
+
+@pytest.mark.parametrize(
+    "config,specs",
+    [
+        pytest.param(BASE, [*FOUR, full_attention(BLOCK)], id="group_without_role"),
+        pytest.param(
+            HiSparseConfig((0,), 16, (1,), (), ((2, 2),)), FOUR[:3], id="no_resident_group"
+        ),
+        pytest.param(BASE, [*FOUR[:3], full_attention(2 * BLOCK)], id="hot_group_of_another_size"),
+    ],
+)
+def test_layout_not_modelled(config: HiSparseConfig, specs: list[KVCacheSpec]) -> None:
+    with pytest.raises(HiSparseNotModelled):
+        _build(config, specs)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        pytest.param({"use_eagle": True}, id="eagle"),
+        pytest.param({"retention_interval": 0}, id="sparse_retention"),
+        pytest.param({"dcp_world_size": 2}, id="decode_context_parallel"),
+        pytest.param({"fine_grained_hits": True}, id="fine_grained_hits"),
+    ],
+)
+def test_feature_beside_hisparse_not_modelled(kwargs: dict[str, Any]) -> None:
+    with pytest.raises(HiSparseNotModelled):
+        _build(BASE, **kwargs)
+
+
+def test_multi_module_mtp_lookahead_is_accepted() -> None:
+    m = new_model(32, 16, num_prefill_lookahead=3)
+    assert m.config.hisparse is not None and m.config.hisparse.num_reprefillable_tokens == 2
+
+
+def test_coordinator_call_on_a_manager_without_hisparse() -> None:
+    m = mgr.new_kv_cache_manager(8, [full_attention(BLOCK)], 64)
+    with pytest.raises(InvalidHiSparseLayout):
+        hs.build_offload_command(m)
+
+
+# --------------------------------------------------------------------------
+# The worked examples (docs/hisparse.md; the numbers are vLLM 0.33.0's)
+# --------------------------------------------------------------------------
+
+
+def _request(request_id: str, num_tokens: int = 64) -> Request:
+    return new_request(request_id, list(range(num_tokens)), BLOCK)
+
+
+def _rows(m: mgr.KVCacheManagerState, pool: str, ids: tuple[int, ...]) -> list[tuple[int, int]]:
+    blocks = (m.host_pool if pool == "host" else m.managers.pool).blocks  # type: ignore[union-attr]
+    return [(blocks[b].ref_cnt, int(blocks[b].block_hash is not None)) for b in ids]
+
+
+def _admitted() -> mgr.KVCacheManagerState:
+    m = new_model(32, 16, enable_caching=True)
+    m, blocks = mgr.allocate_slots(m, _request("a"), 64)
+    assert blocks == ((1, 2, 3, 4), (1, 2, 3, 4), (5, 6, 7, 8), ())
+    m, _ = hs.advance_scheduled(m, [("a", 64)])
+    return m
+
+
+def test_worked_example_one_request_written_back_and_published() -> None:
+    m = _admitted()
+    assert _rows(m, "host", (1, 2, 3, 4)) == [(2, 0)] * 4
+    assert _rows(m, "device", (1, 2, 3, 4)) == [(1, 1)] * 4
+    assert _rows(m, "device", (5, 6, 7, 8)) == [(2, 0)] * 4
+    assert m.host_pool is not None and len(m.host_pool.free_queue) == 11
+    assert mgr.num_free_blocks(m) == 23
+    assert hs.hot_required(m) == frozenset()
+    m, transfers = hs.build_offload_command(m)
+    assert [(t.transfer_id, t.host_block_id, t.resident_block_ids) for t in transfers] == [
+        (0, 1, (5,)),
+        (1, 2, (6,)),
+        (2, 3, (7,)),
+        (3, 4, (8,)),
+    ]
+    assert mgr.get_computed_blocks(m, _request("b"))[1][1] == 0
+    m, _ = hs.update_spills(m, {1: 1}, {1: 1})
+    assert _rows(m, "host", (1, 2, 3, 4)) == [(2, 0), (1, 0), (2, 0), (2, 0)]
+    assert _rows(m, "device", (5, 6, 7, 8)) == [(2, 0), (1, 0), (2, 0), (2, 0)]
+    assert m.hisparse is not None
+    book = m.hisparse.books["a"]
+    assert (book.valid, book.ready_prefix_pages, book.pinned_clean) == (
+        frozenset({1}),
+        0,
+        frozenset({1}),
+    )
+    assert mgr.get_computed_blocks(m, _request("b"))[1][1] == 0
+    m, _ = hs.update_spills(m, {0: 1, 2: 1, 3: 1}, {0: 1, 2: 1, 3: 1})
+    assert _rows(m, "host", (1, 2, 3, 4)) == [(1, 1)] * 4
+    assert _rows(m, "device", (5, 6, 7, 8)) == [(1, 0)] * 4
+    assert m.hisparse is not None
+    book = m.hisparse.books["a"]
+    assert (book.valid, book.ready_prefix_pages) == (frozenset({0, 1, 2, 3}), 4)
+    assert len(hs.copies(m)) == 4
+    assert mgr.get_computed_blocks(m, _request("b"))[1][1] == 48
+    m, _ = mgr.free(m, "a", finished=True)
+    assert m.managers.pool.free_queue[-9:] == (31, 8, 7, 6, 5, 4, 3, 2, 1)
+
+
+def test_worked_example_the_same_prompt_again_hits_then_is_refused() -> None:
+    """The hit of the second example is vLLM's; admitting it is slice 3's, refused by name."""
+    m = _admitted()
+    m, transfers = hs.build_offload_command(m)
+    counts = {t.transfer_id: 1 for t in transfers}
+    m, _ = hs.update_spills(m, counts, counts)
+    m, _ = mgr.free(m, "a", finished=True)
+    d = _request("d")
+    m, (hit, num_tokens) = mgr.get_computed_blocks(m, d)
+    assert (tuple(map(len, hit)), num_tokens) == ((3, 3, 0, 0), 48)
+    with pytest.raises(HiSparseNotModelled):
+        mgr.allocate_slots(m, d, 16, num_new_computed_tokens=48, new_computed_blocks=hit)
+    # the source's longer hit is cut to the tokens used: none here, and no hit is taken
+    m2, blocks = mgr.allocate_slots(m, d, 64, new_computed_blocks=((1, 2, 3), (), (), ()))
+    assert blocks is not None and blocks[0] == (5, 6, 7, 8)
+    assert m2.host_pool is not None and m2.host_pool.blocks[1].ref_cnt == 0
+
+
+def test_host_and_device_events_share_one_queue_in_order() -> None:
+    m = new_model(32, 16, enable_caching=True, enable_events=True)
+    m, _ = mgr.allocate_slots(m, _request("a", 32), 32)
+    m, _ = hs.advance_scheduled(m, [("a", 32)])
+    m, transfers = hs.build_offload_command(m)
+    counts = {t.transfer_id: 1 for t in transfers}
+    m, _ = hs.update_spills(m, counts, counts)
+    m, events = mgr.take_events(m)
+    assert [(e.medium, len(e.block_hashes)) for e in events if isinstance(e, BlockStored)] == [
+        ("GPU", 2),
+        ("CPU", 2),
+    ]
+    assert mgr.take_events(m)[1] == ()
+
+
+# --------------------------------------------------------------------------
+# Preconditions: a refusal leaves the state as it was
+# --------------------------------------------------------------------------
+
+
+def _running() -> mgr.KVCacheManagerState:
+    m = new_model(32, 16, enable_caching=True)
+    m, _ = mgr.allocate_slots(m, _request("a", 40), 40)
+    return m
+
+
+def test_invalid_external_tokens_beside_hisparse() -> None:
+    m = _running()
+    before = m
+    with pytest.raises(HiSparseNotModelled):
+        mgr.allocate_slots(m, _request("x"), 0, num_external_computed_tokens=32)
+    assert m == before
+
+
+def test_invalid_hot_region_allocation() -> None:
+    """A request marked hot_required whose next allocation fits would allocate its region."""
+    m = _running()
+    m, _ = hs.require_hot(m, "a")
+    before = m
+    with pytest.raises(HiSparseNotModelled, match="hot regions"):
+        mgr.allocate_slots(m, replace(_request("a", 41), num_computed_tokens=40), 1)
+    assert m == before
+
+
+def test_hot_region_that_does_not_fit_is_answered_none() -> None:
+    m = new_model(10, 16)
+    m, _ = mgr.allocate_slots(m, _request("a", 64), 64)
+    m, _ = hs.require_hot(m, "a")
+    m, blocks = mgr.allocate_slots(m, replace(_request("a", 65), num_computed_tokens=64), 1)
+    assert blocks is None
+
+
+def test_host_exhaustion_answers_none_and_changes_nothing() -> None:
+    m = new_model(32, 4)
+    before = m
+    m, blocks = mgr.allocate_slots(m, _request("a"), 64)
+    assert blocks is None and m == before
+
+
+@pytest.mark.parametrize(
+    "pairs,error",
+    [
+        pytest.param([("a", -1)], InvalidTokenCount, id="negative_tokens"),
+        pytest.param([("a", 1.5)], InvalidArgument, id="tokens_not_int"),
+        pytest.param([(3, 1)], InvalidArgument, id="id_not_str"),
+        pytest.param([("a",)], InvalidArgument, id="not_a_pair"),
+        pytest.param(5, InvalidArgument, id="not_iterable"),
+    ],
+)
+def test_invalid_advance_scheduled(pairs: Any, error: type[Exception]) -> None:
+    m = _running()
+    before = m
+    with pytest.raises(error):
+        hs.advance_scheduled(m, pairs)
+    assert m == before
+
+
+def test_invalid_plan_prefix_materialization_negative() -> None:
+    m = _running()
+    with pytest.raises(InvalidTokenCount):
+        hs.plan_prefix_materialization(m, "a", -16)
+
+
+@pytest.mark.parametrize(
+    "enqueued,completed",
+    [
+        pytest.param({0: 0}, {}, id="zero_count"),
+        pytest.param({}, {"0": 1}, id="id_not_int"),
+        pytest.param({0: True}, {}, id="count_not_int"),
+        pytest.param([(0, 1)], {}, id="not_a_mapping"),
+    ],
+)
+def test_invalid_update_spills(enqueued: Any, completed: Any) -> None:
+    m = _running()
+    m, _ = hs.advance_scheduled(m, [("a", 40)])
+    before = m
+    with pytest.raises(InvalidArgument):
+        hs.update_spills(m, enqueued, completed)
+    assert m == before
+
+
+def test_update_spills_ignores_unknown_ids() -> None:
+    m = _running()
+    assert hs.update_spills(m, {9: 1}, {9: 1})[0] == m
+
+
+@pytest.mark.parametrize(
+    "spans",
+    [
+        pytest.param([("a", -1, 1)], id="negative"),
+        pytest.param([("a", 1)], id="not_a_span"),
+        pytest.param([(1, 1, 1)], id="id_not_str"),
+    ],
+)
+def test_invalid_spans(spans: Any) -> None:
+    m = _running()
+    before = m
+    with pytest.raises((InvalidArgument, InvalidTokenCount)):
+        hs.build_row_mirrors(m, spans)
+    with pytest.raises((InvalidArgument, InvalidTokenCount)):
+        hs.all_context_pages_resident(m, spans)
+    assert m == before
+
+
+def test_invalid_residency_update_ids() -> None:
+    m = _running()
+    with pytest.raises(InvalidArgument):
+        hs.take_residency_updates(m, [1])  # type: ignore[list-item]
+
+
+def test_unknown_ids_get_a_book_as_in_vllm() -> None:
+    m = _running()
+    m, updates = hs.take_residency_updates(m, ["ghost"])
+    assert updates == {}
+    assert m.hisparse is not None and "ghost" in m.hisparse.books
+    m, _ = mgr.free(m, "ghost")
+    assert "ghost" not in m.hisparse.books  # type: ignore[union-attr]
+
+
+def test_invalid_free_pool_blocks() -> None:
+    m = _running()
+    m, popped = hs.pop_blocks_for_free(m, "a")
+    before = m
+    with pytest.raises(UnknownBlock):
+        hs.free_pool_blocks(m, [*popped, ("CPU", 99)])
+    with pytest.raises(InvalidArgument):
+        hs.free_pool_blocks(m, [("disk", 1)])
+    assert m == before
+    m, _ = hs.free_pool_blocks(m, popped[::-1])
+    assert mgr.num_free_blocks(m) == 31
+
+
+def test_plain_pop_blocks_for_free_refuses_two_pools() -> None:
+    m = _running()
+    before = m
+    with pytest.raises(HiSparseNotModelled):
+        calls.pop_blocks_for_free(m, "a")
+    assert m == before
+
+
+def test_reset_resets_each_pool_on_its_own() -> None:
+    """vLLM resets the host pool even when the device pool refuses (docs/hisparse.md)."""
+    m = _admitted()
+    m, transfers = hs.build_offload_command(m)
+    counts = {t.transfer_id: 1 for t in transfers}
+    m, _ = hs.update_spills(m, counts, counts)
+    m, _ = mgr.free(m, "a", finished=True)
+    # hold one device block, as vLLM's reproduction does
+    t, _ = core.device_pool(mgr.tiers(m), lambda p: pool_ops.get_new_blocks(p, 1))
+    m = mgr.with_tiers(m, t)
+    m, done = mgr.reset_prefix_cache(m)
+    assert not done
+    assert m.host_pool is not None
+    assert all(b.block_hash is None for b in m.host_pool.blocks)
+    assert len(hs.copies(m)) == 4
