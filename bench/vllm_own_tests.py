@@ -175,11 +175,26 @@ def _swap_in(kind: str) -> None:
 
             def __init__(self, *args: Any, **kwargs: Any) -> None:
                 super().__init__(*args, **kwargs)
-                # the manager builds its pool: the same switch and hook, set on it
+                # the manager builds its pool: the same switch and hook, set on it (and on
+                # HiSparse's host pool, whose events the device pool's hook makes)
                 self.block_pool.strict = False
                 self.block_pool.event_hook = events
+                if self.host_block_pool is not None:
+                    self.host_block_pool.strict = False
 
         replacement = VllmSemanticsManager
+        # every HiSparse test reaches the coordinator through this name (vLLM's tests import
+        # it before any swap could reach their module, so it is replaced where it is defined)
+        import vllm.v1.hisparse.coordinator as hisparse
+
+        from kvpool.impl import get_hisparse_coordinator
+
+        original_get = hisparse.get_hisparse_coordinator
+        for loaded in list(sys.modules.values()):
+            if getattr(loaded, "__name__", "").startswith(("vllm", "tests")) and (
+                getattr(loaded, "get_hisparse_coordinator", None) is original_get
+            ):
+                loaded.get_hisparse_coordinator = get_hisparse_coordinator  # type: ignore[attr-defined]
     for loaded in list(sys.modules.values()):
         if getattr(loaded, "__name__", "").startswith(("vllm", "tests")) and (
             getattr(loaded, class_name, None) is original
