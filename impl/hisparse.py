@@ -90,9 +90,13 @@ class RequestState:
         self.stale_pages: set[int] = set()
 
     def __repr__(self) -> str:
+        publication = self.publication
         return (
             f"RequestState(valid={sorted(self.valid_pages)}, ready={self.ready_prefix_pages}, "
-            f"pending={self.pending_pages}, pinned_clean={sorted(self.pinned_clean)})"
+            f"pending={self.pending_pages}, pinned_clean={sorted(self.pinned_clean)}, "
+            f"unpinned={sorted(self.unpinned_pages)}, synced={self.synced_pages}, "
+            f"stale={sorted(self.stale_pages)}, copies_recorded={self.copies_recorded_blocks}, "
+            f"publication={None if publication is None else publication.num_pages})"
         )
 
 
@@ -219,6 +223,11 @@ class HiSparseCoordinator:
         """Published host block's key to the GPU copies of that page, until reused."""
         self._copy_by_block: dict[int, HashKey] = {}
         self._resident_requests: set[str] = set()
+        self.freeing: Any = None
+        """The request the manager is freeing (``free``, ``pop_blocks_for_free``): whether it
+        finished is read from it. vLLM reads the request its last ``cache_blocks`` stored,
+        which is the same object in vLLM's scheduler; kvpool's requests are values, so the
+        one given to ``free`` is the one that knows."""
         host_manager.coordinator = self
         for manager in self.resident_managers:
             manager.coordinator = self
@@ -526,7 +535,10 @@ class HiSparseCoordinator:
         if state is None:
             return
         publication = state.publication
-        if publication is not None and state.pending_pages and is_finished(publication.request):
+        freeing = self.freeing
+        if freeing is None or getattr(freeing, "request_id", None) != request_id:
+            freeing = None if publication is None else publication.request
+        if publication is not None and state.pending_pages and is_finished(freeing):
             detached = self.host_manager.req_to_blocks[request_id][: publication.num_pages]
             publication.detached_blocks = detached
             publication.num_cached_blocks = self.host_manager.num_cached_block.get(request_id, 0)

@@ -16,8 +16,12 @@ from mypy_extensions import mypyc_attr
 
 from kvpool.impl.block import KVCacheBlock
 from kvpool.impl.pool import BlockPool
-from kvpool.impl.single_type import FullAttentionManager, SingleTypeKVCacheManager
-from kvpool.model.errors import InvalidArgument
+from kvpool.impl.single_type import (
+    FullAttentionManager,
+    SingleTypeKVCacheManager,
+    verify_hash_block_size,
+)
+from kvpool.model.errors import InvalidArgument, UnknownRequest
 from kvpool.model.single_type import KVCacheSpec
 
 if TYPE_CHECKING:
@@ -63,6 +67,12 @@ class HiSparseSourceManager(FullAttentionManager):
 
     def cache_blocks(self, request: Any, num_tokens: int) -> None:
         """Record a pending publication; publish its durable prefix now."""
+        rid = request.request_id
+        # Verify that the request is in the group's tables (before any state is created)
+        if rid not in self.req_to_blocks:
+            raise UnknownRequest(f"request {rid!r} holds no blocks in this group")
+        # Verify that the request is hashed in the pool's hash blocks
+        verify_hash_block_size(request, self.block_pool.hash_block_size)
         coordinator = self.coordinator
         assert coordinator is not None
         coordinator.publish_when_ready(request, num_tokens)

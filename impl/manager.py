@@ -1063,8 +1063,16 @@ class KVCacheManager:
         """Release every block of the request in every group, each group's last block first."""
         # Verify that the request has an id
         _verify_request_id(getattr(request, "request_id", None))
-        for manager in self.managers:
-            manager.free(request.request_id)
+        hisparse = self.hisparse
+        if hisparse is not None:
+            # HiSparse reads from it whether the request finished (kvpool.impl.hisparse)
+            hisparse.freeing = request
+        try:
+            for manager in self.managers:
+                manager.free(request.request_id)
+        finally:
+            if hisparse is not None:
+                hisparse.freeing = None
 
     def cache_blocks(self, request: Any, num_computed_tokens: Unchecked) -> None:
         """Cache the blocks full within ``num_computed_tokens``, if caching is on."""
@@ -1220,6 +1228,17 @@ class KVCacheManager:
         _verify_request_id(getattr(request, "request_id", None))
         rid = request.request_id
         popped: list[KVCacheBlock] = []
+        hisparse = self.hisparse
+        if hisparse is not None:
+            hisparse.freeing = request
+        try:
+            self._pop_into(rid, popped)
+        finally:
+            if hisparse is not None:
+                hisparse.freeing = None
+        return popped
+
+    def _pop_into(self, rid: str, popped: list[KVCacheBlock]) -> None:
         for manager in self.managers:
             if isinstance(
                 manager, (HiSparseSourceManager, HiSparseResidentManager, HiSparseHotManager)
@@ -1238,7 +1257,6 @@ class KVCacheManager:
             while head < len(blocks) and blocks[head].is_null:
                 head += 1
             popped.extend(blocks[head:])
-        return popped
 
     def remove_skipped_blocks(
         self,
@@ -1417,7 +1435,13 @@ class KVCacheManager:
         >>> cfg = KVCacheConfig(4, (full_attention(2),))
         >>> KVCacheManager(cfg, 8).snapshot() == new_kv_cache_manager(4, cfg.kv_cache_groups, 8)
         True
+
+        HiSparseNotModelled for a manager with HiSparse groups: the model's state for them
+        (the host pool, the coordinator) is not defined yet (docs/hisparse.md, "Slices").
         """
+        # Verify that the model has a state for this manager
+        if self.hisparse is not None:
+            raise HiSparseNotModelled("the model's state of a HiSparse manager: not defined yet")
         return KVCacheManagerState(
             config=ManagerConfig(
                 self.max_model_len,
