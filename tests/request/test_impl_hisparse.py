@@ -491,3 +491,25 @@ def test_pop_blocks_for_free_hands_host_blocks_to_their_pool() -> None:
     manager.block_pool.free_blocks(reversed(blocks))
     assert host.get_num_free_blocks() == 15 and manager.block_pool.get_num_free_blocks() == 15
     assert coordinator_of(manager).request_states == {}
+
+
+def test_invalid_event_owner() -> None:
+    from kvpool.impl import BlockPool
+
+    with pytest.raises(InvalidArgument):
+        BlockPool(4, True, 1, event_owner=object())  # type: ignore[arg-type]
+
+
+def test_an_owned_pool_queues_into_its_owner_s_queue_by_the_owner_s_hook() -> None:
+    from kvpool.impl import BlockPool
+    from kvpool.model.events import AllBlocksCleared
+
+    def made(event: Any, request: Any) -> Any:
+        return ("made", event)
+
+    owner = BlockPool(4, True, 1, enable_kv_cache_events=True, event_hook=made)
+    host = BlockPool(4, True, 1, enable_kv_cache_events=True, medium=MEDIUM_CPU, event_owner=owner)
+    assert host.reset_prefix_cache()
+    assert host.take_events() == [] and host.kv_event_queue == []
+    taken: list[Any] = list(owner.take_events())
+    assert taken == [("made", AllBlocksCleared())]
