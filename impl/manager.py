@@ -1051,9 +1051,11 @@ class KVCacheManager:
         hbs = self.block_pool.hash_block_size
         hashes = request.block_hashes
         rid = request.request_id
+        # HiSparse's resident and hot groups never cache: their count stays 0
         start = min(
             m.num_cached_block.get(rid, len(group_hits)) * m.block_size // hbs
             for m, group_hits in zip(self.managers, hits, strict=True)
+            if not isinstance(m, (HiSparseResidentManager, HiSparseHotManager))
         )
         for i in range(start, min(num_tokens // hbs, len(hashes))):
             if not isinstance(hashes[i], bytes):
