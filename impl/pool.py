@@ -167,7 +167,9 @@ class BlockPool:
         profile: Profile = DEFAULT_PROFILE,
         strict: bool = True,
         event_hook: EventHook | None = None,
-        event_owner: BlockPool | None = None,
+        # Unchecked: the constructor names a stranger itself (InvalidArgument); a compiled
+        # build would raise a bare TypeError at the call
+        event_owner: Unchecked = None,
     ) -> None:
         # Verify that the sizes are integers and the medium a string
         for name, value in (
@@ -207,7 +209,7 @@ class BlockPool:
         self.profile = profile
         self.strict = strict
         self.event_hook = event_hook
-        self.event_owner = event_owner
+        self.event_owner: BlockPool | None = event_owner
         """The pool whose queue this pool's events go into (None: its own). vLLM 0.33's
         HiSparse host pool queues into the device pool's (``SharedEventQueueBlockPool`` in
         ``vllm/v1/hisparse/block_pool.py``), so the manager's ``take_events`` returns both
