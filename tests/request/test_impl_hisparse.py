@@ -497,7 +497,7 @@ def test_invalid_event_owner() -> None:
     from kvpool.impl import BlockPool
 
     with pytest.raises(InvalidArgument):
-        BlockPool(4, True, 1, event_owner=object())  # type: ignore[arg-type]
+        BlockPool(4, True, 1, event_owner=object())
 
 
 def test_an_owned_pool_queues_into_its_owner_s_queue_by_the_owner_s_hook() -> None:
