@@ -39,6 +39,10 @@ COMPILED = [
     "external",
     "coordinator",
     "align_dcp",
+    "hisparse_layout",
+    "hisparse_groups",
+    "hisparse",
+    "hisparse_view",
 ]
 """The modules of impl/ mypyc compiles (``__init__`` stays Python: it reports the build)."""
 

@@ -3,6 +3,7 @@
 from kvpool.impl import pool as _pool
 from kvpool.impl.block import KVCacheBlock
 from kvpool.impl.free_queue import FreeKVCacheBlockQueue
+from kvpool.impl.hisparse_view import get_hisparse_coordinator
 from kvpool.impl.manager import KVCacheBlocks, KVCacheConfig, KVCacheManager
 from kvpool.impl.pool import BlockPool, MetricsCollector
 
@@ -19,4 +20,5 @@ __all__ = [
     "KVCacheConfig",
     "KVCacheManager",
     "MetricsCollector",
+    "get_hisparse_coordinator",
 ]

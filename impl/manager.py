@@ -31,6 +31,13 @@ from kvpool.impl.eagle import (
     flagged_groups,
     group_flags,
 )
+from kvpool.impl.hisparse import HiSparseCoordinator
+from kvpool.impl.hisparse_groups import (
+    HiSparseHotManager,
+    HiSparseResidentManager,
+    HiSparseSourceManager,
+)
+from kvpool.impl.hisparse_layout import HiSparseLayout, read_layout
 from kvpool.impl.mamba_align import (
     MambaAlignManager,
     check_align_eagle,
@@ -47,6 +54,7 @@ from kvpool.impl.mamba_reserve import (
 from kvpool.impl.pool import BlockPool, Unchecked
 from kvpool.impl.retention import check_retention, shared_prefix_boundary
 from kvpool.impl.single_type import (
+    FullAttentionManager,
     SingleTypeKVCacheManager,
     get_manager_for_kv_cache_spec,
     num_prompt_tokens,
@@ -54,6 +62,7 @@ from kvpool.impl.single_type import (
 )
 from kvpool.model.errors import (
     CachingDisabled,
+    HiSparseNotModelled,
     HitOnRunningRequest,
     InvalidArgument,
     InvalidBlockRange,
@@ -63,7 +72,7 @@ from kvpool.model.errors import (
     NoNewTokens,
     UnknownBlock,
 )
-from kvpool.model.events import BlockStored, KVCacheEvent
+from kvpool.model.events import MEDIUM_CPU, BlockStored, KVCacheEvent
 from kvpool.model.manager import (
     KVCacheManagerState,
     ManagerConfig,
@@ -352,18 +361,44 @@ class KVCacheManager:
         self._reprefillable = reprefillable
         self.log_stats = log_stats
         self.prefix_cache_stats: PrefixCacheStats | None = PrefixCacheStats() if log_stats else None
-        self.managers: list[SingleTypeKVCacheManager] = [
-            MambaFineReservingManager(spec, self.block_pool, g)
-            if fine_mamba
-            and spec.mamba_align
-            and (spec.prefill_checkpoint_alignment or spec.num_speculative_blocks)
-            else MambaFineManager(spec, self.block_pool, g)
-            if fine_mamba and spec.mamba_align
-            else _align_manager(spec, self.block_pool, g)
-            if spec.mamba_align
-            else get_manager_for_kv_cache_spec(spec, self.block_pool, g)
-            for g, spec in enumerate(specs)
-        ]
+        in_flight_tokens = max_model_len if max_in_flight_tokens is None else max_in_flight_tokens
+        layout = read_layout(
+            kv_cache_config,
+            specs,
+            kv_cache_config.num_blocks,
+            max_model_len,
+            in_flight_tokens,
+            hbs,
+            {
+                "EAGLE": bool(use_eagle) or bool(flagged),
+                "sparse retention (prefix_cache_retention_interval)": retention is not None,
+                "context parallelism": dcp_world_size != 1 or pcp_world_size != 1,
+                "fine-grained hits": bool(fine_grained_hits),
+            },
+        )
+        self.hisparse_layout: HiSparseLayout | None = layout
+        self.hisparse: HiSparseCoordinator | None = None
+        """HiSparse's coordinator (``kvpool.impl.hisparse``; None without HiSparse groups)."""
+        self.host_block_pool: BlockPool | None = None
+        """HiSparse's host pool (medium CPU; its events go into ``block_pool``'s queue)."""
+        self.hisparse_view: Any = None
+        """What ``kvpool.impl.get_hisparse_coordinator`` returns (built on its first call)."""
+        self.managers: list[SingleTypeKVCacheManager] = (
+            [
+                MambaFineReservingManager(spec, self.block_pool, g)
+                if fine_mamba
+                and spec.mamba_align
+                and (spec.prefill_checkpoint_alignment or spec.num_speculative_blocks)
+                else MambaFineManager(spec, self.block_pool, g)
+                if fine_mamba and spec.mamba_align
+                else _align_manager(spec, self.block_pool, g)
+                if spec.mamba_align
+                else get_manager_for_kv_cache_spec(spec, self.block_pool, g)
+                for g, spec in enumerate(specs)
+            ]
+            if layout is None
+            else self._hisparse_managers(layout, specs, enable_caching, profile)
+        )
         self.retention_interval: int | None = retention
         self._retains_sparsely = retention is not None
         for manager, eagle_group in zip(self.managers, eagle_flags, strict=True):
@@ -411,6 +446,58 @@ class KVCacheManager:
         kinds.sort(key=lambda k: k[0].attention is not AttentionType.FULL)
         self._kinds = kinds
 
+    def _hisparse_managers(
+        self,
+        layout: HiSparseLayout,
+        specs: tuple[KVCacheSpec, ...],
+        enable_caching: bool,
+        profile: Profile,
+    ) -> list[SingleTypeKVCacheManager]:
+        """HiSparse's groups: the source on a host pool of its own (medium CPU, its events in
+        the device pool's queue, as vLLM 0.33.0's ``HiSparseSourceManager.bind_host_pool``
+        and ``SharedEventQueueBlockPool``; no metrics collector and no look-ahead tokens, as
+        vLLM builds it), indexers as full attention, resident and hot groups; and the
+        coordinator tying them (vLLM builds it on ``get_hisparse_coordinator``'s first call,
+        kvpool with the manager: docs/hisparse.md, "The groups")."""
+        device = self.block_pool
+        host = BlockPool(
+            layout.host_num_blocks,
+            enable_caching,
+            device.hash_block_size,
+            device.enable_kv_cache_events,
+            None,
+            0,
+            MEDIUM_CPU,
+            profile=profile,
+            event_owner=device,
+        )
+        self.host_block_pool = host
+        managers: list[SingleTypeKVCacheManager] = []
+        residents: list[HiSparseResidentManager] = []
+        hots: list[HiSparseHotManager] = []
+        source: HiSparseSourceManager | None = None
+        for g, spec in enumerate(specs):
+            if g == layout.source:
+                source = HiSparseSourceManager(spec, host, g, device.num_gpu_blocks)
+                managers.append(source)
+            elif g in layout.residents:
+                resident = HiSparseResidentManager(spec, device, g, layout.max_admission_pages)
+                residents.append(resident)
+                managers.append(resident)
+            elif g in layout.hots:
+                hot = HiSparseHotManager(
+                    spec, device, g, layout.blocks_per_request[layout.hots.index(g)]
+                )
+                hots.append(hot)
+                managers.append(hot)
+            else:
+                managers.append(get_manager_for_kv_cache_spec(spec, device, g))
+        assert source is not None
+        self.hisparse = HiSparseCoordinator(
+            layout, source, residents, hots, device, self._reprefillable
+        )
+        return managers
+
     # ------------------------------------------------------------------
     # Hits
     # ------------------------------------------------------------------
@@ -428,6 +515,8 @@ class KVCacheManager:
     ) -> tuple[tuple[list[KVCacheBlock], ...], int, int]:
         """The hit, its length, and how far past it some group's own search reached."""
         managers = self.managers
+        if self.hisparse_layout is not None:
+            return self._hisparse_find(self.hisparse_layout, block_hashes, max_length)
         if len(managers) == 1:
             manager = managers[0]
             hit = type(manager).find_longest_cache_hit(
@@ -494,6 +583,45 @@ class KVCacheManager:
             length,
             longest - length,
         )
+
+    def _hisparse_find(
+        self, layout: HiSparseLayout, block_hashes: Sequence[bytes], max_length: int
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int, int]:
+        """HiSparse's hit: the source's on the host pool, then the indexers' on the device pool
+        up to it; the resident and hot groups are not prefix-cacheable and take no part. The
+        indexers are cut to the common length; the source keeps its longer hit
+        (``retains_longer_hit``: vLLM 0.33.0's ``HybridKVCacheCoordinator.find_longest_cache_hit``
+        with ``HiSparseSourceManager``)."""
+        managers = self.managers
+        alignment = self.scheduler_block_size
+        hits: list[list[KVCacheBlock]] = [[] for _ in managers]
+        # the source alone, indexers of one spec together (as vLLM groups them: same spec,
+        # manager class and pool), searched in group order, each up to the length so far
+        kinds: list[tuple[KVCacheSpec, list[int]]] = []
+        for g in sorted((layout.source, *layout.indexers)):
+            for known, ids in kinds:
+                if (
+                    g != layout.source
+                    and ids[0] != layout.source
+                    and known == managers[g].kv_cache_spec
+                ):
+                    ids.append(g)
+                    break
+            else:
+                kinds.append((managers[g].kv_cache_spec, [g]))
+        length = max_length
+        longest = 0
+        for spec, ids in kinds:
+            found = FullAttentionManager.find_longest_cache_hit(
+                block_hashes, length, ids, managers[ids[0]].block_pool, spec, False, alignment
+            )
+            length = len(found[0]) * spec.block_size
+            longest = length if length > longest else longest
+            for g, blocks in zip(ids, found, strict=True):
+                hits[g] = blocks
+        for g in layout.indexers:
+            del hits[g][-(-length // managers[g].block_size) :]
+        return tuple(hits), length, longest - length
 
     def _extend(
         self,
@@ -649,6 +777,10 @@ class KVCacheManager:
             reserved_blocks,
             skip_zeroing_group_ids,
         )
+        layout = self.hisparse_layout
+        if layout is not None:
+            # Verify that no HiSparse path of a later slice is taken (host hits, imports)
+            hits = _hisparse_admit(layout, managers, hits, num_new_computed_tokens, ext)
         # Verify that the hits have one entry per group, of known blocks
         if len(hits) != len(managers):
             raise InvalidHit(f"{len(hits)} hit lists for {len(managers)} groups")
@@ -717,6 +849,13 @@ class KVCacheManager:
         needed += sum(partial)
         if needed > self.block_pool.get_num_free_blocks() - reserved_blocks:
             return None
+        hisparse = self.hisparse
+        # Verify that the allocation allocates no hot region (slice 2; counted above, so a
+        # request it does not fit was answered None as vLLM answers)
+        if hisparse is not None and hisparse.hot_region_needed(rid):
+            raise HiSparseNotModelled(
+                f"request {rid!r} would be given its HiSparse hot region: not modelled yet"
+            )
         if ext > 0:
             return self._allocate_with_external(
                 request,
@@ -807,6 +946,16 @@ class KVCacheManager:
         the computed tokens they end at) as ``kvpool.impl.external.blocks_to_allocate``."""
         num_tokens = min(request.num_tokens, self.max_model_len)
         rid = request.request_id
+        if self.hisparse_layout is not None:
+            # HiSparse: the source's host count (or the sentinel), the indexers' blocks, the
+            # resident pages capped at the admission window, the hot region if required
+            needed = 0
+            for manager in self.managers:
+                if isinstance(manager, HiSparseResidentManager):
+                    needed += manager.get_num_blocks_to_allocate_capped(rid, num_tokens)
+                else:
+                    needed += manager.get_num_blocks_to_allocate(rid, num_tokens, ())
+            return needed <= self.block_pool.get_num_free_blocks()
         if num_total_computed >= 0:
             total = min(num_total_computed, self.max_model_len)
             needed = 0
@@ -878,8 +1027,13 @@ class KVCacheManager:
             if isinstance(manager, (MambaReservingManager, MambaFineReservingManager)):
                 manager.verify_checkpoint(request.request_id)
             spec = manager.kv_cache_spec
-            # a whole-request Mamba group caches nothing; an "align" group caches its states
-            if blocks is None or (spec.attention is AttentionType.MAMBA and not spec.mamba_align):
+            # a whole-request Mamba group caches nothing; an "align" group caches its states;
+            # HiSparse's resident and hot groups cache nothing
+            if (
+                blocks is None
+                or (spec.attention is AttentionType.MAMBA and not spec.mamba_align)
+                or isinstance(manager, (HiSparseResidentManager, HiSparseHotManager))
+            ):
                 continue
             num_full = (count if count < hashed else hashed) // manager.block_size
             if num_full > len(blocks) and num_full > manager.num_cached_block[request.request_id]:
@@ -897,9 +1051,11 @@ class KVCacheManager:
         hbs = self.block_pool.hash_block_size
         hashes = request.block_hashes
         rid = request.request_id
+        # HiSparse's resident and hot groups never cache: their count stays 0
         start = min(
             m.num_cached_block.get(rid, len(group_hits)) * m.block_size // hbs
             for m, group_hits in zip(self.managers, hits, strict=True)
+            if not isinstance(m, (HiSparseResidentManager, HiSparseHotManager))
         )
         for i in range(start, min(num_tokens // hbs, len(hashes))):
             if not isinstance(hashes[i], bytes):
@@ -909,8 +1065,16 @@ class KVCacheManager:
         """Release every block of the request in every group, each group's last block first."""
         # Verify that the request has an id
         _verify_request_id(getattr(request, "request_id", None))
-        for manager in self.managers:
-            manager.free(request.request_id)
+        hisparse = self.hisparse
+        if hisparse is not None:
+            # HiSparse reads from it whether the request finished (kvpool.impl.hisparse)
+            hisparse.freeing = request
+        try:
+            for manager in self.managers:
+                manager.free(request.request_id)
+        finally:
+            if hisparse is not None:
+                hisparse.freeing = None
 
     def cache_blocks(self, request: Any, num_computed_tokens: Unchecked) -> None:
         """Cache the blocks full within ``num_computed_tokens``, if caching is on."""
@@ -933,7 +1097,19 @@ class KVCacheManager:
         self.block_pool.evict_blocks(block_ids)
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached hash if no block is held; flag it in the stats."""
+        """Forget every cached hash if no block is held; flag it in the stats.
+
+        With HiSparse, in both pools, and only if neither holds a block: vLLM 0.33.0 resets
+        each pool that is idle even when the other refuses (``KVCacheCoordinator.
+        reset_prefix_cache``), kvpool changes nothing when it answers False
+        (docs/hisparse.md, "Surprises": a deliberate difference)."""
+        host = self.host_block_pool
+        if host is not None:
+            if host.get_num_free_blocks() != host.num_gpu_blocks - 1:
+                return False
+            if self.block_pool.get_num_free_blocks() != self.block_pool.num_gpu_blocks - 1:
+                return False
+            host.reset_prefix_cache()
         if not self.block_pool.reset_prefix_cache():
             return False
         if self.prefix_cache_stats is not None:
@@ -1054,7 +1230,25 @@ class KVCacheManager:
         _verify_request_id(getattr(request, "request_id", None))
         rid = request.request_id
         popped: list[KVCacheBlock] = []
+        hisparse = self.hisparse
+        if hisparse is not None:
+            hisparse.freeing = request
+        try:
+            self._pop_into(rid, popped)
+        finally:
+            if hisparse is not None:
+                hisparse.freeing = None
+        return popped
+
+    def _pop_into(self, rid: str, popped: list[KVCacheBlock]) -> None:
         for manager in self.managers:
+            if isinstance(
+                manager, (HiSparseSourceManager, HiSparseResidentManager, HiSparseHotManager)
+            ):
+                # the coordinator's free first (source), the residency row (resident groups),
+                # the host blocks among the rest: each is freed to its own pool later
+                popped.extend(manager.pop_blocks_for_free(rid))
+                continue
             if isinstance(manager, MambaAlignManager):
                 manager.forget(rid)
             blocks = manager.req_to_blocks.pop(rid, None)
@@ -1065,7 +1259,6 @@ class KVCacheManager:
             while head < len(blocks) and blocks[head].is_null:
                 head += 1
             popped.extend(blocks[head:])
-        return popped
 
     def remove_skipped_blocks(
         self,
@@ -1244,7 +1437,13 @@ class KVCacheManager:
         >>> cfg = KVCacheConfig(4, (full_attention(2),))
         >>> KVCacheManager(cfg, 8).snapshot() == new_kv_cache_manager(4, cfg.kv_cache_groups, 8)
         True
+
+        HiSparseNotModelled for a manager with HiSparse groups: the model's state for them
+        (the host pool, the coordinator) is not defined yet (docs/hisparse.md, "Slices").
         """
+        # Verify that the model has a state for this manager
+        if self.hisparse is not None:
+            raise HiSparseNotModelled("the model's state of a HiSparse manager: not defined yet")
         return KVCacheManagerState(
             config=ManagerConfig(
                 self.max_model_len,
@@ -1268,6 +1467,32 @@ class KVCacheManager:
             pending_copies=tuple((s.block_id, d.block_id) for s, d in self.pending_copies),
             new_block_ids=tuple(self.new_block_ids),
         )
+
+
+def _hisparse_admit(
+    layout: HiSparseLayout,
+    managers: Sequence[SingleTypeKVCacheManager],
+    hits: tuple[Sequence[KVCacheBlock], ...],
+    num_new_computed_tokens: int,
+    num_external_computed_tokens: int,
+) -> tuple[Sequence[KVCacheBlock], ...]:
+    """The hits with the source's cut to the tokens reused (its longer retained hit goes, as
+    vLLM 0.33.0's ``allocate_slots`` cuts ``retained_hit_group_ids``); HiSparseNotModelled for
+    the paths of later slices: external tokens (slice 4), a prefix hit (slice 3)."""
+    # Verify that the hits have one entry per group
+    if len(hits) != len(managers):
+        raise InvalidHit(f"{len(hits)} hit lists for {len(managers)} groups")
+    # Verify that no connector loads into the host tier (slice 4)
+    if num_external_computed_tokens > 0:
+        raise HiSparseNotModelled("external tokens beside HiSparse groups: not modelled yet")
+    reused = num_new_computed_tokens + num_external_computed_tokens
+    source_size = managers[layout.source].block_size
+    cut = list(hits)
+    cut[layout.source] = hits[layout.source][: -(-reused // source_size)]
+    # Verify that no prefix hit is admitted (a hit on the host tier: slice 3)
+    if num_new_computed_tokens > 0 or any(cut):
+        raise HiSparseNotModelled("a prefix hit beside HiSparse groups: not modelled yet")
+    return tuple(cut)
 
 
 def _verify_ints(**values: object) -> None:
@@ -1314,6 +1539,10 @@ _VLLM_SPECS: dict[str, AttentionType] = {
     "SlidingWindowMLASpec": AttentionType.SLIDING_WINDOW,
     "ChunkedLocalAttentionSpec": AttentionType.CHUNKED_LOCAL,
     "MambaSpec": AttentionType.MAMBA,
+    # HiSparse's device groups (kvpool.impl.hisparse_groups); their own managers, not full
+    # attention's, are chosen by the layout
+    "HiSparseResidentSpec": AttentionType.FULL,
+    "HiSparseHotSpec": AttentionType.FULL,
 }
 """vLLM 0.33's spec classes (``vllm/v1/kv_cache_interface.py``) kvpool models, by class name:
 each maps to the single-type manager vLLM's ``KVCacheSpecRegistry`` gives it."""

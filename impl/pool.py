@@ -141,6 +141,7 @@ class BlockPool:
         "enable_caching",
         "enable_kv_cache_events",
         "event_hook",
+        "event_owner",
         "free_block_queue",
         "hash_block_size",
         "kv_event_queue",
@@ -166,6 +167,9 @@ class BlockPool:
         profile: Profile = DEFAULT_PROFILE,
         strict: bool = True,
         event_hook: EventHook | None = None,
+        # Unchecked: the constructor names a stranger itself (InvalidArgument); a compiled
+        # build would raise a bare TypeError at the call
+        event_owner: Unchecked = None,
     ) -> None:
         # Verify that the sizes are integers and the medium a string
         for name, value in (
@@ -182,6 +186,10 @@ class BlockPool:
             raise InvalidArgument(f"medium must be a string, got {type(medium).__name__}")
         if event_hook is not None and not callable(event_hook):
             raise InvalidArgument("event_hook must be callable")
+        if event_owner is not None and not isinstance(event_owner, BlockPool):
+            raise InvalidArgument(
+                f"event_owner must be a kvpool BlockPool, got {type(event_owner).__name__}"
+            )
         # Verify that the pool has room for the null block
         if num_gpu_blocks < 1:
             raise InvalidConfig(f"num_gpu_blocks must be at least 1, got {num_gpu_blocks}")
@@ -201,6 +209,11 @@ class BlockPool:
         self.profile = profile
         self.strict = strict
         self.event_hook = event_hook
+        self.event_owner: BlockPool | None = event_owner
+        """The pool whose queue this pool's events go into (None: its own). vLLM 0.33's
+        HiSparse host pool queues into the device pool's (``SharedEventQueueBlockPool`` in
+        ``vllm/v1/hisparse/block_pool.py``), so the manager's ``take_events`` returns both
+        pools' events in the order they happened, each made by the owner's ``event_hook``."""
         self.blocks: list[KVCacheBlock] = [
             KVCacheBlock(i, pool=self) for i in range(num_gpu_blocks)
         ]
@@ -1389,7 +1402,12 @@ class BlockPool:
         return 1.0 - self.free_block_queue.num_free_blocks / usable
 
     def _emit(self, event: KVCacheEvent, request: object = None) -> None:
-        """Queue ``event``, or what the pool's event hook makes of it."""
+        """Queue ``event``, or what the pool's event hook makes of it (in the event owner's
+        queue, by its hook, when the pool has one)."""
+        owner = self.event_owner
+        if owner is not None:
+            owner._emit(event, request)
+            return
         hook = self.event_hook
         self.kv_event_queue.append(event if hook is None else hook(event, request))
 
