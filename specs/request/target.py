@@ -176,6 +176,11 @@ MAMBA_FINE_PART: Mapping[str, Any] = {
 and without prefill checkpoint and speculative blocks. Driven with the scheduler's chunks
 (stopping at the prompt's partial boundary) and no drafts."""
 
+HISPARSE_PART: Mapping[str, Any] = {"events": (False, True), "hisparse": True}
+"""HiSparse slice 1 (two pools, write-back, publication): its own machine
+(``kvpool.specs.request.hisparse_machine``) draws the managers, in vLLM 0.33.0's tests'
+layout."""
+
 PARTS_033: tuple[tuple[str, Mapping[str, Any]], ...] = (
     ("fine-grained hits", FINE_GRAINED_PART),
     ('Mamba "align"', MAMBA_ALIGN_PART),
