@@ -191,6 +191,13 @@ vLLM 0.33 added that the main scope does not draw (each asks a contract of the m
 main scope's programs do not keep). ``kvpool check --layer request`` checks a target that
 has them (kvpool's model and impl, vLLM 0.33) on each in turn (``TargetDescriptor.parts``)."""
 
+PARTS_033_HISPARSE: tuple[tuple[str, Mapping[str, Any]], ...] = (
+    *PARTS_033,
+    ("HiSparse slice 1", HISPARSE_PART),
+)
+"""``PARTS_033`` and HiSparse slice 1 (``HISPARSE_PART``): the parts of kvpool's model and
+vLLM 0.33 (kvpool's impl joins once it has HiSparse)."""
+
 
 @dataclass(frozen=True)
 class ManagerSetup:
