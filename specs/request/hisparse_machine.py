@@ -434,7 +434,7 @@ class HiSparseMachine(LockStep[KVCacheManagerState, ManagerTargetHiSparse], Rule
         if callable(view):
             self._query("hisparse_view()", model_target.hisparse_view, lambda t: view())
         assert self.model is not None
-        check_hisparse(self.model)
+        check_hisparse(self.model, self.held)
 
     def _tables(self, rid: str) -> None:
         self._query(

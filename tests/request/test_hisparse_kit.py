@@ -17,7 +17,9 @@ from kvpool.model.request import new_request
 from kvpool.specs.request.check import narrowed, run_request_conformance
 from kvpool.specs.request.hisparse_invariants import (
     durable_prefix_is_clean,
+    pools_keep_their_invariants,
     published_below_ready_prefix,
+    ref_counts_add_up,
     transfers_hold_their_blocks,
 )
 from kvpool.specs.request.hisparse_machine import hisparse_setup
@@ -88,6 +90,19 @@ def test_the_invariants_hold_on_a_written_back_page() -> None:
     transfers_hold_their_blocks(state)
     durable_prefix_is_clean(state)
     published_below_ready_prefix(state)
+    pools_keep_their_invariants(state)
+    ref_counts_add_up(state)
+
+
+def test_a_reference_count_without_a_holder_is_caught() -> None:
+    state = _written_back_once()
+    blocks = list(state.managers.pool.blocks)
+    held = next(i for i, b in enumerate(blocks) if i and b.ref_cnt)
+    blocks[held] = replace(blocks[held], ref_cnt=blocks[held].ref_cnt + 1)
+    pool = replace(state.managers.pool, blocks=tuple(blocks))
+    broken = replace(state, managers=replace(state.managers, pool=pool))
+    with pytest.raises(AssertionError, match="holders add up"):
+        ref_counts_add_up(broken)
 
 
 def test_a_transfer_whose_host_block_is_free_is_caught() -> None:
