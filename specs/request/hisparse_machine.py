@@ -18,9 +18,9 @@ play a scheduler and its workers (docs/hisparse.md, "How the vLLM side is driven
   completes in the order of a set of ids, which ``PYTHONHASHSEED`` decides.
 * ``leave`` frees a request (finished or preempted), directly or through
   ``pop_blocks_for_free`` and a later free of the popped blocks, each in its own pool.
-* ``press`` and ``release`` take blocks from either pool directly, as vLLM's tests do.
-* ``probe`` asks for a prompt's hit; ``reset`` resets the prefix cache; ``hot`` marks a
-  request for its hot region.
+* ``pressure`` takes blocks from either pool directly, as vLLM's tests do, or gives them back.
+* ``probe`` asks for a prompt's hit; ``maintain`` resets the prefix cache or marks a request
+  for its hot region.
 
 After every call both sides' block tables, free counts and events (by kind, medium, size
 and tokens: the two hash with different functions) are compared, and, with
@@ -114,6 +114,10 @@ def event_summary(event: KVCacheEvent) -> tuple[object, ...]:
     return ("AllBlocksCleared",)
 
 
+ACKED = st.sampled_from([True, True, True, False])
+"""Whether a queued transfer is acknowledged in this call (most are)."""
+
+
 class HiSparseDivergence(Divergence):
     """The HiSparse manager under test and the model parted."""
 
@@ -144,7 +148,7 @@ class HiSparseMachine(LockStep[KVCacheManagerState, ManagerTargetHiSparse], Rule
     # ------------------------------------------------------------------
 
     @initialize(
-        num_blocks=st.sampled_from([12, 20, 32]),
+        num_blocks=st.sampled_from([12, 20, 32, 48]),
         host=st.sampled_from([6, 10, 16]),
         max_model_len=st.sampled_from([64, 128]),
         caching=st.sampled_from([True, True, True, False]),
@@ -250,6 +254,12 @@ class HiSparseMachine(LockStep[KVCacheManagerState, ManagerTargetHiSparse], Rule
         self._schedule(request, chunk, lookahead, False)
 
     @precondition(lambda self: bool(self.scheduled))
+    @rule(which=st.integers(0, 4), token=st.integers(0, 49))
+    def decode(self, which: int, token: int) -> None:
+        """``step`` one token at a time (the common case once a prompt is done)."""
+        self.step(which, 1, 0, token)
+
+    @precondition(lambda self: bool(self.scheduled))
     @rule(chosen=st.sets(st.integers(0, 4), min_size=1))
     def advance(self, chosen: set[int]) -> None:
         """``advance_scheduled`` on its own, on some running requests."""
@@ -310,7 +320,7 @@ class HiSparseMachine(LockStep[KVCacheManagerState, ManagerTargetHiSparse], Rule
         if owners:
             owner = data.draw(st.sampled_from(owners), label="owner")
             for tid in live:
-                if pending[tid].request_id == owner and data.draw(st.booleans(), label="ack"):
+                if pending[tid].request_id == owner and data.draw(ACKED, label="ack"):
                     enqueued[tid] = self.workers[tid]
                     completed[tid] = data.draw(st.integers(1, self.workers[tid]), label="done")
         if unknown:
@@ -352,10 +362,21 @@ class HiSparseMachine(LockStep[KVCacheManagerState, ManagerTargetHiSparse], Rule
             returns_none=True,
         )
 
-    @rule(host=st.booleans(), share=st.integers(0, 4))
-    def press(self, host: bool, share: int) -> None:
-        """Take blocks from one pool directly (``get_new_blocks``), as vLLM's tests do."""
+    @rule(
+        action=st.sampled_from(["press", "press", "release"]),
+        host=st.booleans(),
+        share=st.integers(0, 3),
+    )
+    def pressure(self, action: str, host: bool, share: int) -> None:
+        """Take blocks from one pool directly (``get_new_blocks``), as vLLM's tests do, or
+        give back every block taken so."""
         assert self.model is not None and self.model.host_pool is not None
+        if action == "release":
+            for pool, ids in self.held.items():
+                if ids:
+                    self._release(pool, tuple(ids))
+            self.held = {"CPU": [], "GPU": []}
+            return
         pool = "CPU" if host else "GPU"
         free = (self.model.host_pool if host else self.model.managers.pool).free_queue
         count = len(free) * share // 4
@@ -365,14 +386,6 @@ class HiSparseMachine(LockStep[KVCacheManagerState, ManagerTargetHiSparse], Rule
             lambda t: tuple(t.press_pool(pool, count)),
         )
         self.held[pool].extend(taken or ())
-
-    @precondition(lambda self: bool(self.held["CPU"] or self.held["GPU"]))
-    @rule()
-    def release(self) -> None:
-        for pool, ids in self.held.items():
-            if ids:
-                self._release(pool, tuple(ids))
-        self.held = {"CPU": [], "GPU": []}
 
     def _release(self, pool: str, ids: tuple[int, ...]) -> None:
         self._step(
@@ -392,17 +405,16 @@ class HiSparseMachine(LockStep[KVCacheManagerState, ManagerTargetHiSparse], Rule
             lambda t: t.get_computed_blocks(request),
         )
 
-    @rule()
-    def reset(self) -> None:
-        self._step(
-            "reset_prefix_cache()",
-            model_manager.reset_prefix_cache,
-            lambda t: t.reset_prefix_cache(),
-        )
-
-    @precondition(lambda self: bool(self.scheduled))
-    @rule(which=st.integers(0, 4))
-    def hot(self, which: int) -> None:
+    @rule(action=st.sampled_from(["hot", "hot", "reset"]), which=st.integers(0, 4))
+    def maintain(self, action: str, which: int) -> None:
+        """A running request is asked for its hot region, or the prefix cache is reset."""
+        if action == "reset" or not self.scheduled:
+            self._step(
+                "reset_prefix_cache()",
+                model_manager.reset_prefix_cache,
+                lambda t: t.reset_prefix_cache(),
+            )
+            return
         rid = sorted(self.scheduled)[which % len(self.scheduled)]
         self._step(
             f"require_hot({rid!r})",
