@@ -60,7 +60,7 @@ STEMS = (
 and hits matter."""
 
 
-def hisparse_roles(num_resident_groups: int, host_num_blocks: int) -> HiSparseConfig:
+def hisparse_roles(num_resident_groups: int, host_num_blocks: int | None) -> HiSparseConfig:
     """vLLM's tests' layout: 0 source, 1 indexer, then (resident, hot) pairs, the hot groups
     of ``blocks_per_request=2``.
 
