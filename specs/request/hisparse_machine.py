@@ -442,6 +442,7 @@ class HiSparseMachine(LockStep[KVCacheManagerState, ManagerTargetHiSparse], Rule
         self._query(
             "num_free_blocks()", model_manager.num_free_blocks, lambda t: t.num_free_blocks()
         )
+        self._query("usage()", model_manager.usage, lambda t: t.usage())
         view = getattr(target, "hisparse_view", None)
         if callable(view):
             self._query("hisparse_view()", model_target.hisparse_view, lambda t: view())

@@ -409,12 +409,10 @@ class HiSparseView:
     """Per request: (valid pages, ready prefix pages, pending pages, pinned clean, synced)."""
 
 
-class ManagerTargetHiSparse(Protocol):
+class ManagerTargetHiSparse(ManagerTarget, Protocol):
     """A manager target built with HiSparse's roles (``ManagerSetup.hisparse``) and the
     coordinator's calls, as vLLM 0.33.0's ``HiSparseCoordinator`` answers them; block ids of
     the source group are the host pool's. The base protocol's calls keep their meaning."""
-
-    def get_computed_blocks(self, request: Request) -> tuple[Blocks, int]: ...
 
     def allocate_slots(
         self,
@@ -426,14 +424,6 @@ class ManagerTargetHiSparse(Protocol):
         delay_cache_blocks: bool = False,
         full_sequence_must_fit: bool = False,
     ) -> Blocks | None: ...
-
-    def reset_prefix_cache(self) -> bool: ...
-
-    def get_block_ids(self, request_id: str) -> Blocks: ...
-
-    def take_events(self) -> Sequence[KVCacheEvent]: ...
-
-    def num_free_blocks(self) -> int: ...
 
     def free_request(self, request: Request, finished: bool) -> None:
         """``free`` with the request finished (its publication waits for its spills) or

@@ -133,3 +133,24 @@ def test_vllm_conforms_on_hisparse_scope() -> None:
     report = run_request_conformance(hisparse_scope(), hypothesis_profile="ci", max_examples=100)
     assert report.conforms, f"{report.failure}\n{report.program}"
     assert report.examples_run >= 100
+
+
+@pytest.mark.usefixtures("require_vllm_manager")
+def test_a_planted_bug_over_vllm_is_found() -> None:
+    """vLLM's coordinator told of one worker where two run a transfer: it publishes after
+    the first completion, the model after both."""
+    from kvpool.specs.targets.vllm.hisparse import VllmHiSparseTarget
+
+    class OneWorkerOverVllm(VllmHiSparseTarget):
+        def update_spills(self, enqueued: Mapping[int, int], completed: Mapping[int, int]) -> None:
+            super().update_spills({t: 1 for t in enqueued}, completed)
+
+    report = run_request_conformance(
+        ManagerTargetSpec(OneWorkerOverVllm, **HISPARSE_PART),
+        hypothesis_profile="ci",
+        max_examples=200,
+        shrink=False,
+    )
+    assert not report.conforms
+    assert report.exit_code == 1, report.failure
+    assert "update_spills" in (report.program or "")

@@ -18,13 +18,13 @@ machine compares HiSparse events by kind, medium, size and tokens: the two hash 
 import importlib
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from kvpool.model.errors import NoNewTokens
 from kvpool.model.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from kvpool.model.hisparse_types import PageTransfer, ResidencyUpdate, RowMirror
-from kvpool.model.manager import Blocks
+from kvpool.model.manager import Blocks, PrefixCacheStats
 from kvpool.model.request import Request
 from kvpool.specs.errors import TargetError
 from kvpool.specs.request.target import HiSparseView, ManagerSetup, PoolBlock
@@ -215,8 +215,26 @@ class VllmHiSparseTarget:
             None if blocks is None else tuple(tuple(b.block_id for b in g) for g in blocks.blocks)
         )
 
+    def free(self, request: Request) -> None:
+        self.free_request(request, False)
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        self.manager.cache_blocks(self._request(request), num_computed_tokens)
+
+    def evict_blocks(self, block_ids: Iterable[int]) -> None:
+        self.manager.evict_blocks(set(block_ids))
+
     def reset_prefix_cache(self) -> bool:
         return bool(self.manager.reset_prefix_cache())
+
+    def get_num_common_prefix_blocks(self, request_id: str) -> Sequence[int] | None:
+        return None
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
+        return None  # the HiSparse machine does not compare stats
+
+    def usage(self) -> float:
+        return float(self.manager.usage)
 
     def get_block_ids(self, request_id: str) -> Blocks:
         return tuple(tuple(g) for g in self.manager.get_block_ids(request_id))
