@@ -19,8 +19,8 @@ play a scheduler and its workers (docs/hisparse.md, "How the vLLM side is driven
 * ``leave`` frees a request (finished or preempted), directly or through
   ``pop_blocks_for_free`` and a later free of the popped blocks, each in its own pool.
 * ``pressure`` takes blocks from either pool directly, as vLLM's tests do, or gives them back.
-* ``probe`` asks for a prompt's hit; ``maintain`` resets the prefix cache or marks a request
-  for its hot region.
+* ``probe`` asks for a prompt's hit; ``maintain`` resets the prefix cache, evicts device
+  blocks from it, or marks a request for its hot region.
 
 After every call both sides' block tables, free counts and events (by kind, medium, size
 and tokens: the two hash with different functions) are compared, and, with
@@ -405,9 +405,24 @@ class HiSparseMachine(LockStep[KVCacheManagerState, ManagerTargetHiSparse], Rule
             lambda t: t.get_computed_blocks(request),
         )
 
-    @rule(action=st.sampled_from(["hot", "hot", "reset"]), which=st.integers(0, 4))
-    def maintain(self, action: str, which: int) -> None:
-        """A running request is asked for its hot region, or the prefix cache is reset."""
+    @rule(
+        action=st.sampled_from(["hot", "hot", "reset", "evict"]),
+        which=st.integers(0, 4),
+        block_ids=st.sets(st.integers(0, 47), max_size=4),
+    )
+    def maintain(self, action: str, which: int, block_ids: set[int]) -> None:
+        """A running request is asked for its hot region, device blocks are evicted from the
+        prefix cache (``evict_blocks``), or the prefix cache is reset."""
+        if action == "evict":
+            assert self.model is not None
+            ids = sorted(b for b in block_ids if b < len(self.model.managers.pool.blocks))
+            self._step(
+                f"evict_blocks({ids!r})",
+                lambda m: model_manager.evict_blocks(m, ids),
+                lambda t: t.evict_blocks(ids),
+                returns_none=True,
+            )
+            return
         if action == "reset" or not self.scheduled:
             self._step(
                 "reset_prefix_cache()",
