@@ -5,8 +5,9 @@ from typing import Any, Unpack
 
 from kvpool.specs.errors import TargetAbort, TargetError
 from kvpool.specs.request.counterexample import explain
+from kvpool.specs.request.hisparse_machine import hisparse_machine
 from kvpool.specs.request.machine import manager_machine
-from kvpool.specs.request.record import ManagerRecorder
+from kvpool.specs.request.record import ManagerRecorder, build
 from kvpool.specs.request.target import HYBRID_LAYOUTS, ManagerTargetSpec
 from kvpool.specs.runner.report import ConformanceReport
 from kvpool.specs.runner.run import RunOptions, run_machine
@@ -58,6 +59,24 @@ def run_request_conformance(
             hybrids = "layouts" not in claimed
     except (TargetError, TargetAbort) as error:
         failed = error
+
+    def stop() -> None:
+        if failed is not None:
+            raise failed
+
+    name = options.get("target_name", "target")
+    if target.hisparse:
+        # HiSparse's own machine (kvpool.specs.request.hisparse_machine): valid calls only,
+        # its program told as the calls the target received
+        factory = target.factory
+        hisparse = hisparse_machine(
+            lambda setup: build(factory, setup),
+            profiles=target.profiles,
+            events=target.events,
+            name="KVPoolHiSparseConformance",
+        )
+        # level 1 whatever was asked: the HiSparse machine sends no call the model rejects
+        return run_machine(hisparse, level=1, profiles=names, preflight=stop, **options)
     recorder = ManagerRecorder(target.factory)
     machine = manager_machine(
         recorder,
@@ -82,12 +101,6 @@ def run_request_conformance(
         eagle_flags=target.eagle_flags,
         mamba_reserves=target.mamba_reserves,
     )
-
-    def stop() -> None:
-        if failed is not None:
-            raise failed
-
-    name = options.get("target_name", "target")
     return run_machine(
         machine,
         level=level,
@@ -154,4 +167,6 @@ def narrowed(target: ManagerTargetSpec, claimed: dict[str, Any]) -> ManagerTarge
             r for r in target.retentions if r in claimed.get("retentions", target.retentions)
         )
         or (None,),
+        # and HiSparse (vLLM 0.33's coordinator): both must allow it
+        hisparse=target.hisparse and bool(claimed.get("hisparse", True)),
     )

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from kvpool.model import DEFAULT_PROFILE, PROFILES, KVCacheEvent, Profile
+from kvpool.model.hisparse_layout import HiSparseConfig
+from kvpool.model.hisparse_types import PageTransfer, ResidencyUpdate, RowMirror
 from kvpool.model.manager import Blocks, KVCacheManagerState, PrefixCacheStats
 from kvpool.model.request import Request
 from kvpool.model.single_type import KVCacheSpec
@@ -62,6 +64,25 @@ machine sends them to a target (kvpool's model and impl, vLLM's manager) where
 ``ManagerTargetSpec.scheduler_calls`` says so. In the JSON request protocol they are
 the feature ``scheduler_calls`` (``free_blocks`` with them), asked of a program that
 announces it."""
+
+OPERATIONS_HISPARSE = (
+    "free_request",
+    "pop_pool_blocks_for_free",
+    "free_pool_blocks",
+    "advance_scheduled",
+    "build_offload_command",
+    "update_spills",
+    "build_row_mirrors",
+    "all_context_pages_resident",
+    "take_residency_updates",
+    "require_hot",
+    "press_pool",
+    "release_pool",
+    "hisparse_view",
+)
+"""vLLM 0.33's HiSparse coordinator calls (``ManagerTargetHiSparse``), sent only to a target
+whose ``ManagerTargetSpec.hisparse`` says so, on a manager built with
+``ManagerSetup.hisparse`` (docs/hisparse.md, "How the vLLM side is driven")."""
 
 LAYOUTS = ("full", "sliding_window", "chunked_local", "mamba", "full+sliding_window")
 """The KV cache layouts: one group of each attention type, and a hybrid of two."""
@@ -155,6 +176,11 @@ MAMBA_FINE_PART: Mapping[str, Any] = {
 and without prefill checkpoint and speculative blocks. Driven with the scheduler's chunks
 (stopping at the prompt's partial boundary) and no drafts."""
 
+HISPARSE_PART: Mapping[str, Any] = {"events": (False, True), "hisparse": True}
+"""HiSparse slice 1 (two pools, write-back, publication): its own machine
+(``kvpool.specs.request.hisparse_machine``) draws the managers, in vLLM 0.33.0's tests'
+layout."""
+
 PARTS_033: tuple[tuple[str, Mapping[str, Any]], ...] = (
     ("fine-grained hits", FINE_GRAINED_PART),
     ('Mamba "align"', MAMBA_ALIGN_PART),
@@ -164,6 +190,13 @@ PARTS_033: tuple[tuple[str, Mapping[str, Any]], ...] = (
 vLLM 0.33 added that the main scope does not draw (each asks a contract of the machine the
 main scope's programs do not keep). ``kvpool check --layer request`` checks a target that
 has them (kvpool's model and impl, vLLM 0.33) on each in turn (``TargetDescriptor.parts``)."""
+
+PARTS_033_HISPARSE: tuple[tuple[str, Mapping[str, Any]], ...] = (
+    *PARTS_033,
+    ("HiSparse slice 1", HISPARSE_PART),
+)
+"""``PARTS_033`` and HiSparse slice 1 (``HISPARSE_PART``): the parts of kvpool's model and
+vLLM 0.33 (kvpool's impl joins once it has HiSparse)."""
 
 
 @dataclass(frozen=True)
@@ -203,6 +236,9 @@ class ManagerSetup:
     eagle_groups: tuple[int, ...] = ()
     """The groups flagged as EAGLE's (vLLM 0.33's ``is_eagle_group``; none: with
     ``use_eagle`` every group is; ``kvpool.model.eagle.group_flags``)."""
+    hisparse: HiSparseConfig | None = None
+    """HiSparse's roles of the groups and the host pool's size (the model's
+    ``new_hisparse_manager``); None: no HiSparse. Every group is then full attention."""
 
 
 def eagle_arguments(setup: ManagerSetup) -> dict[str, list[int]]:
@@ -349,6 +385,81 @@ class ManagerTargetScheduler(ManagerTarget033, Protocol):
     ) -> Sequence[tuple[int, int, int]]: ...
 
 
+PoolBlock = tuple[str, int]
+"""A block named with its pool: ("CPU" for HiSparse's host pool, or "GPU"; its id)."""
+
+
+@dataclass(frozen=True)
+class HiSparseView:
+    """What the machine compares of a HiSparse manager after every call: both pools' blocks
+    (reference count, hashed) and free queues, the hot region's requests, the host copies,
+    the pending-work queries and each request's page book (vLLM 0.33.0's
+    ``HiSparseRequestState``: valid, ready prefix, pending, pinned clean, synced pages)."""
+
+    device_blocks: tuple[tuple[int, bool], ...]
+    device_free: tuple[int, ...]
+    host_blocks: tuple[tuple[int, bool], ...]
+    host_free: tuple[int, ...]
+    hot_required: frozenset[str]
+    copies: tuple[tuple[int, ...], ...]
+    """The host copies' device block ids, sorted."""
+    pending_work: bool
+    pending_reclamation: bool
+    books: Mapping[str, tuple[object, ...]]
+    """Per request: (valid pages, ready prefix pages, pending pages, pinned clean, synced)."""
+
+
+class ManagerTargetHiSparse(ManagerTarget, Protocol):
+    """A manager target built with HiSparse's roles (``ManagerSetup.hisparse``) and the
+    coordinator's calls, as vLLM 0.33.0's ``HiSparseCoordinator`` answers them; block ids of
+    the source group are the host pool's. The base protocol's calls keep their meaning."""
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: Blocks | None = None,
+        num_lookahead_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        full_sequence_must_fit: bool = False,
+    ) -> Blocks | None: ...
+
+    def free_request(self, request: Request, finished: bool) -> None:
+        """``free`` with the request finished (its publication waits for its spills) or
+        preempted (dropped)."""
+
+    def pop_pool_blocks_for_free(self, request: Request, finished: bool) -> Sequence[PoolBlock]:
+        """``pop_blocks_for_free``: the request's blocks, still held, named by pool."""
+
+    def free_pool_blocks(self, blocks: Sequence[PoolBlock]) -> None:
+        """One reference per listed block released, each in its own pool, in order."""
+
+    def advance_scheduled(self, scheduled: Sequence[tuple[str, int]]) -> None: ...
+
+    def build_offload_command(self) -> Sequence[PageTransfer]: ...
+
+    def update_spills(self, enqueued: Mapping[int, int], completed: Mapping[int, int]) -> None: ...
+
+    def build_row_mirrors(self, spans: Sequence[tuple[str, int, int]]) -> Sequence[RowMirror]: ...
+
+    def all_context_pages_resident(self, spans: Sequence[tuple[str, int, int]]) -> bool: ...
+
+    def take_residency_updates(
+        self, request_ids: Sequence[str]
+    ) -> Mapping[str, ResidencyUpdate]: ...
+
+    def require_hot(self, request_id: str) -> None: ...
+
+    def press_pool(self, pool: str, count: int) -> Sequence[int]:
+        """``get_new_blocks(count)`` on one pool directly, as vLLM's tests press it."""
+
+    def release_pool(self, pool: str, block_ids: Sequence[int]) -> None:
+        """``free_blocks`` on one pool of blocks ``press_pool`` took."""
+
+    def hisparse_view(self) -> HiSparseView: ...
+
+
 @runtime_checkable
 class ManagerSnapshottable(Protocol):
     """A manager target that can show its whole state as the model's."""
@@ -403,6 +514,10 @@ class ManagerTargetSpec:
     """Whether programs admit requests with a KV connector's loads: external tokens,
     reserved blocks, groups whose loaded blocks are not zeroed (``kvpool.model.external``;
     True needs ``ManagerTargetScheduler`` and its ``allocate_slots``' further arguments)."""
+    hisparse: bool = False
+    """Whether programs build HiSparse managers (``ManagerSetup.hisparse``) and send the
+    coordinator's calls (``OPERATIONS_HISPARSE``; True needs ``ManagerTargetHiSparse``): the
+    HiSparse machine (``kvpool.specs.request.hisparse_machine``) runs instead of the main one."""
     mamba_reserves: tuple[tuple[int, int], ...] = ((0, 0),)
     """The (speculative blocks, prefill checkpoint alignment in blocks) a Mamba "align"
     group is drawn with (``kvpool.model.mamba_reserve``; (0, 0): neither). On

@@ -272,7 +272,7 @@ def _request(spec: str) -> TargetDescriptor:
                 "eagle_hybrids": True,
                 "retentions": RETENTIONS,
             },
-            parts=request_target.PARTS_033,
+            parts=request_target.PARTS_033_HISPARSE,
         )
     if spec.startswith("cmd:"):
         from kvpool.specs.targets.cmd.request import CMD_SCOPE, CmdManagerFactory
@@ -311,7 +311,7 @@ def _vllm_request(spec: str) -> TargetDescriptor:
         raise TargetSpecError(str(error)) from error
     # What vLLM 0.33 added is compared on 0.33 only (the adapter drives it on that API)
     version = installed_version() or ""
-    parts = request_target.PARTS_033 if version.startswith("0.33") else ()
+    parts = request_target.PARTS_033_HISPARSE if version.startswith("0.33") else ()
     return _from_scope(spec, scope(factory), release=release, parts=parts)
 
 

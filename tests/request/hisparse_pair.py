@@ -11,7 +11,6 @@ different functions). vLLM is built as its tests build it
 """
 
 from collections.abc import Sequence
-from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -23,19 +22,19 @@ from kvpool.model.events import AllBlocksCleared, BlockRemoved, BlockStored, KVC
 from kvpool.model.hisparse_layout import HiSparseConfig
 from kvpool.model.hisparse_types import PageTransfer
 from kvpool.model.request import Request, append_tokens, new_request, with_computed
-from kvpool.model.single_type import full_attention
+from kvpool.specs.request.hisparse_machine import hisparse_roles, hisparse_setup
+from kvpool.specs.request.model_target import ModelManagerTarget
+from kvpool.specs.request.target import ManagerSetup
 
 BLOCK = 16
 
 
 def model_config(num_resident_groups: int = 1) -> HiSparseConfig:
     """Groups 0 source, 1 indexer, 2 resident, 3 hot, then (resident, hot) pairs."""
-    residents = (2, *(4 + 2 * i for i in range(num_resident_groups - 1)))
-    hots = ((3, 2), *((5 + 2 * i, 2) for i in range(num_resident_groups - 1)))
-    return HiSparseConfig((0,), None, (1,), residents, hots)
+    return hisparse_roles(num_resident_groups, None)
 
 
-def new_model(
+def _setup(
     num_blocks: int,
     host_num_blocks: int,
     *,
@@ -45,82 +44,29 @@ def new_model(
     num_prefill_lookahead: int = 0,
     enable_events: bool = False,
     num_resident_groups: int = 1,
-) -> mgr.KVCacheManagerState:
-    config = replace(model_config(num_resident_groups), host_num_blocks=host_num_blocks)
-    return mgr.new_hisparse_manager(
+) -> ManagerSetup:
+    return hisparse_setup(
         num_blocks,
-        [full_attention(BLOCK)] * (2 + 2 * num_resident_groups),
-        max_model_len,
-        config,
-        hash_block_size=BLOCK,
+        host_num_blocks,
+        max_model_len=max_model_len,
         enable_caching=enable_caching,
         enable_events=enable_events,
-        max_in_flight_tokens=max_in_flight_tokens,
         num_prefill_lookahead=num_prefill_lookahead,
-    )
-
-
-def _new_vllm(
-    num_blocks: int,
-    host_num_blocks: int,
-    *,
-    max_model_len: int = 128,
-    max_in_flight_tokens: int | None = None,
-    enable_caching: bool = False,
-    num_prefill_lookahead: int = 0,
-    enable_events: bool = False,
-    num_resident_groups: int = 1,
-) -> Any:
-    import torch
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
-    from vllm.v1.hisparse.coordinator import get_hisparse_coordinator
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        HiSparseHotSpec,
-        HiSparseResidentSpec,
-        KVCacheConfig,
-        KVCacheGroupRole,
-        KVCacheGroupSpec,
-    )
-
-    source = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32)
-    groups = [
-        KVCacheGroupSpec(
-            ["source"], source, role=KVCacheGroupRole.HISPARSE_SOURCE, host_resident=True
-        ),
-        KVCacheGroupSpec(["indexer"], source, role=KVCacheGroupRole.HISPARSE_INDEXER),
-    ]
-    for i in range(num_resident_groups):
-        groups.append(
-            KVCacheGroupSpec(
-                [f"resident_{i}"], HiSparseResidentSpec(block_size=BLOCK, page_size=BLOCK * 4)
-            )
-        )
-        groups.append(
-            KVCacheGroupSpec(
-                [f"hot_{i}"],
-                HiSparseHotSpec(block_size=BLOCK, page_size=BLOCK * 4, blocks_per_request=2),
-                enable_kv_transfer=False,
-            )
-        )
-    config = KVCacheConfig(
-        num_blocks=num_blocks,
-        hisparse_host_num_blocks=host_num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=groups,
-    )
-    manager = KVCacheManager(
-        config,
-        max_model_len=max_model_len,
+        num_resident_groups=num_resident_groups,
         max_in_flight_tokens=max_in_flight_tokens,
-        enable_caching=enable_caching,
-        hash_block_size=BLOCK,
-        num_prefill_lookahead=num_prefill_lookahead,
-        enable_kv_cache_events=enable_events,
-        scheduler_block_size=BLOCK,
     )
-    get_hisparse_coordinator(manager)
-    return manager
+
+
+def new_model(num_blocks: int, host_num_blocks: int, **kwargs: Any) -> mgr.KVCacheManagerState:
+    """The model's manager, as the kit's model target builds it."""
+    return ModelManagerTarget(_setup(num_blocks, host_num_blocks, **kwargs)).state
+
+
+def _new_vllm(num_blocks: int, host_num_blocks: int, **kwargs: Any) -> Any:
+    """vLLM's manager, as the kit's vLLM adapter builds it (its coordinator bound)."""
+    from kvpool.specs.targets.vllm.hisparse import build_hisparse_manager
+
+    return build_hisparse_manager(_setup(num_blocks, host_num_blocks, **kwargs))
 
 
 def _summary(event: Any) -> tuple[Any, ...]:

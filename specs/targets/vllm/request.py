@@ -657,6 +657,10 @@ class VllmManagerFactory:
         return self._manager_class
 
     def __call__(self, setup: ManagerSetup) -> Any:
+        if setup.hisparse is not None:  # HiSparse's roles: the coordinator's adapter
+            from kvpool.specs.targets.vllm.hisparse import VllmHiSparseTarget
+
+            return VllmHiSparseTarget(setup, self.manager_class())
         hasher = chosen_hasher(self.hash_mode)
         cls = VllmHashingManagerTarget if hasher == "vllm" else VllmManagerTarget
         target = cls(setup, self.manager_class(), hasher)
@@ -680,6 +684,8 @@ class VllmManagerFactory:
             # 0.24 does not: before 0.33, blocks of one hash block only
             claimed["block_factors"] = (1,)
             claimed["retentions"] = (None,)
+        if not api.version.startswith("0.33"):
+            claimed["hisparse"] = False  # HiSparse's coordinator: vLLM 0.33.0's
         if not eras.takes(api.manager_class, "allocate_slots", "reserved_blocks"):
             # a release before a KV connector's reserved blocks (0.33) is not sent its loads
             claimed["connector_loads"] = False
@@ -988,6 +994,18 @@ def eagle_flags_scope(factory: VllmManagerFactory | None = None) -> ManagerTarge
         prefill_lookaheads=(0, 0, 1, 2),
         eagle_hybrids=True,
         eagle_flags=True,
+    )
+
+
+def hisparse_scope(factory: VllmManagerFactory | None = None) -> ManagerTargetSpec:
+    """Where vLLM 0.33's HiSparse manager and coordinator are compared (slice 1: two pools,
+    write-back and publication; ``kvpool.specs.request.hisparse_machine``), events on and off.
+    """
+    from kvpool.model import DEFAULT_PROFILE
+    from kvpool.specs.request.target import HISPARSE_PART
+
+    return ManagerTargetSpec(
+        factory or VllmManagerFactory(), profiles=(DEFAULT_PROFILE,), **HISPARSE_PART
     )
 
 
