@@ -2,8 +2,8 @@
 
 ``kvpool check --layer request`` on kvpool's model and impl, and on vLLM 0.33, runs the main
 scope and then each part of ``PARTS_033_HISPARSE`` (fine-grained hits, Mamba "align", hits
-inside a Mamba block, HiSparse slice 1), which the main scope never draws. One report: each part's verdict, programs
-and time added up, and the first failing part's failure.
+inside a Mamba block, HiSparse slice 1), which the main scope never draws. One report: each
+part's verdict, programs and time added up, and the first failing part's failure.
 """
 
 from typing import Any
