@@ -13,6 +13,7 @@ from typing import Any, cast
 
 import pytest
 
+from kvpool.impl import KVCacheManager
 from kvpool.impl.hisparse_view import HiSparseCoordinatorView
 from kvpool.model import hisparse as model_hisparse
 from kvpool.model import manager as model_manager
@@ -199,11 +200,37 @@ class FirstOfTwoWorkersImpl(ImplManagerTarget):
         return cast(HiSparseCoordinatorView, _OneWorkerCoordinator(super().coordinator()))
 
 
-def test_a_planted_impl_bug_is_found_in_lock_step() -> None:
+class _Preempted:
+    """A request that says it has not finished, whatever it is."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def is_finished(self) -> bool:
+        return False
+
+
+class PreemptsEveryFree(KVCacheManager):
+    """Planted in the impl's manager: every free drops the request's publication, as a
+    preemption does, so a finished request's durable prefix is never published."""
+
+    def free(self, request: Any) -> None:
+        super().free(_Preempted(request))  # BUG: ignores request.is_finished()
+
+
+class PreemptsEveryFreeImpl(ImplManagerTarget):
+    manager_class = PreemptsEveryFree
+
+
+@pytest.mark.parametrize("bug", [FirstOfTwoWorkersImpl, PreemptsEveryFreeImpl])
+def test_a_planted_impl_bug_is_found_in_lock_step(bug: type[ImplManagerTarget]) -> None:
     report = run_request_conformance(
-        ManagerTargetSpec(FirstOfTwoWorkersImpl, **HISPARSE_PART),
+        ManagerTargetSpec(bug, **HISPARSE_PART),
         hypothesis_profile="ci",
-        max_examples=200,
+        max_examples=600,  # found at programs 3 to 212 over seeds (2026-11-29)
         shrink=False,
     )
     assert not report.conforms
