@@ -6,10 +6,13 @@ are operations of the request layer, one pure function each over
 ``KVCacheManagerState``, ``(state, args) -> (state, result)``; a refused call changes
 nothing. docs/hisparse.md describes each; "Modelled in slice 1" says what is left out.
 
-**Unknown request ids.** vLLM creates an empty book for an id it does not know
-(``_get_request_state``) in ``advance_scheduled``, ``plan_prefix_materialization``,
-``update_residency`` and ``take_residency_updates``; the model does the same, so the
-answers and later frees agree (docs/hisparse.md, "Surprises").
+**Unknown request ids.** A request is known while it holds blocks in the source group.
+``advance_scheduled``, ``plan_prefix_materialization``, ``update_residency``, ``require_hot``
+and ``take_residency_updates`` refuse any other id (``UnknownRequest``, state unchanged),
+the project's rule for bad input. vLLM 0.33.0 creates an empty book for it instead
+(``_get_request_state``): a recorded difference (docs/hisparse.md, "Surprises";
+docs/vllm-conformance.md, known differences). The queries ``build_row_mirrors`` and
+``all_context_pages_resident`` skip unknown ids, as vLLM does.
 """
 
 from collections.abc import Iterable, Mapping
@@ -18,7 +21,12 @@ from functools import partial
 
 import kvpool.model.hisparse_core as core
 import kvpool.model.pool as pool_ops
-from kvpool.model.errors import HiSparseNotModelled, InvalidArgument, InvalidTokenCount
+from kvpool.model.errors import (
+    HiSparseNotModelled,
+    InvalidArgument,
+    InvalidTokenCount,
+    UnknownRequest,
+)
 from kvpool.model.events import MEDIUM_CPU, MEDIUM_GPU
 from kvpool.model.hisparse_types import PageTransfer, ResidencyUpdate, RowMirror
 from kvpool.model.manager import KVCacheManagerState, tiers, with_tiers
@@ -29,6 +37,12 @@ def _verify_id(request_id: object) -> str:
     if not isinstance(request_id, str):
         raise InvalidArgument(f"a request id is a str, got {type(request_id).__name__}")
     return request_id
+
+
+def _verify_known(t: core.Tiers, request_id: str) -> None:
+    # Verify that the request holds blocks in the source group (vLLM would create a book)
+    if request_id not in t.managers.tables[t.layout.source].req_to_blocks:
+        raise UnknownRequest(f"request {request_id!r} holds no HiSparse blocks")
 
 
 def _verify_count(name: str, value: object) -> int:
@@ -91,6 +105,9 @@ def advance_scheduled(
     t = tiers(state)
     # Verify that every pair is a request id and a token count >= 0
     pairs = _pairs(requests)
+    # Verify that every request is known
+    for request_id, _ in pairs:
+        _verify_known(t, request_id)
     for request_id, num_tokens in pairs:
         t = core.plan_materialization(
             t, request_id, max(0, num_tokens - t.layout.num_reprefillable_tokens)
@@ -110,6 +127,8 @@ def plan_prefix_materialization(
     # Verify the arguments' types and that the count is not negative
     rid = _verify_id(request_id)
     n = _verify_count("num_computed_tokens", num_computed_tokens)
+    # Verify that the request is known
+    _verify_known(t, rid)
     return with_tiers(state, core.plan_materialization(t, rid, n)), None
 
 
@@ -125,8 +144,9 @@ def update_residency(
     never allocates.
     """
     t = tiers(state)
-    # Verify that the id is a str
+    # Verify that the id is a str and the request known
     rid = _verify_id(request_id)
+    _verify_known(t, rid)
     return with_tiers(state, _update_residency(t, rid)), None
 
 
@@ -156,8 +176,9 @@ def require_hot(state: KVCacheManagerState, request_id: str) -> tuple[KVCacheMan
     """Ask for the request's hot region in every hot group (``HiSparseHotManager.require_hot``);
     its next ``allocate_slots`` counts the region."""
     t = tiers(state)
-    # Verify that the id is a str
+    # Verify that the id is a str and the request known
     rid = _verify_id(request_id)
+    _verify_known(t, rid)
     return with_tiers(state, _require_hot(t, rid)), None
 
 
@@ -295,6 +316,9 @@ def take_residency_updates(
     # Verify that every id is a str
     for rid in ids:
         _verify_id(rid)
+    # Verify that every request is known
+    for rid in ids:
+        _verify_known(t, rid)
     updates: dict[str, ResidencyUpdate] = {}
     first = t.layout.residents[0]
     for rid in ids:

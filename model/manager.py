@@ -1195,11 +1195,16 @@ def reset_prefix_cache(state: KVCacheManagerState) -> tuple[KVCacheManagerState,
     (True, True)
     """
     if state.config.hisparse is not None:
-        # each pool resets on its own, the host's first, whatever the other answers
-        # (KVCacheCoordinator.reset_prefix_cache, vLLM 0.33.0; docs/hisparse.md)
-        t, host_done = hisparse_core.host_pool(tiers(state), pool_ops.reset_prefix_cache)
-        t, device_done = hisparse_core.device_pool(t, pool_ops.reset_prefix_cache)
-        state, done = with_tiers(state, t), host_done and device_done
+        # Both pools reset, the host's first, or neither: a refused reset changes nothing.
+        # vLLM 0.33.0 resets an idle pool even when the other refuses
+        # (KVCacheCoordinator.reset_prefix_cache): a recorded finding (docs/hisparse.md)
+        t, done = hisparse_core.host_pool(tiers(state), pool_ops.reset_prefix_cache)
+        if not done:
+            return state, False
+        t, done = hisparse_core.device_pool(t, pool_ops.reset_prefix_cache)
+        if not done:
+            return state, False
+        state = with_tiers(state, t)
     else:
         pool, done = pool_ops.reset_prefix_cache(state.managers.pool)
         state = replace(state, managers=replace(state.managers, pool=pool))

@@ -195,8 +195,8 @@ PARTS_033_HISPARSE: tuple[tuple[str, Mapping[str, Any]], ...] = (
     *PARTS_033,
     ("HiSparse slice 1", HISPARSE_PART),
 )
-"""``PARTS_033`` and HiSparse slice 1 (``HISPARSE_PART``): the parts of kvpool's model and
-vLLM 0.33 (kvpool's impl joins once it has HiSparse)."""
+"""``PARTS_033`` and HiSparse slice 1 (``HISPARSE_PART``): the parts of kvpool's model, its
+impl and vLLM 0.33."""
 
 
 @dataclass(frozen=True)

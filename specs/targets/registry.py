@@ -257,7 +257,7 @@ def _request(spec: str) -> TargetDescriptor:
                 "eagle_hybrids": True,
                 "retentions": RETENTIONS,
             },
-            parts=request_target.PARTS_033,
+            parts=request_target.PARTS_033_HISPARSE,
         )
     if spec == "model":
         from kvpool.specs.request.model_target import ModelManagerTarget

@@ -1,9 +1,9 @@
 """The request layer checked in parts: the main scope, then what vLLM 0.33 added.
 
 ``kvpool check --layer request`` on kvpool's model and impl, and on vLLM 0.33, runs the main
-scope and then each part of ``PARTS_033`` (fine-grained hits, Mamba "align", hits inside a
-Mamba block), which the main scope never draws. One report: each part's verdict, programs
-and time added up, and the first failing part's failure.
+scope and then each part of ``PARTS_033_HISPARSE`` (fine-grained hits, Mamba "align", hits
+inside a Mamba block, HiSparse slice 1), which the main scope never draws. One report: each
+part's verdict, programs and time added up, and the first failing part's failure.
 """
 
 from typing import Any
@@ -14,13 +14,13 @@ from typer.testing import CliRunner
 from kvpool.model.request import Request
 from kvpool.specs.checking import check
 from kvpool.specs.cli import app
-from kvpool.specs.request.target import PARTS_033, PARTS_033_HISPARSE, ManagerSetup
+from kvpool.specs.request.target import PARTS_033_HISPARSE, ManagerSetup
 from kvpool.specs.targets import TargetDescriptor, resolve
 from kvpool.specs.targets.impl.request import ImplManagerTarget
 
-PART_NAMES = ["main", *(name for name, _ in PARTS_033)]
-PARTS = {"impl": PARTS_033, "model": PARTS_033_HISPARSE}
-"""The impl joins HiSparse slice 1's part once it has HiSparse."""
+PART_NAMES = ["main", *(name for name, _ in PARTS_033_HISPARSE)]
+PARTS = {"impl": PARTS_033_HISPARSE, "model": PARTS_033_HISPARSE}
+"""kvpool's model and impl are checked on the same parts, HiSparse slice 1 included."""
 
 
 @pytest.mark.parametrize("target", ["impl", "model"])
@@ -60,6 +60,7 @@ def test_a_bug_only_a_part_draws_is_found_in_that_part() -> None:
     assert report.parts["fine-grained hits"] == "conforms"
     assert report.parts['Mamba "align"'].startswith("diverges")
     assert report.parts["hits inside a Mamba block"] == "not run"
+    assert report.parts["HiSparse slice 1"] == "not run"
     assert report.programs_to_first_failure is not None
     assert report.programs_to_first_failure <= report.examples_run
     assert "get_computed_blocks" in (report.failure or "") + (report.program or "")

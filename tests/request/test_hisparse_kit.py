@@ -1,4 +1,5 @@
-"""HiSparse slice 1 in the request layer's kit: the model target, vLLM 0.33, planted bugs.
+"""HiSparse slice 1 in the request layer's kit: the model target, kvpool.impl and vLLM 0.33
+against the model, planted bugs.
 
 The model target must conform to itself; vLLM 0.33.0's manager and coordinator must
 conform on ``hisparse_scope()`` (skipped, visibly, without vLLM; an error under
@@ -8,9 +9,12 @@ found; slice 1's invariants must catch a broken state.
 
 from collections.abc import Mapping
 from dataclasses import replace
+from typing import Any, cast
 
 import pytest
 
+from kvpool.impl import KVCacheManager
+from kvpool.impl.hisparse_view import HiSparseCoordinatorView
 from kvpool.model import hisparse as model_hisparse
 from kvpool.model import manager as model_manager
 from kvpool.model.request import new_request
@@ -25,6 +29,7 @@ from kvpool.specs.request.hisparse_invariants import (
 from kvpool.specs.request.hisparse_machine import hisparse_setup
 from kvpool.specs.request.model_target import ModelManagerTarget
 from kvpool.specs.request.target import HISPARSE_PART, ManagerTargetSpec
+from kvpool.specs.targets.impl.request import ImplManagerTarget
 
 
 def test_the_model_target_conforms_to_itself() -> None:
@@ -149,6 +154,83 @@ def test_a_planted_bug_over_vllm_is_found() -> None:
         ManagerTargetSpec(OneWorkerOverVllm, **HISPARSE_PART),
         hypothesis_profile="ci",
         max_examples=200,
+        shrink=False,
+    )
+    assert not report.conforms
+    assert report.exit_code == 1, report.failure
+    assert "update_spills" in (report.program or "")
+
+
+# ----------------------------------------------------------------------
+# kvpool.impl in lock-step with the model
+# ----------------------------------------------------------------------
+
+
+def test_the_impl_conforms_on_hisparse() -> None:
+    """kvpool.impl's manager and ``get_hisparse_coordinator``'s view against the model,
+    compared after every call (``ImplManagerTarget`` answers ``ManagerTargetHiSparse``)."""
+    report = run_request_conformance(
+        ManagerTargetSpec(ImplManagerTarget, **HISPARSE_PART),
+        hypothesis_profile="ci",
+        max_examples=150,
+    )
+    assert report.conforms, f"{report.failure}\n{report.program}"
+    assert report.examples_run >= 150
+
+
+class _OneWorkerCoordinator:
+    """The impl's coordinator, told of one worker where two run a transfer (a wrapper: the
+    compiled coordinator takes no interpreted subclass)."""
+
+    def __init__(self, view: HiSparseCoordinatorView) -> None:
+        self._view = view
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._view, name)
+
+    def update_spills(self, enqueued: Mapping[int, int], completed: Mapping[int, int]) -> None:
+        # BUG: the first worker's completion completes the transfer
+        self._view.update_spills({t: 1 for t in enqueued}, completed)
+
+
+class FirstOfTwoWorkersImpl(ImplManagerTarget):
+    """Planted in the impl's coordinator: a spill completes on the first of two workers."""
+
+    def coordinator(self) -> HiSparseCoordinatorView:
+        return cast(HiSparseCoordinatorView, _OneWorkerCoordinator(super().coordinator()))
+
+
+class _Preempted:
+    """A request that says it has not finished, whatever it is."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def is_finished(self) -> bool:
+        return False
+
+
+class PreemptsEveryFree(KVCacheManager):
+    """Planted in the impl's manager: every free drops the request's publication, as a
+    preemption does, so a finished request's durable prefix is never published."""
+
+    def free(self, request: Any) -> None:
+        super().free(_Preempted(request))  # BUG: ignores request.is_finished()
+
+
+class PreemptsEveryFreeImpl(ImplManagerTarget):
+    manager_class = PreemptsEveryFree
+
+
+@pytest.mark.parametrize("bug", [FirstOfTwoWorkersImpl, PreemptsEveryFreeImpl])
+def test_a_planted_impl_bug_is_found_in_lock_step(bug: type[ImplManagerTarget]) -> None:
+    report = run_request_conformance(
+        ManagerTargetSpec(bug, **HISPARSE_PART),
+        hypothesis_profile="ci",
+        max_examples=600,  # found at programs 3 to 212 over seeds (2026-11-29)
         shrink=False,
     )
     assert not report.conforms

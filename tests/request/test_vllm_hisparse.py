@@ -8,6 +8,9 @@ optional: these tests skip, visibly, without it, and fail when ``KVPOOL_REQUIRE_
 
 import pytest
 
+import kvpool.model.hisparse as hs
+import kvpool.model.manager as mgr
+from kvpool.model.errors import UnknownRequest
 from tests.request.hisparse_pair import BLOCK, Pair, run_random_program
 
 pytestmark = pytest.mark.usefixtures("require_vllm_manager")
@@ -173,7 +176,7 @@ def test_residency_updates_and_row_mirrors() -> None:
     pair.request("r", list(range(40)))
     assert pair.allocate_scheduled("r", 40)
     pair.mirrors([("r", 10, 30), ("ghost", 0, 4)])
-    pair.residency(["r", "ghost"])
+    pair.residency(["r"])
     pair.residency(["r"])
     assert pair.all_resident([("r", 0, 40)])
     pair.free("r")
@@ -182,6 +185,45 @@ def test_residency_updates_and_row_mirrors() -> None:
     pair.residency(["r"])
     pair.request("ghost", [1])
     pair.free("ghost")
+
+
+def test_vllm_creates_a_book_for_an_unknown_id() -> None:
+    """A recorded difference (docs/hisparse.md): vLLM 0.33.0 creates an empty state for an
+    id it does not know (``_get_request_state``); the spec refuses it, state unchanged. If
+    this fails, vLLM changed: the difference may be gone."""
+    pair = Pair(32, 16)
+    pair.request("r", list(range(40)))
+    assert pair.allocate_scheduled("r", 40)
+    before = pair.model
+    with pytest.raises(UnknownRequest):
+        hs.take_residency_updates(pair.model, ["ghost"])
+    with pytest.raises(UnknownRequest):
+        hs.advance_scheduled(pair.model, [("ghost2", 0)])
+    assert pair.model == before
+    pair.coordinator.take_residency_updates(["ghost"])
+    pair.coordinator.advance_scheduled([("ghost2", 0)])
+    assert {"ghost", "ghost2"} <= set(pair.coordinator.request_states)
+
+
+def test_vllm_resets_the_idle_pool_when_the_other_refuses() -> None:
+    """A vLLM finding (docs/hisparse.md): a refused reset still forgets the idle host pool's
+    hashes (``KVCacheCoordinator.reset_prefix_cache``, 0.33.0); the spec changes nothing.
+    If this fails, vLLM changed: the finding may be fixed."""
+    pair = Pair(32, 16, enable_caching=True)
+    pair.request("r", list(range(64)))
+    assert pair.allocate_scheduled("r", 64)
+    pair.publish()
+    pair.free("r", finished=True)
+    pair.press_device(1)
+    before = pair.model
+    pair.model, done = mgr.reset_prefix_cache(pair.model)
+    assert not done and pair.model == before
+    assert pair.model.host_pool is not None
+    assert sum(b.block_hash is not None for b in pair.model.host_pool.blocks) == 4
+    host = pair.coordinator.get_host_block_pool()
+    assert sum(b.block_hash is not None for b in host.blocks) == 4
+    assert not pair.vllm.reset_prefix_cache()
+    assert sum(b.block_hash is not None for b in host.blocks) == 0
 
 
 def test_full_sequence_must_fit_caps_resident_pages() -> None:

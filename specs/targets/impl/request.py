@@ -1,6 +1,7 @@
 """kvpool's own fast KV cache manager as a manager target."""
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from kvpool.impl.block import KVCacheBlock
 from kvpool.impl.manager import KVCacheBlocks, KVCacheConfig, KVCacheManager
@@ -8,6 +9,7 @@ from kvpool.model.events import KVCacheEvent
 from kvpool.model.manager import Blocks, KVCacheManagerState, PrefixCacheStats
 from kvpool.model.request import Request
 from kvpool.specs.request.target import ManagerSetup
+from kvpool.specs.targets.impl.hisparse import HiSparseCalls, hisparse_config
 from kvpool.specs.targets.manager_api import (
     SchedulerCalls,
     block_ids,
@@ -17,8 +19,10 @@ from kvpool.specs.targets.manager_api import (
 )
 
 
-class ImplManagerTarget(SchedulerCalls):
-    """``kvpool.impl.manager.KVCacheManager`` behind the manager protocol, with its snapshot.
+class ImplManagerTarget(SchedulerCalls, HiSparseCalls):
+    """``kvpool.impl.manager.KVCacheManager`` behind the manager protocol, with its snapshot;
+    built with ``setup.hisparse``, also behind ``ManagerTargetHiSparse``
+    (``kvpool.specs.targets.impl.hisparse``).
 
     ``manager_class`` lets tests check a modified copy of the impl.
     """
@@ -28,13 +32,17 @@ class ImplManagerTarget(SchedulerCalls):
 
     def __init__(self, setup: ManagerSetup) -> None:
         self.specs = setup.specs
+        self._held = {}
+        config: Any = KVCacheConfig(
+            setup.num_blocks,
+            setup.specs,
+            prefix_cache_retention_interval=setup.retention_interval,
+            eagle_groups=setup.eagle_groups,
+        )
+        if setup.hisparse is not None:
+            config = hisparse_config(setup, setup.hisparse)
         self.manager = self.manager_class(
-            KVCacheConfig(
-                setup.num_blocks,
-                setup.specs,
-                prefix_cache_retention_interval=setup.retention_interval,
-                eagle_groups=setup.eagle_groups,
-            ),
+            config,
             setup.max_model_len,
             hash_block_size=setup.hash_block_size,
             enable_caching=setup.enable_caching,
