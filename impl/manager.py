@@ -119,7 +119,14 @@ class KVCacheBlocks:
         return tuple([b.block_id for b in group] for group in self.blocks)
 
     def __repr__(self) -> str:
-        return f"KVCacheBlocks({self.get_block_ids()})"
+        # Never raises, whatever a caller put inside: a test framework prints the arguments
+        # of a failing call, junk ones included (a repr that raised made Hypothesis report a
+        # flaky strategy instead of the failure)
+        try:
+            ids = tuple([getattr(b, "block_id", b) for b in group] for group in self.blocks)
+        except TypeError:  # not groups of blocks at all
+            return f"KVCacheBlocks({self.blocks!r})"
+        return f"KVCacheBlocks({ids})"
 
 
 class KVCacheBlockCopy:

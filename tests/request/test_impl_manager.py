@@ -906,3 +906,16 @@ def test_a_full_sequence_that_must_fit_counts_its_free_hits(
         assert num_hit == 4
         allocated = target.allocate_slots(probe, 1, num_hit, hit, full_sequence_must_fit=True)
         assert (allocated is not None) is fits
+
+
+@pytest.mark.parametrize("inside", [([None],), ([1, "x"], []), (None,)])
+def test_kvcacheblocks_repr_never_raises(inside: Any) -> None:
+    """A test framework prints a failing call's arguments, junk ones included."""
+    text = repr(KVCacheBlocks(inside))
+    assert text.startswith("KVCacheBlocks(")
+
+
+def test_kvcacheblocks_repr_shows_block_ids() -> None:
+    pool = BlockPool(4, True, 1)
+    blocks = pool.get_new_blocks(2)
+    assert repr(KVCacheBlocks((blocks, []))) == "KVCacheBlocks(([1, 2], []))"
