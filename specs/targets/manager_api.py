@@ -13,6 +13,7 @@ from kvpool.model.events import BlockStored, KVCacheEvent
 from kvpool.model.manager import Blocks
 from kvpool.model.request import Request
 from kvpool.model.single_type import AttentionType, KVCacheSpec
+from kvpool.specs.request.target import HiSparseView
 
 
 def connector_arguments(
@@ -126,3 +127,32 @@ class SchedulerCalls:
     def finalize_partial_tail_offloads(self, request: Request) -> Sequence[tuple[int, int, int]]:
         tails = self.manager.finalize_partial_tail_offloads(self.caller_request(request))
         return tuple((int(g), int(b), int(n)) for g, b, n in tails)
+
+
+def hisparse_view(device: Any, host: Any, coordinator: Any) -> HiSparseView:
+    """What the HiSparse machine compares, read from a manager with vLLM 0.33's HiSparse API:
+    the device and host pools (``device``, ``host``) and the coordinator
+    (``get_hisparse_coordinator``'s, or kvpool.impl's view of its own)."""
+    hot: set[str] = set()
+    for manager in coordinator.hot_managers:
+        hot |= set(manager.hot_required)
+    return HiSparseView(
+        device_blocks=tuple((b.ref_cnt, b.block_hash is not None) for b in device.blocks),
+        device_free=tuple(b.block_id for b in device.free_block_queue.get_all_free_blocks()),
+        host_blocks=tuple((b.ref_cnt, b.block_hash is not None) for b in host.blocks),
+        host_free=tuple(b.block_id for b in host.free_block_queue.get_all_free_blocks()),
+        hot_required=frozenset(hot),
+        copies=tuple(sorted(tuple(b.block_id for b in bs) for bs in coordinator.copies.values())),
+        pending_work=bool(coordinator.has_pending_work()),
+        pending_reclamation=bool(coordinator.has_pending_reclamation()),
+        books={
+            r: (
+                frozenset(s.valid_pages),
+                s.ready_prefix_pages,
+                dict(s.pending_pages),
+                frozenset(s.pinned_clean),
+                s.synced_pages,
+            )
+            for r, s in coordinator.request_states.items()
+        },
+    )

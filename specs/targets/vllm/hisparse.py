@@ -28,6 +28,7 @@ from kvpool.model.manager import Blocks, PrefixCacheStats
 from kvpool.model.request import Request
 from kvpool.specs.errors import TargetError
 from kvpool.specs.request.target import HiSparseView, ManagerSetup, PoolBlock
+from kvpool.specs.targets.manager_api import hisparse_view
 from kvpool.specs.targets.vllm.hasher import VllmRequests, find_hasher
 
 HOST = "CPU"
@@ -315,27 +316,4 @@ class VllmHiSparseTarget:
         chosen.free_blocks([self._take((pool, b)) for b in block_ids])
 
     def hisparse_view(self) -> HiSparseView:
-        device, host, c = self.manager.block_pool, self._host(), self.coordinator
-        hot: set[str] = set()
-        for manager in c.hot_managers:
-            hot |= set(manager.hot_required)
-        return HiSparseView(
-            device_blocks=tuple((b.ref_cnt, b.block_hash is not None) for b in device.blocks),
-            device_free=tuple(b.block_id for b in device.free_block_queue.get_all_free_blocks()),
-            host_blocks=tuple((b.ref_cnt, b.block_hash is not None) for b in host.blocks),
-            host_free=tuple(b.block_id for b in host.free_block_queue.get_all_free_blocks()),
-            hot_required=frozenset(hot),
-            copies=tuple(sorted(tuple(b.block_id for b in bs) for bs in c.copies.values())),
-            pending_work=bool(c.has_pending_work()),
-            pending_reclamation=bool(c.has_pending_reclamation()),
-            books={
-                r: (
-                    frozenset(s.valid_pages),
-                    s.ready_prefix_pages,
-                    dict(s.pending_pages),
-                    frozenset(s.pinned_clean),
-                    s.synced_pages,
-                )
-                for r, s in c.request_states.items()
-            },
-        )
+        return hisparse_view(self.manager.block_pool, self._host(), self.coordinator)
