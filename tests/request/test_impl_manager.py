@@ -31,6 +31,7 @@ from kvpool.model.single_type import (
     full_attention,
     mamba,
     mamba_align,
+    mamba_reserving,
     sliding_window,
 )
 from kvpool.specs.request.machine import layout_specs
@@ -905,4 +906,84 @@ def test_a_full_sequence_that_must_fit_counts_its_free_hits(
         hit, num_hit = target.get_computed_blocks(probe)
         assert num_hit == 4
         allocated = target.allocate_slots(probe, 1, num_hit, hit, full_sequence_must_fit=True)
+        assert (allocated is not None) is fits
+
+
+# --------------------------------------------------------------------------
+# Survivors of the re-run of 2026-11-29 (session 9) over the same operations,
+# each compared with the model and checked by hand to fail on its mutant
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("num_tokens", "fits"), [(20, True), (21, False)])
+def test_external_tokens_of_a_full_sequence_that_must_fit_count_its_every_block(
+    num_tokens: int, fits: bool
+) -> None:
+    """Five free blocks of 4 tokens; a connector loads 8 and the step computes 4 (three
+    blocks, which fit), but the whole sequence must fit: 20 tokens take five blocks and are
+    admitted, 21 take six and are refused, with nothing allocated."""
+    setup = ManagerSetup(6, (full_attention(4),), 64, 4)
+    request = new_request("r", tuple(range(num_tokens)), 4)
+    for target in _model_and_impl(setup):
+        allocated = target.allocate_slots(
+            request, 4, num_external_computed_tokens=8, full_sequence_must_fit=True
+        )
+        assert (allocated is not None) is fits
+        if not fits:
+            assert target.snapshot().managers.tables[0].req_to_blocks == {}
+
+
+@pytest.mark.parametrize(("extra", "fits"), [(21, True), (22, False)])
+def test_a_full_sequence_that_must_fit_counts_the_copy_of_a_hit_ending_inside_a_block(
+    extra: int, fits: bool
+) -> None:
+    """Fine-grained hits: the probe hits 2 tokens inside the first request's freed block (a
+    free hit, plus a fresh block for its copy). Seven usable blocks of 4 tokens: a sequence
+    of 24 tokens needs 5 more blocks beside the hit, 7 in all, and fits; 25 need 8."""
+    setup = ManagerSetup(8, (full_attention(4),), 64, 2, fine_grained_hits=True)
+    for target in _model_and_impl(setup):
+        first = new_request("a", (1, 2, 1), 2)
+        target.allocate_slots(first, 3)
+        target.free(first)
+        probe = new_request("b", (1, 2, 1, *range(10, 10 + extra)), 2)
+        hit, num_hit = target.get_computed_blocks(probe)
+        assert (hit, num_hit) == (((1,),), 2)
+        allocated = target.allocate_slots(probe, 3, num_hit, hit, full_sequence_must_fit=True)
+        assert (allocated is not None) is fits
+
+
+@pytest.mark.parametrize(
+    ("mamba_spec", "num_hit", "extra", "fits"),
+    [
+        (mamba_align(12), 20, 27, True),
+        (mamba_align(12), 20, 28, False),
+        (mamba_reserving(12, 0, 4), 0, 31, True),
+        (mamba_reserving(12, 0, 4), 0, 32, False),
+    ],
+    ids=["align-fits", "align-refused", "checkpoints-fit", "checkpoints-refused"],
+)
+def test_a_mamba_groups_whole_sequence_is_counted_in_model_and_impl(
+    mamba_spec: KVCacheSpec, num_hit: int, extra: int, fits: bool
+) -> None:
+    """A Mamba "align" group of 12-token blocks beside attention blocks of 4, 16 blocks in
+    the pool: a consumer whose whole sequence must fit is admitted up to a length and
+    refused one token past it, in model and impl alike. Plain "align": its hit of 20
+    tokens ends inside a state block, whose copy is counted too. With prefill checkpoints
+    (kvpool.impl.mamba_fine_reserve) there is no hit, and the group's checkpoint blocks
+    are counted."""
+    setup = ManagerSetup(16, (full_attention(4), mamba_spec), 128, 4)
+    prompt = tuple(range(22))
+    for target in _model_and_impl(setup):
+        producer = new_request("a", prompt, 4)
+        assert target.allocate_slots(producer, 20) is not None
+        target.new_step_starts()
+        assert target.allocate_slots(with_computed(producer, 20), 2) is not None
+        _, retained = target.take_kv_cache_block_copies()
+        target.free_blocks(list(retained))
+        target.new_step_starts()
+        target.free(with_computed(producer, 22))
+        consumer = new_request("b", (*prompt[:21], *range(100, 100 + extra)), 4)
+        hit, hit_tokens = target.get_computed_blocks(consumer)
+        assert hit_tokens == num_hit
+        allocated = target.allocate_slots(consumer, 3, hit_tokens, hit, full_sequence_must_fit=True)
         assert (allocated is not None) is fits
