@@ -987,3 +987,15 @@ def test_a_mamba_groups_whole_sequence_is_counted_in_model_and_impl(
         assert hit_tokens == num_hit
         allocated = target.allocate_slots(consumer, 3, hit_tokens, hit, full_sequence_must_fit=True)
         assert (allocated is not None) is fits
+
+
+def test_a_full_sequence_already_held_fits_in_a_pool_with_no_free_block() -> None:
+    """Three usable blocks of 2 tokens; the request's first step takes all three for 5 of
+    its 6 tokens. Its last token needs no block, and its whole sequence lacks none: it is
+    admitted with the free queue empty, in model and impl alike."""
+    setup = ManagerSetup(4, (full_attention(2),), 16, 2)
+    request = new_request("a", (1, 2, 3, 4, 5, 6), 2)
+    for target in _model_and_impl(setup):
+        assert target.allocate_slots(request, 5) == ((1, 2, 3),)
+        running = with_computed(request, 5)
+        assert target.allocate_slots(running, 1, full_sequence_must_fit=True) == ((),)
