@@ -22,7 +22,12 @@ from kvpool.impl.single_type import get_manager_for_kv_cache_spec
 from kvpool.model import manager as model_manager
 from kvpool.model import pool as pool_ops
 from kvpool.model import single_type as single
-from kvpool.model.errors import InvalidArgument, InvalidTokenCount, UnknownGroup
+from kvpool.model.errors import (
+    InvalidArgument,
+    InvalidBlockRange,
+    InvalidTokenCount,
+    UnknownGroup,
+)
 from kvpool.model.pool import new_pool
 from kvpool.model.request import new_request, with_computed
 from kvpool.model.single_type import (
@@ -999,3 +1004,17 @@ def test_a_full_sequence_already_held_fits_in_a_pool_with_no_free_block() -> Non
         assert target.allocate_slots(request, 5) == ((1, 2, 3),)
         running = with_computed(request, 5)
         assert target.allocate_slots(running, 1, full_sequence_must_fit=True) == ((),)
+
+
+def test_invalid_block_range_of_the_group_of_smaller_blocks_changes_nothing() -> None:
+    """Blocks of 4 and of 2 tokens, hashed in 2: after 6 tokens the first group holds 8
+    tokens' blocks, the second 6. Caching 8 tokens fits the first group and not the second:
+    refused before the first caches anything, in model and impl alike."""
+    setup = ManagerSetup(16, (full_attention(4), full_attention(2)), 64, 2)
+    request = new_request("a", tuple(range(12)), 2)
+    for target in _model_and_impl(setup):
+        assert target.allocate_slots(request, 6) == ((1, 2), (3, 4, 5))
+        before = target.snapshot()
+        with pytest.raises(InvalidBlockRange):
+            target.cache_blocks(with_computed(request, 6), 8)
+        assert target.snapshot() == before
