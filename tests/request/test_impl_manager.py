@@ -27,6 +27,7 @@ from kvpool.model.errors import (
     InvalidBlockRange,
     InvalidTokenCount,
     UnknownGroup,
+    UnknownRequest,
 )
 from kvpool.model.pool import new_pool
 from kvpool.model.request import new_request, with_computed
@@ -1017,4 +1018,16 @@ def test_invalid_block_range_of_the_group_of_smaller_blocks_changes_nothing() ->
         before = target.snapshot()
         with pytest.raises(InvalidBlockRange):
             target.cache_blocks(with_computed(request, 6), 8)
+        assert target.snapshot() == before
+
+
+def test_invalid_caching_for_a_request_holding_nothing_changes_nothing() -> None:
+    """cache_blocks for a request no group knows: the model's UnknownRequest, by name, with
+    the state unchanged (another request holds blocks, some of them cached)."""
+    setup = ManagerSetup(8, (full_attention(2),), 16, 2)
+    for target in _model_and_impl(setup):
+        assert target.allocate_slots(new_request("a", (1, 2, 3, 4, 5), 2), 5) is not None
+        before = target.snapshot()
+        with pytest.raises(UnknownRequest):
+            target.cache_blocks(new_request("b", (1, 2, 3, 4, 5), 2), 4)
         assert target.snapshot() == before
