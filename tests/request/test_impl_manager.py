@@ -1031,3 +1031,18 @@ def test_invalid_caching_for_a_request_holding_nothing_changes_nothing() -> None
         with pytest.raises(UnknownRequest):
             target.cache_blocks(new_request("b", (1, 2, 3, 4, 5), 2), 4)
         assert target.snapshot() == before
+
+
+def test_invalid_hash_is_refused_only_when_a_step_fills_its_block() -> None:
+    """A request whose second hash is not bytes: its first step (one block) never reads it
+    and is allocated; its second, which fills the block after the one it has cached,
+    is refused before anything changes, in model and impl alike."""
+    setup = ManagerSetup(8, (full_attention(2),), 16, 2)
+    request = new_request("a", (1, 2, 3, 4, 5), 2)
+    bad = replace(request, block_hashes=cast(Any, (request.block_hashes[0], 2)))
+    for target in _model_and_impl(setup):
+        assert target.allocate_slots(bad, 2) == ((1,),)
+        before = target.snapshot()
+        with pytest.raises(InvalidArgument):
+            target.allocate_slots(with_computed(bad, 2), 2)
+        assert target.snapshot() == before
