@@ -1046,3 +1046,20 @@ def test_invalid_hash_is_refused_only_when_a_step_fills_its_block() -> None:
         with pytest.raises(InvalidArgument):
             target.allocate_slots(with_computed(bad, 2), 2)
         assert target.snapshot() == before
+
+
+def test_the_hash_of_a_block_already_cached_is_not_read_again() -> None:
+    """The request's first step cached its first block; its next step fills the second.
+    Passed with its first hash no longer bytes, the step reads only the second: allocated,
+    the second block cached, in model and impl alike."""
+    setup = ManagerSetup(8, (full_attention(2),), 16, 2)
+    request = new_request("a", (1, 2, 3, 4, 5), 2)
+    answers = []
+    for target in _model_and_impl(setup):
+        assert target.allocate_slots(request, 2) == ((1,),)
+        running = with_computed(request, 2)
+        bad = replace(running, block_hashes=cast(Any, (2, request.block_hashes[1])))
+        answers.append((target.allocate_slots(bad, 2), target.snapshot()))
+    assert answers[0] == answers[1]
+    assert answers[0][0] == ((2,),)
+    assert answers[0][1].managers.tables[0].num_cached_block == {"a": 2}
