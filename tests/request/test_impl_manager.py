@@ -1063,3 +1063,49 @@ def test_the_hash_of_a_block_already_cached_is_not_read_again() -> None:
     assert answers[0] == answers[1]
     assert answers[0][0] == ((2,),)
     assert answers[0][1].managers.tables[0].num_cached_block == {"a": 2}
+
+
+def _caching_refused(impl: KVCacheManager, request: Any, num_computed_tokens: Any) -> None:
+    before = impl.snapshot()
+    with pytest.raises(InvalidArgument):
+        impl.cache_blocks(request, num_computed_tokens)
+    assert impl.snapshot() == before
+
+
+@pytest.mark.parametrize("count", ["4", 4.0, True])
+def test_invalid_caching_arguments_change_nothing(count: Any) -> None:
+    """cache_blocks of a request holding blocks whose caching was delayed: a request
+    missing the fields a request has, or a count that is not an int (a bool is not one),
+    is refused by name before anything is cached."""
+    impl = KVCacheManager(KVCacheConfig(8, (full_attention(2),)), 16)
+    request = new_request("r", (1, 2, 3, 4, 5), 2)
+    impl.allocate_slots(request, 5, delay_cache_blocks=True)
+    read = ("request_id", "num_tokens", "block_hashes", "all_token_ids")
+    _caching_refused(impl, SimpleNamespace(**{n: getattr(request, n) for n in read}), 4)
+    _caching_refused(impl, request, count)
+
+
+def test_invalid_shared_prefix_boundary_changes_nothing_when_caching() -> None:
+    """Under sparse retention cache_blocks reads the request's shared-prefix boundary: not an
+    int, it is refused by name before anything is cached."""
+    config = KVCacheConfig(
+        8, (full_attention(2), sliding_window(2, 2)), prefix_cache_retention_interval=2
+    )
+    impl = KVCacheManager(config, 16)
+    request = new_request("r", (1, 2, 3, 4, 5), 2)
+    impl.allocate_slots(request, 5, delay_cache_blocks=True)
+    bad = replace(request, shared_prefix_boundary=cast(Any, "0"))
+    _caching_refused(impl, bad, 4)
+
+
+@pytest.mark.parametrize("request_id", [None, 3])
+def test_invalid_request_id_to_free_changes_nothing(request_id: object) -> None:
+    """free of a request without an id, or with an id that is not a str: refused by name
+    (a request holds blocks, so a silent no-op would be a different answer)."""
+    impl = KVCacheManager(KVCacheConfig(8, (full_attention(2),)), 16)
+    impl.allocate_slots(new_request("r", (1, 2, 3, 4, 5), 2), 5)
+    stranger = SimpleNamespace() if request_id is None else SimpleNamespace(request_id=request_id)
+    before = impl.snapshot()
+    with pytest.raises(InvalidArgument):
+        impl.free(stranger)
+    assert impl.snapshot() == before
