@@ -1109,3 +1109,17 @@ def test_invalid_request_id_to_free_changes_nothing(request_id: object) -> None:
     with pytest.raises(InvalidArgument):
         impl.free(stranger)
     assert impl.snapshot() == before
+
+
+def test_invalid_hash_to_cache_changes_nothing() -> None:
+    """cache_blocks of a request whose caching was delayed, with its first hash no longer
+    bytes, in blocks of 4 and of 2 tokens hashed in 2: the first group's block is keyed
+    by the second hash alone, the second group reads both. Refused by name before the
+    first group caches anything."""
+    impl = KVCacheManager(
+        KVCacheConfig(8, (full_attention(4), full_attention(2))), 16, hash_block_size=2
+    )
+    request = new_request("r", (1, 2, 3, 4, 5), 2)
+    impl.allocate_slots(request, 5, delay_cache_blocks=True)
+    bad = replace(request, block_hashes=cast(Any, (2, request.block_hashes[1])))
+    _caching_refused(impl, bad, 4)
