@@ -25,6 +25,7 @@ from kvpool.model import single_type as single
 from kvpool.model.errors import (
     InvalidArgument,
     InvalidBlockRange,
+    InvalidHit,
     InvalidTokenCount,
     UnknownGroup,
     UnknownRequest,
@@ -1123,3 +1124,31 @@ def test_invalid_hash_to_cache_changes_nothing() -> None:
     impl.allocate_slots(request, 5, delay_cache_blocks=True)
     bad = replace(request, block_hashes=cast(Any, (2, request.block_hashes[1])))
     _caching_refused(impl, bad, 4)
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "error"),
+    [(-2, InvalidTokenCount), (3, InvalidTokenCount), (6, InvalidHit)],
+    ids=["negative", "inside-a-block", "past-the-hit"],
+)
+def test_invalid_truncation_is_refused_as_the_model_refuses_it(
+    num_tokens: int, error: type[Exception]
+) -> None:
+    """A hit of two 2-token blocks cut to a negative count, to a count inside a block, or
+    past the hit: the model's error, in model and impl alike."""
+    setup = ManagerSetup(8, (full_attention(2),), 16, 2)
+    first = new_request("a", (1, 2, 3, 4, 5), 2)
+    for target in _model_and_impl(setup):
+        target.allocate_slots(first, 5)
+        target.free(first)
+        hit, num_hit = target.get_computed_blocks(new_request("b", (1, 2, 3, 4, 5), 2))
+        assert num_hit == 4
+        with pytest.raises(error):
+            target.truncate_computed_blocks(hit, num_tokens)
+
+
+@pytest.mark.parametrize("num_tokens", ["2", 2.0])
+def test_invalid_truncation_count_not_an_int(num_tokens: object) -> None:
+    impl = KVCacheManager(KVCacheConfig(8, (full_attention(2),)), 16)
+    with pytest.raises(InvalidArgument):
+        impl.truncate_computed_blocks(impl.empty_kv_cache_blocks, num_tokens)
