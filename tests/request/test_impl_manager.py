@@ -1152,3 +1152,18 @@ def test_invalid_truncation_count_not_an_int(num_tokens: object) -> None:
     impl = KVCacheManager(KVCacheConfig(8, (full_attention(2),)), 16)
     with pytest.raises(InvalidArgument):
         impl.truncate_computed_blocks(impl.empty_kv_cache_blocks, num_tokens)
+
+
+def test_blocks_to_zero_of_several_allocations_come_group_by_group() -> None:
+    """Two attention groups beside a Mamba group, two requests allocated before the blocks
+    to zero are taken: group 0's blocks of both requests, then group 1's, in model and impl
+    alike."""
+    setup = ManagerSetup(16, (full_attention(4), sliding_window(4, 8), mamba(32)), 32, 4)
+    for target in _model_and_impl(setup):
+        assert target.allocate_slots(new_request("a", tuple(range(5)), 4), 5) == (
+            (1, 2),
+            (3, 4),
+            (5,),
+        )
+        target.allocate_slots(new_request("b", tuple(range(10, 15)), 4), 5)
+        assert list(target.take_new_block_ids()) == [1, 2, 6, 7, 3, 4, 8, 9]
