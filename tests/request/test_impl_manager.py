@@ -1167,3 +1167,17 @@ def test_blocks_to_zero_of_several_allocations_come_group_by_group() -> None:
         )
         target.allocate_slots(new_request("b", tuple(range(10, 15)), 4), 5)
         assert list(target.take_new_block_ids()) == [1, 2, 6, 7, 3, 4, 8, 9]
+
+
+@pytest.mark.parametrize("num_prompt_tokens", ["5", 5.0])
+def test_invalid_prompt_length_to_remove_skipped_blocks_changes_nothing(
+    num_prompt_tokens: object,
+) -> None:
+    """num_prompt_tokens is read by none of kvpool's groups, but one that is not an int is
+    refused by name like every count, before any group frees a block."""
+    impl = KVCacheManager(KVCacheConfig(8, (sliding_window(2, 2),)), 16)
+    impl.allocate_slots(new_request("r", (1, 2, 3, 4, 5, 6), 2), 6)
+    before = impl.snapshot()
+    with pytest.raises(InvalidArgument):
+        impl.remove_skipped_blocks("r", 6, num_prompt_tokens)
+    assert impl.snapshot() == before
