@@ -137,6 +137,13 @@ UNIT_TESTS = {
         "tests/request/test_external.py",
         "tests/request/test_mamba_fine.py",
         "tests/request/test_mamba_reserve.py",
+        # take_events' stamps (0.3 s) and the scheduler's further calls with their own
+        # machine (whole-sequence admission, admission caps; 9 s): without these the
+        # mutants they kill "survive"
+        "tests/request/test_impl_manager_events.py",
+        "tests/request/test_scheduler_calls.py",
+        # decode context parallelism's sharded blocks (12 s)
+        "tests/request/test_geometry.py",
     ],
 }
 TRIAGE = ROOT / "bench" / "mutation_triage.toml"

@@ -22,7 +22,14 @@ from kvpool.impl.single_type import get_manager_for_kv_cache_spec
 from kvpool.model import manager as model_manager
 from kvpool.model import pool as pool_ops
 from kvpool.model import single_type as single
-from kvpool.model.errors import InvalidArgument, InvalidTokenCount, UnknownGroup
+from kvpool.model.errors import (
+    InvalidArgument,
+    InvalidBlockRange,
+    InvalidHit,
+    InvalidTokenCount,
+    UnknownGroup,
+    UnknownRequest,
+)
 from kvpool.model.pool import new_pool
 from kvpool.model.request import new_request, with_computed
 from kvpool.model.single_type import (
@@ -31,6 +38,7 @@ from kvpool.model.single_type import (
     full_attention,
     mamba,
     mamba_align,
+    mamba_reserving,
     sliding_window,
 )
 from kvpool.specs.request.machine import layout_specs
@@ -919,3 +927,270 @@ def test_kvcacheblocks_repr_shows_block_ids() -> None:
     pool = BlockPool(4, True, 1)
     blocks = pool.get_new_blocks(2)
     assert repr(KVCacheBlocks((blocks, []))) == "KVCacheBlocks(([1, 2], []))"
+
+
+# --------------------------------------------------------------------------
+# Survivors of the re-run of 2026-11-29 (session 9) over the same operations,
+# each compared with the model and checked by hand to fail on its mutant
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("num_tokens", "fits"), [(20, True), (21, False)])
+def test_external_tokens_of_a_full_sequence_that_must_fit_count_its_every_block(
+    num_tokens: int, fits: bool
+) -> None:
+    """Five free blocks of 4 tokens; a connector loads 8 and the step computes 4 (three
+    blocks, which fit), but the whole sequence must fit: 20 tokens take five blocks and are
+    admitted, 21 take six and are refused, with nothing allocated."""
+    setup = ManagerSetup(6, (full_attention(4),), 64, 4)
+    request = new_request("r", tuple(range(num_tokens)), 4)
+    for target in _model_and_impl(setup):
+        allocated = target.allocate_slots(
+            request, 4, num_external_computed_tokens=8, full_sequence_must_fit=True
+        )
+        assert (allocated is not None) is fits
+        if not fits:
+            assert target.snapshot().managers.tables[0].req_to_blocks == {}
+
+
+@pytest.mark.parametrize(("extra", "fits"), [(21, True), (22, False)])
+def test_a_full_sequence_that_must_fit_counts_the_copy_of_a_hit_ending_inside_a_block(
+    extra: int, fits: bool
+) -> None:
+    """Fine-grained hits: the probe hits 2 tokens inside the first request's freed block (a
+    free hit, plus a fresh block for its copy). Seven usable blocks of 4 tokens: a sequence
+    of 24 tokens needs 5 more blocks beside the hit, 7 in all, and fits; 25 need 8."""
+    setup = ManagerSetup(8, (full_attention(4),), 64, 2, fine_grained_hits=True)
+    for target in _model_and_impl(setup):
+        first = new_request("a", (1, 2, 1), 2)
+        target.allocate_slots(first, 3)
+        target.free(first)
+        probe = new_request("b", (1, 2, 1, *range(10, 10 + extra)), 2)
+        hit, num_hit = target.get_computed_blocks(probe)
+        assert (hit, num_hit) == (((1,),), 2)
+        allocated = target.allocate_slots(probe, 3, num_hit, hit, full_sequence_must_fit=True)
+        assert (allocated is not None) is fits
+
+
+@pytest.mark.parametrize(
+    ("mamba_spec", "num_hit", "extra", "fits"),
+    [
+        (mamba_align(12), 20, 27, True),
+        (mamba_align(12), 20, 28, False),
+        (mamba_reserving(12, 0, 4), 0, 31, True),
+        (mamba_reserving(12, 0, 4), 0, 32, False),
+    ],
+    ids=["align-fits", "align-refused", "checkpoints-fit", "checkpoints-refused"],
+)
+def test_a_mamba_groups_whole_sequence_is_counted_in_model_and_impl(
+    mamba_spec: KVCacheSpec, num_hit: int, extra: int, fits: bool
+) -> None:
+    """A Mamba "align" group of 12-token blocks beside attention blocks of 4, 16 blocks in
+    the pool: a consumer whose whole sequence must fit is admitted up to a length and
+    refused one token past it, in model and impl alike. Plain "align": its hit of 20
+    tokens ends inside a state block, whose copy is counted too. With prefill checkpoints
+    (kvpool.impl.mamba_fine_reserve) there is no hit, and the group's checkpoint blocks
+    are counted."""
+    setup = ManagerSetup(16, (full_attention(4), mamba_spec), 128, 4)
+    prompt = tuple(range(22))
+    for target in _model_and_impl(setup):
+        producer = new_request("a", prompt, 4)
+        assert target.allocate_slots(producer, 20) is not None
+        target.new_step_starts()
+        assert target.allocate_slots(with_computed(producer, 20), 2) is not None
+        _, retained = target.take_kv_cache_block_copies()
+        target.free_blocks(list(retained))
+        target.new_step_starts()
+        target.free(with_computed(producer, 22))
+        consumer = new_request("b", (*prompt[:21], *range(100, 100 + extra)), 4)
+        hit, hit_tokens = target.get_computed_blocks(consumer)
+        assert hit_tokens == num_hit
+        allocated = target.allocate_slots(consumer, 3, hit_tokens, hit, full_sequence_must_fit=True)
+        assert (allocated is not None) is fits
+
+
+def test_a_full_sequence_already_held_fits_in_a_pool_with_no_free_block() -> None:
+    """Three usable blocks of 2 tokens; the request's first step takes all three for 5 of
+    its 6 tokens. Its last token needs no block, and its whole sequence lacks none: it is
+    admitted with the free queue empty, in model and impl alike."""
+    setup = ManagerSetup(4, (full_attention(2),), 16, 2)
+    request = new_request("a", (1, 2, 3, 4, 5, 6), 2)
+    for target in _model_and_impl(setup):
+        assert target.allocate_slots(request, 5) == ((1, 2, 3),)
+        running = with_computed(request, 5)
+        assert target.allocate_slots(running, 1, full_sequence_must_fit=True) == ((),)
+
+
+def test_invalid_block_range_of_the_group_of_smaller_blocks_changes_nothing() -> None:
+    """Blocks of 4 and of 2 tokens, hashed in 2: after 6 tokens the first group holds 8
+    tokens' blocks, the second 6. Caching 8 tokens fits the first group and not the second:
+    refused before the first caches anything, in model and impl alike."""
+    setup = ManagerSetup(16, (full_attention(4), full_attention(2)), 64, 2)
+    request = new_request("a", tuple(range(12)), 2)
+    for target in _model_and_impl(setup):
+        assert target.allocate_slots(request, 6) == ((1, 2), (3, 4, 5))
+        before = target.snapshot()
+        with pytest.raises(InvalidBlockRange):
+            target.cache_blocks(with_computed(request, 6), 8)
+        assert target.snapshot() == before
+
+
+def test_invalid_caching_for_a_request_holding_nothing_changes_nothing() -> None:
+    """cache_blocks for a request no group knows: the model's UnknownRequest, by name, with
+    the state unchanged (another request holds blocks, some of them cached)."""
+    setup = ManagerSetup(8, (full_attention(2),), 16, 2)
+    for target in _model_and_impl(setup):
+        assert target.allocate_slots(new_request("a", (1, 2, 3, 4, 5), 2), 5) is not None
+        before = target.snapshot()
+        with pytest.raises(UnknownRequest):
+            target.cache_blocks(new_request("b", (1, 2, 3, 4, 5), 2), 4)
+        assert target.snapshot() == before
+
+
+def test_invalid_hash_is_refused_only_when_a_step_fills_its_block() -> None:
+    """A request whose second hash is not bytes: its first step (one block) never reads it
+    and is allocated; its second, which fills the block after the one it has cached,
+    is refused before anything changes, in model and impl alike."""
+    setup = ManagerSetup(8, (full_attention(2),), 16, 2)
+    request = new_request("a", (1, 2, 3, 4, 5), 2)
+    bad = replace(request, block_hashes=cast(Any, (request.block_hashes[0], 2)))
+    for target in _model_and_impl(setup):
+        assert target.allocate_slots(bad, 2) == ((1,),)
+        before = target.snapshot()
+        with pytest.raises(InvalidArgument):
+            target.allocate_slots(with_computed(bad, 2), 2)
+        assert target.snapshot() == before
+
+
+def test_the_hash_of_a_block_already_cached_is_not_read_again() -> None:
+    """The request's first step cached its first block; its next step fills the second.
+    Passed with its first hash no longer bytes, the step reads only the second: allocated,
+    the second block cached, in model and impl alike."""
+    setup = ManagerSetup(8, (full_attention(2),), 16, 2)
+    request = new_request("a", (1, 2, 3, 4, 5), 2)
+    answers = []
+    for target in _model_and_impl(setup):
+        assert target.allocate_slots(request, 2) == ((1,),)
+        running = with_computed(request, 2)
+        bad = replace(running, block_hashes=cast(Any, (2, request.block_hashes[1])))
+        answers.append((target.allocate_slots(bad, 2), target.snapshot()))
+    assert answers[0] == answers[1]
+    assert answers[0][0] == ((2,),)
+    assert answers[0][1].managers.tables[0].num_cached_block == {"a": 2}
+
+
+def _caching_refused(impl: KVCacheManager, request: Any, num_computed_tokens: Any) -> None:
+    before = impl.snapshot()
+    with pytest.raises(InvalidArgument):
+        impl.cache_blocks(request, num_computed_tokens)
+    assert impl.snapshot() == before
+
+
+@pytest.mark.parametrize("count", ["4", 4.0, True])
+def test_invalid_caching_arguments_change_nothing(count: Any) -> None:
+    """cache_blocks of a request holding blocks whose caching was delayed: a request
+    missing the fields a request has, or a count that is not an int (a bool is not one),
+    is refused by name before anything is cached."""
+    impl = KVCacheManager(KVCacheConfig(8, (full_attention(2),)), 16)
+    request = new_request("r", (1, 2, 3, 4, 5), 2)
+    impl.allocate_slots(request, 5, delay_cache_blocks=True)
+    read = ("request_id", "num_tokens", "block_hashes", "all_token_ids")
+    _caching_refused(impl, SimpleNamespace(**{n: getattr(request, n) for n in read}), 4)
+    _caching_refused(impl, request, count)
+
+
+def test_invalid_shared_prefix_boundary_changes_nothing_when_caching() -> None:
+    """Under sparse retention cache_blocks reads the request's shared-prefix boundary: not an
+    int, it is refused by name before anything is cached."""
+    config = KVCacheConfig(
+        8, (full_attention(2), sliding_window(2, 2)), prefix_cache_retention_interval=2
+    )
+    impl = KVCacheManager(config, 16)
+    request = new_request("r", (1, 2, 3, 4, 5), 2)
+    impl.allocate_slots(request, 5, delay_cache_blocks=True)
+    bad = replace(request, shared_prefix_boundary=cast(Any, "0"))
+    _caching_refused(impl, bad, 4)
+
+
+@pytest.mark.parametrize("request_id", [None, 3])
+def test_invalid_request_id_to_free_changes_nothing(request_id: object) -> None:
+    """free of a request without an id, or with an id that is not a str: refused by name
+    (a request holds blocks, so a silent no-op would be a different answer)."""
+    impl = KVCacheManager(KVCacheConfig(8, (full_attention(2),)), 16)
+    impl.allocate_slots(new_request("r", (1, 2, 3, 4, 5), 2), 5)
+    stranger = SimpleNamespace() if request_id is None else SimpleNamespace(request_id=request_id)
+    before = impl.snapshot()
+    with pytest.raises(InvalidArgument):
+        impl.free(stranger)
+    assert impl.snapshot() == before
+
+
+def test_invalid_hash_to_cache_changes_nothing() -> None:
+    """cache_blocks of a request whose caching was delayed, with its first hash no longer
+    bytes, in blocks of 4 and of 2 tokens hashed in 2: the first group's block is keyed
+    by the second hash alone, the second group reads both. Refused by name before the
+    first group caches anything."""
+    impl = KVCacheManager(
+        KVCacheConfig(8, (full_attention(4), full_attention(2))), 16, hash_block_size=2
+    )
+    request = new_request("r", (1, 2, 3, 4, 5), 2)
+    impl.allocate_slots(request, 5, delay_cache_blocks=True)
+    bad = replace(request, block_hashes=cast(Any, (2, request.block_hashes[1])))
+    _caching_refused(impl, bad, 4)
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "error"),
+    [(-2, InvalidTokenCount), (3, InvalidTokenCount), (6, InvalidHit)],
+    ids=["negative", "inside-a-block", "past-the-hit"],
+)
+def test_invalid_truncation_is_refused_as_the_model_refuses_it(
+    num_tokens: int, error: type[Exception]
+) -> None:
+    """A hit of two 2-token blocks cut to a negative count, to a count inside a block, or
+    past the hit: the model's error, in model and impl alike."""
+    setup = ManagerSetup(8, (full_attention(2),), 16, 2)
+    first = new_request("a", (1, 2, 3, 4, 5), 2)
+    for target in _model_and_impl(setup):
+        target.allocate_slots(first, 5)
+        target.free(first)
+        hit, num_hit = target.get_computed_blocks(new_request("b", (1, 2, 3, 4, 5), 2))
+        assert num_hit == 4
+        with pytest.raises(error):
+            target.truncate_computed_blocks(hit, num_tokens)
+
+
+@pytest.mark.parametrize("num_tokens", ["2", 2.0])
+def test_invalid_truncation_count_not_an_int(num_tokens: object) -> None:
+    impl = KVCacheManager(KVCacheConfig(8, (full_attention(2),)), 16)
+    with pytest.raises(InvalidArgument):
+        impl.truncate_computed_blocks(impl.empty_kv_cache_blocks, num_tokens)
+
+
+def test_blocks_to_zero_of_several_allocations_come_group_by_group() -> None:
+    """Two attention groups beside a Mamba group, two requests allocated before the blocks
+    to zero are taken: group 0's blocks of both requests, then group 1's, in model and impl
+    alike."""
+    setup = ManagerSetup(16, (full_attention(4), sliding_window(4, 8), mamba(32)), 32, 4)
+    for target in _model_and_impl(setup):
+        assert target.allocate_slots(new_request("a", tuple(range(5)), 4), 5) == (
+            (1, 2),
+            (3, 4),
+            (5,),
+        )
+        target.allocate_slots(new_request("b", tuple(range(10, 15)), 4), 5)
+        assert list(target.take_new_block_ids()) == [1, 2, 6, 7, 3, 4, 8, 9]
+
+
+@pytest.mark.parametrize("num_prompt_tokens", ["5", 5.0])
+def test_invalid_prompt_length_to_remove_skipped_blocks_changes_nothing(
+    num_prompt_tokens: object,
+) -> None:
+    """num_prompt_tokens is read by none of kvpool's groups, but one that is not an int is
+    refused by name like every count, before any group frees a block."""
+    impl = KVCacheManager(KVCacheConfig(8, (sliding_window(2, 2),)), 16)
+    impl.allocate_slots(new_request("r", (1, 2, 3, 4, 5, 6), 2), 6)
+    before = impl.snapshot()
+    with pytest.raises(InvalidArgument):
+        impl.remove_skipped_blocks("r", 6, num_prompt_tokens)
+    assert impl.snapshot() == before
