@@ -242,14 +242,16 @@ def test_invalid_external_tokens_beside_hisparse() -> None:
     assert m == before
 
 
-def test_invalid_hot_region_allocation() -> None:
-    """A request marked hot_required whose next allocation fits would allocate its region."""
+def test_hot_region_allocated_once_required() -> None:
+    """Slice 2: a request marked hot_required gets its region at its next allocation, once
+    (``HiSparseHotManager.allocate_new_blocks``, vLLM 0.33.0)."""
     m = _running()
     m, _ = hs.require_hot(m, "a")
-    before = m
-    with pytest.raises(HiSparseNotModelled, match="hot regions"):
-        mgr.allocate_slots(m, replace(_request("a", 41), num_computed_tokens=40), 1)
-    assert m == before
+    m, blocks = mgr.allocate_slots(m, replace(_request("a", 41), num_computed_tokens=40), 1)
+    assert blocks is not None and len(blocks[3]) == 2
+    assert m.managers.tables[3].req_to_blocks["a"] == blocks[3]
+    m, again = mgr.allocate_slots(m, replace(_request("a", 42), num_computed_tokens=41), 1)
+    assert again is not None and again[3] == ()
 
 
 def test_hot_region_that_does_not_fit_is_answered_none() -> None:
