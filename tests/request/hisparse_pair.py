@@ -357,12 +357,13 @@ class Pair:
 
 
 def run_random_program(seed: int, steps: int) -> Pair:
-    """A seeded random program over every slice-1 call, on both sides, compared at each call.
+    """A seeded random program over every slice-1 and slice-2 call, on both sides, compared
+    at each call.
 
     Prompts share prefixes so that hits and publication matter; transfers are
     acknowledged by one or two workers, partially, out of order, after frees; the
-    pools are pressed directly, as vLLM's tests do. A call the model refuses as not
-    modelled (a hot region to allocate) is not sent to vLLM.
+    pools are pressed directly, as vLLM's tests do, which loses unpinned pages. A call
+    the model refuses as not modelled is not sent to vLLM.
     """
     import random
 
