@@ -425,3 +425,52 @@ def test_a_refused_host_reset_keeps_the_device_pool() -> None:
     before = m
     m, done = mgr.reset_prefix_cache(m)
     assert not done and m == before
+
+
+# --------------------------------------------------------------------------
+# Slice 2: hot regions, unpinning, losing pages (no vLLM needed)
+# --------------------------------------------------------------------------
+
+
+def test_unpinned_pages_are_lost_on_reuse_and_free_gives_back_nothing_twice() -> None:
+    """A request that reads from host unpins its clean pages outside the active tail; the
+    pool's reuse loses them (host-only, asked for a hot region again, stale); its free
+    then frees only the blocks it still holds. The slice's invariants hold throughout."""
+    from kvpool.specs.request.hisparse_invariants import check_hisparse
+
+    m = new_model(40, 16, enable_caching=True)
+    m, _ = mgr.allocate_slots(m, _request("a", 64), 64)
+    m, _ = hs.advance_scheduled(m, [("a", 64)])
+    m, transfers = hs.build_offload_command(m)
+    counts = {x.transfer_id: 1 for x in transfers}
+    m, _ = hs.update_spills(m, counts, counts)
+    m, _ = hs.require_hot(m, "a")
+    m, blocks = mgr.allocate_slots(m, replace(_request("a", 65), num_computed_tokens=64), 1)
+    assert blocks is not None and len(blocks[3]) == 2
+    m, _ = hs.advance_scheduled(m, [("a", 65)])
+    check_hisparse(m)
+    assert m.hisparse is not None
+    book = m.hisparse.books["a"]
+    assert (book.unpinned, book.pinned_clean) == ({0, 1, 2}, {3})
+    row = m.managers.tables[2].req_to_blocks["a"]
+    assert {b: set(o) for b, o in m.hisparse.owners.items()} == {
+        row[p]: {("a", p)} for p in (0, 1, 2)
+    }
+    m, _ = hs.take_residency_updates(m, ["a"])
+    t, pressed = core.device_pool(
+        mgr.tiers(m), lambda p: pool_ops.get_new_blocks(p, pool_ops.get_num_free_blocks(p))
+    )
+    m = mgr.with_tiers(m, t)
+    assert m.hisparse is not None
+    book = m.hisparse.books["a"]
+    assert (book.lost, book.unpinned, book.stale) == ({0, 1, 2}, frozenset(), {0, 1, 2})
+    assert m.hisparse.owners == {} and "a" in m.hisparse.hot_required
+    assert tuple(core.resident_row(mgr.tiers(m), 2, "a")) == (0, 0, 0, row[3], row[4])
+    m, answer = hs.all_context_pages_resident(m, [("a", 64, 1)])
+    assert not answer
+    check_hisparse(m, {"GPU": pressed})
+    m, _ = mgr.free(m, "a", finished=True)
+    # only the pressed blocks are still held: the lost pages' blocks were not freed again
+    held = {b for b in range(1, 40) if m.managers.pool.blocks[b].ref_cnt}
+    assert held == set(pressed) and set(row[:3]) <= held
+    check_hisparse(m, {"GPU": pressed})

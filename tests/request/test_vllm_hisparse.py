@@ -338,7 +338,7 @@ def test_reports_when_context_is_fully_resident() -> None:
     assert (book.lost, book.unpinned, book.stale) == ({0, 1, 2}, frozenset(), {0, 1, 2})
     assert pair.model.managers.tables[2].req_to_blocks["r"] == table
     assert not pair.all_resident([("r", 64, 1)])
-    model, updates = hs.take_residency_updates(pair.model, ["r"])
+    _, updates = hs.take_residency_updates(pair.model, ["r"])
     assert updates["r"].pages == (0, 1, 2) and updates["r"].block_ids == ((0, 0, 0),)
     pair.residency(["r"])
     pair.free("r", finished=True)
@@ -355,7 +355,7 @@ def test_residency_update_sends_only_changed_pages() -> None:
     assert pair.model.hisparse.books["r"].unpinned == {0}  # type: ignore[union-attr]
     pair.residency(["r"])
     pair.press_device(len(pair.model.managers.pool.free_queue))
-    model, updates = hs.take_residency_updates(pair.model, ["r"])
+    _, updates = hs.take_residency_updates(pair.model, ["r"])
     assert updates["r"].pages == (0,) and updates["r"].block_ids == ((0,),)
     pair.residency(["r"])
     pair.residency(["r"])
