@@ -451,7 +451,7 @@ def test_unpinned_pages_are_lost_on_reuse_and_free_gives_back_nothing_twice() ->
     check_hisparse(m)
     assert m.hisparse is not None
     book = m.hisparse.books["a"]
-    assert (book.unpinned, book.pinned_clean) == ({0, 1, 2}, {3})
+    assert (book.unpinned, book.pinned_clean) == (frozenset({0, 1, 2}), frozenset({3}))
     row = m.managers.tables[2].req_to_blocks["a"]
     assert {b: set(o) for b, o in m.hisparse.owners.items()} == {
         row[p]: {("a", p)} for p in (0, 1, 2)
@@ -463,7 +463,11 @@ def test_unpinned_pages_are_lost_on_reuse_and_free_gives_back_nothing_twice() ->
     m = mgr.with_tiers(m, t)
     assert m.hisparse is not None
     book = m.hisparse.books["a"]
-    assert (book.lost, book.unpinned, book.stale) == ({0, 1, 2}, frozenset(), {0, 1, 2})
+    assert (book.lost, book.unpinned, book.stale) == (
+        frozenset({0, 1, 2}),
+        frozenset(),
+        frozenset({0, 1, 2}),
+    )
     assert m.hisparse.owners == {} and "a" in m.hisparse.hot_required
     assert tuple(core.resident_row(mgr.tiers(m), 2, "a")) == (0, 0, 0, row[3], row[4])
     m, answer = hs.all_context_pages_resident(m, [("a", 64, 1)])

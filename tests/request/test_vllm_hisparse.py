@@ -311,7 +311,7 @@ def test_keeps_resident_pages_until_hot_region_is_allocated(num_resident_groups:
     pair.append("r", [1])
     assert pair.allocate_scheduled("r", 1)
     book = pair.model.hisparse.books["r"]  # type: ignore[union-attr]
-    assert (book.unpinned, book.pinned_clean) == ({0, 1, 2}, {3})
+    assert (book.unpinned, book.pinned_clean) == (frozenset({0, 1, 2}), frozenset({3}))
     # unpinned blocks are free, at the back of the queue, still in the residency rows
     tables = pair.model.managers.tables
     residents = pair.model.config.hisparse.residents  # type: ignore[union-attr]
@@ -335,7 +335,11 @@ def test_reports_when_context_is_fully_resident() -> None:
     table = pair.model.managers.tables[2].req_to_blocks["r"]
     pair.press_device(len(pair.model.managers.pool.free_queue))
     book = pair.model.hisparse.books["r"]  # type: ignore[union-attr]
-    assert (book.lost, book.unpinned, book.stale) == ({0, 1, 2}, frozenset(), {0, 1, 2})
+    assert (book.lost, book.unpinned, book.stale) == (
+        frozenset({0, 1, 2}),
+        frozenset(),
+        frozenset({0, 1, 2}),
+    )
     assert pair.model.managers.tables[2].req_to_blocks["r"] == table
     assert not pair.all_resident([("r", 64, 1)])
     _, updates = hs.take_residency_updates(pair.model, ["r"])
