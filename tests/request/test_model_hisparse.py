@@ -432,12 +432,8 @@ def test_a_refused_host_reset_keeps_the_device_pool() -> None:
 # --------------------------------------------------------------------------
 
 
-def test_unpinned_pages_are_lost_on_reuse_and_free_gives_back_nothing_twice() -> None:
-    """A request that reads from host unpins its clean pages outside the active tail; the
-    pool's reuse loses them (host-only, asked for a hot region again, stale); its free
-    then frees only the blocks it still holds. The slice's invariants hold throughout."""
-    from kvpool.specs.request.hisparse_invariants import check_hisparse
-
+def _reading_from_host() -> mgr.KVCacheManagerState:
+    """Request "a": 4 clean pages, a hot region, pages 0 to 2 unpinned (3 and 4: active tail)."""
     m = new_model(40, 16, enable_caching=True)
     m, _ = mgr.allocate_slots(m, _request("a", 64), 64)
     m, _ = hs.advance_scheduled(m, [("a", 64)])
@@ -445,9 +441,40 @@ def test_unpinned_pages_are_lost_on_reuse_and_free_gives_back_nothing_twice() ->
     counts = {x.transfer_id: 1 for x in transfers}
     m, _ = hs.update_spills(m, counts, counts)
     m, _ = hs.require_hot(m, "a")
-    m, blocks = mgr.allocate_slots(m, replace(_request("a", 65), num_computed_tokens=64), 1)
-    assert blocks is not None and len(blocks[3]) == 2
+    m, _ = mgr.allocate_slots(m, replace(_request("a", 65), num_computed_tokens=64), 1)
     m, _ = hs.advance_scheduled(m, [("a", 65)])
+    return m
+
+
+@pytest.mark.parametrize("broken", ["reader_missing", "still_pinned", "stale_unsent"])
+def test_slice2_invariants_catch_a_broken_book(broken: str) -> None:
+    from kvpool.specs.request.hisparse_invariants import check_hisparse
+
+    m = _reading_from_host()
+    check_hisparse(m)
+    assert m.hisparse is not None
+    book = m.hisparse.books["a"]
+    if broken == "reader_missing":
+        hisparse = replace(m.hisparse, owners={})
+    elif broken == "still_pinned":
+        changed = replace(book, pinned_clean=book.pinned_clean | {0})
+        hisparse = replace(m.hisparse, books={"a": changed})
+    else:
+        changed = replace(book, stale=frozenset({book.synced_pages}))
+        hisparse = replace(m.hisparse, books={"a": changed})
+    with pytest.raises(AssertionError):
+        check_hisparse(replace(m, hisparse=hisparse))
+
+
+def test_unpinned_pages_are_lost_on_reuse_and_free_gives_back_nothing_twice() -> None:
+    """A request that reads from host unpins its clean pages outside the active tail; the
+    pool's reuse loses them (host-only, asked for a hot region again, stale); its free
+    then frees only the blocks it still holds. The slice's invariants hold throughout."""
+    from kvpool.specs.request.hisparse_invariants import check_hisparse
+
+    m = _reading_from_host()
+    hot = m.managers.tables[3].req_to_blocks["a"]
+    assert len(hot) == 2
     check_hisparse(m)
     assert m.hisparse is not None
     book = m.hisparse.books["a"]
@@ -476,5 +503,5 @@ def test_unpinned_pages_are_lost_on_reuse_and_free_gives_back_nothing_twice() ->
     m, _ = mgr.free(m, "a", finished=True)
     # only the pressed blocks are still held: the lost pages' blocks were not freed again
     held = {b for b in range(1, 40) if m.managers.pool.blocks[b].ref_cnt}
-    assert held == set(pressed) and set(row[:3]) <= held
+    assert held == set(pressed) and set(row[:3]) <= held and not set(hot) & held
     check_hisparse(m, {"GPU": pressed})
