@@ -1,10 +1,11 @@
-"""HiSparse's coordinator calls: write-back, residency and the workers' views (slice 1).
+"""HiSparse's coordinator calls: write-back, residency and the workers' views (slices 1, 2).
 
 vLLM 0.33.0's ``HiSparseCoordinator`` (``vllm/v1/hisparse/coordinator.py``) is built by
 ``get_hisparse_coordinator(manager)`` and shares the manager's state. Here its calls
 are operations of the request layer, one pure function each over
 ``KVCacheManagerState``, ``(state, args) -> (state, result)``; a refused call changes
-nothing. docs/hisparse.md describes each; "Modelled in slice 1" says what is left out.
+nothing. docs/hisparse.md describes each; "Modelled in slice 1" and "Modelled in slice 2"
+say what is left out.
 
 **Unknown request ids.** A request is known while it holds blocks in the source group.
 ``advance_scheduled``, ``plan_prefix_materialization``, ``update_residency``, ``require_hot``
@@ -22,7 +23,6 @@ from functools import partial
 import kvpool.model.hisparse_core as core
 import kvpool.model.pool as pool_ops
 from kvpool.model.errors import (
-    HiSparseNotModelled,
     InvalidArgument,
     InvalidTokenCount,
     UnknownRequest,
@@ -137,11 +137,11 @@ def update_residency(
 ) -> tuple[KVCacheManagerState, None]:
     """A scheduled request's residency step (``HiSparseCoordinator.update_residency``).
 
-    A request that cannot read from host keeps its pages; once the device pool has
-    fewer than ``transition_watermark`` free blocks, or the request holds its admission
-    window of resident pages, it is marked ``hot_required``. A request that can read from
-    host would unpin its clean pages: that takes a hot region (slice 2), which slice 1
-    never allocates.
+    A request that can read from host (it holds its hot region in every hot group)
+    unpins every clean pinned page outside the active tail, tail first. One that cannot
+    keeps its pages; once the device pool has fewer than ``transition_watermark`` free
+    blocks, or the request holds its admission window of resident pages, it is marked
+    ``hot_required``, and its next ``allocate_slots`` allocates the region.
     """
     t = tiers(state)
     # Verify that the id is a str and the request known
@@ -153,8 +153,7 @@ def update_residency(
 def _update_residency(t: core.Tiers, request_id: str) -> core.Tiers:
     t, _ = core.book(t, request_id)
     if core.can_read_from_host(t, request_id):
-        # unreachable in slice 1: allocate_slots refuses to allocate a hot region
-        raise HiSparseNotModelled("unpinning pages under a hot region: not modelled yet")
+        return core.unpin_clean_pages(t, request_id)
     layout = t.layout
     fills_window = any(
         len(t.managers.tables[g].req_to_blocks.get(request_id, ())) >= layout.max_admission_pages
@@ -163,13 +162,7 @@ def _update_residency(t: core.Tiers, request_id: str) -> core.Tiers:
     free = pool_ops.get_num_free_blocks(t.managers.pool)
     if free >= layout.transition_watermark and not fills_window:
         return t
-    return _require_hot(t, request_id)
-
-
-def _require_hot(t: core.Tiers, request_id: str) -> core.Tiers:
-    if not t.layout.hots:
-        return t
-    return replace(t, hs=replace(t.hs, hot_required=t.hs.hot_required | {request_id}))
+    return core.require_hot(t, request_id)
 
 
 def require_hot(state: KVCacheManagerState, request_id: str) -> tuple[KVCacheManagerState, None]:
@@ -179,7 +172,7 @@ def require_hot(state: KVCacheManagerState, request_id: str) -> tuple[KVCacheMan
     # Verify that the id is a str and the request known
     rid = _verify_id(request_id)
     _verify_known(t, rid)
-    return with_tiers(state, _require_hot(t, rid)), None
+    return with_tiers(state, core.require_hot(t, rid)), None
 
 
 def build_offload_command(

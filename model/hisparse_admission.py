@@ -14,9 +14,9 @@ compared with the host pool's free blocks, costing no device block, or the senti
 capped at the admission window under ``full_sequence_must_fit``; a hot group counts its
 missing region when the request resumes a host prefix or is ``hot_required``.
 
-Slice 1 refuses by name, before anything changes: a hit (every hit reaches the host
-tier, since the source takes part in it), external tokens, and an allocation that
-fits and would allocate a hot region.
+Refused by name, before anything changes: a hit (every hit reaches the host tier, since
+the source takes part in it; slice 3) and external tokens (slice 4). A hot region is
+allocated (slice 2) when the request is ``hot_required``.
 """
 
 from collections.abc import Sequence
@@ -27,7 +27,13 @@ import kvpool.model.pool as pool_ops
 import kvpool.model.single_type as single
 from kvpool.model.eagle import cacheable_tokens
 from kvpool.model.errors import HiSparseNotModelled
-from kvpool.model.hisparse_core import Tiers, apply_reuses, on_host, publish_when_ready
+from kvpool.model.hisparse_core import (
+    Tiers,
+    apply_reuses,
+    device_pool,
+    on_host,
+    publish_when_ready,
+)
 from kvpool.model.request import Request
 from kvpool.model.state import BlockHash
 
@@ -144,11 +150,6 @@ def allocate(
     slots = min(main + num_lookahead_tokens, max_model_len)
     if count(t, rid, slots, num_local, apply_admission_cap=False) > free - reserved_blocks:
         return t, None
-    # Verify that the allocation allocates no hot region (slice 2)
-    for g, per_request in zip(layout.hots, layout.blocks_per_request, strict=True):
-        held = len(m.tables[g].req_to_blocks.get(rid, ()))
-        if rid in t.hs.hot_required and per_request > held:
-            raise HiSparseNotModelled("HiSparse hot regions: not modelled yet (slice 2)")
     for g in range(len(m.specs)):
         if g == layout.source:
             t, _ = on_host(
@@ -167,7 +168,7 @@ def allocate(
                 t, partial(single.allocate_new_blocks, group=g, request_id=rid, num_tokens=slots)
             )
         elif g in layout.hots:
-            new = ()
+            t, new = _allocate_hot(t, g, rid)
         else:
             managers, new = single.allocate_new_blocks(t.managers, g, rid, slots)
             t = apply_reuses(replace(t, managers=managers))
@@ -185,3 +186,20 @@ def allocate(
                 managers, _ = single.cache_blocks(t.managers, g, request, cacheable)
                 t = replace(t, managers=managers)
     return t, tuple(new_blocks)
+
+
+def _allocate_hot(t: Tiers, group: int, request_id: str) -> tuple[Tiers, tuple[int, ...]]:
+    """The hot group's allocation: the missing part of the region, only for a request that
+    is ``hot_required`` (``HiSparseHotManager.allocate_new_blocks``, vLLM 0.33.0). The
+    region's blocks come from the device pool, so a reuse they cause is applied at once."""
+    per_request = t.layout.blocks_per_request[t.layout.hots.index(group)]
+    table = t.managers.tables[group]
+    held = table.req_to_blocks.get(request_id, ())
+    missing = per_request - len(held)
+    if request_id not in t.hs.hot_required or missing <= 0:
+        return t, ()
+    t, new = device_pool(t, partial(pool_ops.get_new_blocks, num_blocks=missing))
+    table = t.managers.tables[group]
+    table = replace(table, req_to_blocks={**table.req_to_blocks, request_id: (*held, *new)})
+    tables = (*t.managers.tables[:group], table, *t.managers.tables[group + 1 :])
+    return replace(t, managers=replace(t.managers, tables=tables)), tuple(new)

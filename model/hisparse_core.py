@@ -10,8 +10,9 @@ the device pool's queue: vLLM 0.33.0's host pool writes into the device pool's q
 
 The device pool's reuse watcher is the value ``WATCHER``. After each device step that
 can fire it (an allocation, a reset), the reuses are taken and the coordinator's
-``_on_block_reused`` applied: the copy naming the block is dropped. Slice 1 never
-unpins a page of a running request, so no page has readers to lose.
+``_on_block_reused`` applied: the copy naming the block is dropped, and every page still
+reading the block (``owners``) is lost. A step that fires nothing changes nothing here, so
+applying the reuses after the step, not inside it, is the same as vLLM's callback.
 """
 
 from collections.abc import Callable, Iterable, Sequence
@@ -23,6 +24,7 @@ import kvpool.model.pool as pool_ops
 import kvpool.model.single_type as single
 from kvpool.model.hisparse_layout import HiSparseLayout
 from kvpool.model.hisparse_state import WATCHER, HiSparseState, PageBook, Publication, Transfer
+from kvpool.model.hisparse_types import ACTIVE_TAIL_PAGES
 from kvpool.model.pinning import unpin_blocks
 from kvpool.model.request import Request, cache_request
 from kvpool.model.state import NULL_BLOCK_ID, HashKey, PoolState
@@ -78,14 +80,59 @@ def apply_reuses(t: Tiers) -> Tiers:
     (``HiSparseCoordinator._on_block_reused``, vLLM 0.33.0)."""
     pool, reuses = pool_ops.take_reuses(t.managers.pool)
     t = replace(t, managers=replace(t.managers, pool=pool))
-    hs = t.hs
     for reuse in reuses:
         if reuse.watcher != WATCHER:
             continue
+        hs = t.hs
         key = hs.copy_of_block.get(reuse.block_id)
         if key is not None:
             hs = _drop_copy(hs, key)
-    return replace(t, hs=hs)
+        readers = hs.owners.get(reuse.block_id, frozenset())
+        hs = replace(hs, owners={b: o for b, o in hs.owners.items() if b != reuse.block_id})
+        t = replace(t, hs=hs)
+        for request_id, page in sorted(readers):
+            t = lose_page(t, request_id, page)
+    return t
+
+
+def _set_owner(hs: HiSparseState, block: int, reader: tuple[str, int], add: bool) -> HiSparseState:
+    current = hs.owners.get(block, frozenset())
+    updated = current | {reader} if add else current - {reader}
+    owners = {b: o for b, o in hs.owners.items() if b != block}
+    if updated:
+        owners[block] = updated
+    return replace(hs, owners=owners)
+
+
+def lose_page(t: Tiers, request_id: str, page: int) -> Tiers:
+    """The request stops reading the page from the GPU (``_lose_page``, vLLM 0.33.0): it
+    becomes host-only in every resident group, is resent if the worker had it, and the
+    request asks for its hot region in every hot group."""
+    hs = t.hs
+    t = replace(t, hs=replace(hs, resident_marks=hs.resident_marks - {request_id}))
+    found = t.hs.books.get(request_id)
+    if found is None:
+        return t
+    hs = t.hs
+    for g in t.layout.residents:
+        block = resident_page(t, g, request_id, page)
+        if block is not None:
+            hs = _set_owner(hs, block, (request_id, page), add=False)
+    t = replace(t, hs=hs)
+    stale = found.stale | {page} if page < found.synced_pages else found.stale
+    t = put_book(
+        t,
+        request_id,
+        replace(found, lost=found.lost | {page}, unpinned=found.unpinned - {page}, stale=stale),
+    )
+    return require_hot(t, request_id)
+
+
+def require_hot(t: Tiers, request_id: str) -> Tiers:
+    """``require_hot`` on every hot group (no hot group: nothing)."""
+    if not t.layout.hots:
+        return t
+    return replace(t, hs=replace(t.hs, hot_required=t.hs.hot_required | {request_id}))
 
 
 def _drop_copy(hs: HiSparseState, key: HashKey) -> HiSparseState:
@@ -120,13 +167,18 @@ def put_book(t: Tiers, request_id: str, updated: PageBook) -> Tiers:
     return replace(t, hs=replace(t.hs, books={**t.hs.books, request_id: updated}))
 
 
-def resident_page(t: Tiers, group: int, request_id: str, page: int) -> int | None:
-    """The GPU block of a page in a resident group, None when it has none.
+def _lost(t: Tiers, request_id: str) -> frozenset[int]:
+    found = t.hs.books.get(request_id)
+    return frozenset() if found is None else found.lost
 
-    Slice 1 never changes a live request's residency, so the table row is the row.
-    """
+
+def resident_page(t: Tiers, group: int, request_id: str, page: int) -> int | None:
+    """The GPU block of a page in a resident group, None when it has none: a null entry of
+    the table row, or a lost page (``get_resident_page``)."""
     row = t.managers.tables[group].req_to_blocks.get(request_id)
     if row is None or page >= len(row) or row[page] == NULL_BLOCK_ID:
+        return None
+    if page in _lost(t, request_id):
         return None
     return row[page]
 
@@ -137,6 +189,48 @@ def can_read_from_host(t: Tiers, request_id: str) -> bool:
         len(t.managers.tables[g].req_to_blocks.get(request_id, ())) == per_request
         for g, per_request in zip(t.layout.hots, t.layout.blocks_per_request, strict=True)
     )
+
+
+def _unpinnable_blocks(t: Tiers, request_id: str, page: int) -> list[int] | None:
+    """The page's GPU block in each resident group, None if any group has none or the page
+    is in that group's active tail (``_resident_page_blocks``)."""
+    blocks: list[int] = []
+    for g in t.layout.residents:
+        num_pages = len(t.managers.tables[g].req_to_blocks.get(request_id, ()))
+        block = resident_page(t, g, request_id, page)
+        if page >= num_pages - ACTIVE_TAIL_PAGES or block is None:
+            return None
+        blocks.append(block)
+    return blocks
+
+
+def unpin_page(t: Tiers, request_id: str, page: int) -> Tiers:
+    """Give back a clean page's GPU blocks with ``unpin_blocks``, the request still reading
+    them (``_unpin_page``); nothing if the page is dirty, being written back, or has no
+    unpinnable block."""
+    found = t.hs.books[request_id]
+    if page in found.pending or page not in found.valid:
+        return t
+    blocks = _unpinnable_blocks(t, request_id, page)
+    if blocks is None:
+        return t
+    for block in blocks:
+        t = replace(t, hs=_set_owner(t.hs, block, (request_id, page), add=True))
+        t, _ = device_pool(t, partial(unpin_blocks, block_ids=[block], watcher=WATCHER))
+    found = t.hs.books[request_id]
+    return put_book(
+        t,
+        request_id,
+        replace(found, pinned_clean=found.pinned_clean - {page}, unpinned=found.unpinned | {page}),
+    )
+
+
+def unpin_clean_pages(t: Tiers, request_id: str) -> Tiers:
+    """Unpin every clean pinned page, tail first (``_unpin_clean_pages``): a prefix loses its
+    tail pages before its head, since the pool hands out the earliest unpinned first."""
+    for page in sorted(t.hs.books[request_id].pinned_clean, reverse=True):
+        t = unpin_page(t, request_id, page)
+    return t
 
 
 # --------------------------------------------------------------------------
@@ -324,11 +418,13 @@ def _complete_one(t: Tiers, found: Transfer, completed_requests: list[str]) -> T
         pending = {p: i for p, i in live.pending.items() if p != found.page}
         valid = live.valid if found.restore else live.valid | {found.page}
         pinned = live.pinned_clean | {found.page} if found.page in valid else live.pinned_clean
-        # a page that became clean while its request reads from host is unpinned at once
-        # (_page_became_clean); without a hot region (slice 1) no request does
         t = put_book(
             t, found.request_id, replace(live, pending=pending, valid=valid, pinned_clean=pinned)
         )
+        # a page that became clean while its request reads from host is unpinned at once,
+        # outside the active tail (_page_became_clean)
+        if found.page in valid and can_read_from_host(t, found.request_id):
+            t = unpin_page(t, found.request_id, found.page)
         if found.request_id not in completed_requests:
             completed_requests.append(found.request_id)
         return t
@@ -388,9 +484,9 @@ def coordinator_free(
     Forgets the request's book; detaches its publication if it finished with spills
     in flight (its host blocks held once more each), else drops it; in each resident
     group, tail first, unpins every clean page not being written back: the block joins
-    the back of the device free queue, watched, still in ``copies``. Returns the
-    (group, page) pairs taken out of the residency rows, which the resident groups
-    then do not free.
+    the back of the device free queue, watched, still in ``copies``; a page unpinned
+    earlier only loses its reader. Returns the (group, page) pairs taken out of the
+    residency rows (those and the lost pages), which the resident groups then do not free.
     """
     hs = t.hs
     t = replace(t, hs=replace(hs, resident_marks=hs.resident_marks - {request_id}))
@@ -417,11 +513,20 @@ def coordinator_free(
         row = t.managers.tables[g].req_to_blocks.get(request_id, ())
         for page in reversed(range(len(row))):
             block = row[page]
+            if page in found.lost:
+                # host-only already: its block is not the request's to free
+                dropped.add((g, page))
+                continue
             if block == NULL_BLOCK_ID:
                 continue
-            if page in found.valid and page not in found.pending:
+            if page in found.unpinned:
+                # given back already: it stays a free, watched block nobody reads
+                t = replace(t, hs=_set_owner(t.hs, block, (request_id, page), add=False))
+            elif page in found.valid and page not in found.pending:
                 t, _ = device_pool(t, partial(unpin_blocks, block_ids=[block], watcher=WATCHER))
-                dropped.add((g, page))
+            else:
+                continue
+            dropped.add((g, page))
     return t, frozenset(dropped)
 
 
@@ -459,8 +564,13 @@ def free(t: Tiers, request_id: str, finished: bool) -> Tiers:
 
 
 def resident_row(t: Tiers, group: int, request_id: str, start: int = 0) -> Sequence[int]:
-    """The residency row from ``start`` (the table row: slice 1 changes no live row)."""
-    return t.managers.tables[group].req_to_blocks.get(request_id, ())[start:]
+    """The residency row from ``start``: the table row with lost pages as the null block
+    (``get_residency_row``)."""
+    row = t.managers.tables[group].req_to_blocks.get(request_id, ())
+    lost = _lost(t, request_id)
+    return tuple(
+        NULL_BLOCK_ID if page in lost else b for page, b in enumerate(row) if page >= start
+    )
 
 
 def pop(t: Tiers, request_id: str, finished: bool) -> tuple[Tiers, tuple[tuple[bool, int], ...]]:

@@ -51,6 +51,15 @@ class PageBook:
     synced_pages: int = 0
     """The worker has been sent every page below this."""
     stale: frozenset[int] = frozenset()
+    unpinned: frozenset[int] = frozenset()
+    """Clean pages whose GPU blocks were given back with ``unpin_blocks`` and are still read
+    (``unpinned_pages``): free in the device pool, watched, until the pool reuses one."""
+    lost: frozenset[int] = frozenset()
+    """Pages whose GPU copies the request stopped reading: the pool reused one of their
+    blocks (``_lose_page``). vLLM records them per resident group as residency changes
+    to the null block (``HiSparseResidentManager.drop_resident_page``, 0.33.0); a page is
+    always lost in every resident group at once, so one set per request. The block table
+    stays append-only: a lost page's block id is still in the table row."""
 
 
 @dataclass(frozen=True)
@@ -93,3 +102,6 @@ class HiSparseState:
     together (``require_hot`` on every hot group, each forgetting at free), so one set."""
     resident_marks: frozenset[str] = frozenset()
     """Requests found fully resident (``_resident_requests``): a cache of the answer."""
+    owners: Mapping[int, frozenset[tuple[str, int]]] = field(default_factory=dict)
+    """Unpinned device block to the (request, page) pairs still reading it (``_owners``):
+    when the pool reuses the block, each of those pages is lost."""

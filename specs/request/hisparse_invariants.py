@@ -1,4 +1,4 @@
-"""What must hold of a HiSparse manager's state in slice 1 (docs/hisparse.md, "The plan").
+"""What must hold of a HiSparse manager's state in slices 1 and 2 (docs/hisparse.md, "The plan").
 
 Checked on the model's state after every step of the HiSparse machine
 (``kvpool.specs.request.hisparse_machine``), and usable on any ``KVCacheManagerState`` a
@@ -14,7 +14,11 @@ target shows. Each check raises ``AssertionError`` naming what broke:
   page is both valid and waiting for a transfer;
 * only the durable prefix is published: a running request's source blocks past its
   ``ready_prefix_pages`` carry no hash (vLLM 0.33.0 publishes a page's hash once its
-  write-back completed, ``_publish_ready_prefix`` in ``vllm/v1/hisparse/coordinator.py``).
+  write-back completed, ``_publish_ready_prefix`` in ``vllm/v1/hisparse/coordinator.py``);
+* slice 2: an unpinned page is clean and given back, its GPU blocks free and watched,
+  and the coordinator's readers are exactly the unpinned pages; stale pages were sent.
+  The reference counts leave out unpinned and lost pages, which stay in the
+  append-only resident tables.
 """
 
 from collections import Counter
@@ -55,7 +59,12 @@ def ref_counts_add_up(
     on_host: Counter[int] = Counter((pressed or {}).get("CPU", ()))
     on_device: Counter[int] = Counter((pressed or {}).get("GPU", ()))
     for g, table in enumerate(state.managers.tables):
-        for blocks in table.req_to_blocks.values():
+        for rid, blocks in table.req_to_blocks.items():
+            if g in layout.residents and rid in books.books:
+                # unpinned and lost pages stay in the append-only table, given back
+                book = books.books[rid]
+                given_back = book.unpinned | book.lost
+                blocks = tuple(b for page, b in enumerate(blocks) if page not in given_back)
             (on_host if g == layout.source else on_device).update(blocks)
     for transfer in books.transfers.values():
         on_host[transfer.host_block] += 1
@@ -111,11 +120,48 @@ def published_below_ready_prefix(state: KVCacheManagerState) -> None:
                 )
 
 
+def unpinned_pages_are_watched(state: KVCacheManagerState) -> None:
+    """Slice 2: an unpinned page is clean, neither pinned, being written back nor lost, and
+    each of its GPU blocks is free, watched by the coordinator and read by the page; the
+    coordinator's readers name only such pages (``_unpin_page``, ``_owners``, vLLM 0.33.0)."""
+    layout, books = state.config.hisparse, state.hisparse
+    assert layout is not None and books is not None
+    pool = state.managers.pool
+    readers: set[tuple[int, str, int]] = set()
+    for rid, book in books.books.items():
+        wrong = book.unpinned - book.valid | (book.unpinned & (book.pinned_clean | book.lost))
+        wrong |= book.unpinned & set(book.pending)
+        assert not wrong, f"{rid}: unpinned pages {sorted(wrong)} are not clean and given back"
+        for page in book.unpinned:
+            for g in layout.residents:
+                block = state.managers.tables[g].req_to_blocks[rid][page]
+                assert pool.blocks[block].ref_cnt == 0 and block in pool.watchers, (
+                    f"{rid}: unpinned page {page}'s block {block} is held or not watched"
+                )
+                readers.add((block, rid, page))
+    recorded = {(b, r, p) for b, owners in books.owners.items() for r, p in owners}
+    assert recorded == readers, (
+        f"the coordinator's readers {sorted(recorded)} are not the unpinned pages' "
+        f"{sorted(readers)}"
+    )
+
+
+def stale_pages_were_sent(state: KVCacheManagerState) -> None:
+    """A stale page (changed since the worker got it) is below ``synced_pages``."""
+    books = state.hisparse
+    assert books is not None
+    for rid, book in books.books.items():
+        late = {p for p in book.stale if p >= book.synced_pages}
+        assert not late, f"{rid}: stale pages {sorted(late)} were never sent"
+
+
 HISPARSE_INVARIANTS = (
     pools_keep_their_invariants,
     transfers_hold_their_blocks,
     durable_prefix_is_clean,
     published_below_ready_prefix,
+    unpinned_pages_are_watched,
+    stale_pages_were_sent,
 )
 
 

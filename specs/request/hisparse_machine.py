@@ -7,8 +7,9 @@ then one or two (resident, hot) pairs, blocks of 16 tokens, a host pool of its o
 play a scheduler and its workers (docs/hisparse.md, "How the vLLM side is driven"):
 
 * ``admit`` and ``step`` call ``allocate_slots`` then ``advance_scheduled`` for the request,
-  as vLLM's tests do (their ``_allocate_scheduled``); a call the model refuses as not modelled
-  yet (``HiSparseNotModelled``: a hot region actually allocated) is not sent.
+  as vLLM's tests do (their ``_allocate_scheduled``). Since slice 2 the model allocates hot
+  regions, so these calls reach unpinning and, under ``pressure``, lost pages; no rule
+  admits a hit or external tokens, which the model still refuses (slices 3 and 4).
 * ``connector_step`` runs what ``build_connector_meta`` runs, in its order:
   ``advance_scheduled`` over the running requests, ``build_offload_command``,
   ``build_row_mirrors``, ``all_context_pages_resident``, ``take_residency_updates``.

@@ -340,15 +340,30 @@ class Pair:
             assert dict(book.pending) == state.pending_pages, r
             assert book.pinned_clean == state.pinned_clean, r
             assert book.synced_pages == state.synced_pages, r
+            assert book.unpinned == state.unpinned_pages, r
+            assert book.stale == state.stale_pages, r
+        # the residency rows: the table rows with lost pages as the null block
+        t = mgr.tiers(model)
+        for g in model.config.hisparse.residents:  # type: ignore[union-attr]
+            manager = managers[g]
+            for r in model.managers.tables[g].req_to_blocks:
+                assert list(core.resident_row(t, g, r)) == [
+                    b.block_id for b in manager.get_residency_row(r)
+                ], (g, r)
+        # the readers of each unpinned block (vLLM keeps emptied entries: left out)
+        assert dict(model.hisparse.owners) == {
+            b: frozenset(o) for b, o in coordinator._owners.items() if o
+        }
 
 
 def run_random_program(seed: int, steps: int) -> Pair:
-    """A seeded random program over every slice-1 call, on both sides, compared at each call.
+    """A seeded random program over every slice-1 and slice-2 call, on both sides, compared
+    at each call.
 
     Prompts share prefixes so that hits and publication matter; transfers are
     acknowledged by one or two workers, partially, out of order, after frees; the
-    pools are pressed directly, as vLLM's tests do. A call the model refuses as not
-    modelled (a hot region to allocate) is not sent to vLLM.
+    pools are pressed directly, as vLLM's tests do, which loses unpinned pages. A call
+    the model refuses as not modelled is not sent to vLLM.
     """
     import random
 

@@ -242,14 +242,16 @@ def test_invalid_external_tokens_beside_hisparse() -> None:
     assert m == before
 
 
-def test_invalid_hot_region_allocation() -> None:
-    """A request marked hot_required whose next allocation fits would allocate its region."""
+def test_hot_region_allocated_once_required() -> None:
+    """Slice 2: a request marked hot_required gets its region at its next allocation, once
+    (``HiSparseHotManager.allocate_new_blocks``, vLLM 0.33.0)."""
     m = _running()
     m, _ = hs.require_hot(m, "a")
-    before = m
-    with pytest.raises(HiSparseNotModelled, match="hot regions"):
-        mgr.allocate_slots(m, replace(_request("a", 41), num_computed_tokens=40), 1)
-    assert m == before
+    m, blocks = mgr.allocate_slots(m, replace(_request("a", 41), num_computed_tokens=40), 1)
+    assert blocks is not None and len(blocks[3]) == 2
+    assert m.managers.tables[3].req_to_blocks["a"] == blocks[3]
+    m, again = mgr.allocate_slots(m, replace(_request("a", 42), num_computed_tokens=41), 1)
+    assert again is not None and again[3] == ()
 
 
 def test_hot_region_that_does_not_fit_is_answered_none() -> None:
@@ -423,3 +425,83 @@ def test_a_refused_host_reset_keeps_the_device_pool() -> None:
     before = m
     m, done = mgr.reset_prefix_cache(m)
     assert not done and m == before
+
+
+# --------------------------------------------------------------------------
+# Slice 2: hot regions, unpinning, losing pages (no vLLM needed)
+# --------------------------------------------------------------------------
+
+
+def _reading_from_host() -> mgr.KVCacheManagerState:
+    """Request "a": 4 clean pages, a hot region, pages 0 to 2 unpinned (3 and 4: active tail)."""
+    m = new_model(40, 16, enable_caching=True)
+    m, _ = mgr.allocate_slots(m, _request("a", 64), 64)
+    m, _ = hs.advance_scheduled(m, [("a", 64)])
+    m, transfers = hs.build_offload_command(m)
+    counts = {x.transfer_id: 1 for x in transfers}
+    m, _ = hs.update_spills(m, counts, counts)
+    m, _ = hs.require_hot(m, "a")
+    m, _ = mgr.allocate_slots(m, replace(_request("a", 65), num_computed_tokens=64), 1)
+    m, _ = hs.advance_scheduled(m, [("a", 65)])
+    return m
+
+
+@pytest.mark.parametrize("broken", ["reader_missing", "still_pinned", "stale_unsent"])
+def test_slice2_invariants_catch_a_broken_book(broken: str) -> None:
+    from kvpool.specs.request.hisparse_invariants import check_hisparse
+
+    m = _reading_from_host()
+    check_hisparse(m)
+    assert m.hisparse is not None
+    book = m.hisparse.books["a"]
+    if broken == "reader_missing":
+        hisparse = replace(m.hisparse, owners={})
+    elif broken == "still_pinned":
+        changed = replace(book, pinned_clean=book.pinned_clean | {0})
+        hisparse = replace(m.hisparse, books={"a": changed})
+    else:
+        changed = replace(book, stale=frozenset({book.synced_pages}))
+        hisparse = replace(m.hisparse, books={"a": changed})
+    with pytest.raises(AssertionError):
+        check_hisparse(replace(m, hisparse=hisparse))
+
+
+def test_unpinned_pages_are_lost_on_reuse_and_free_gives_back_nothing_twice() -> None:
+    """A request that reads from host unpins its clean pages outside the active tail; the
+    pool's reuse loses them (host-only, asked for a hot region again, stale); its free
+    then frees only the blocks it still holds. The slice's invariants hold throughout."""
+    from kvpool.specs.request.hisparse_invariants import check_hisparse
+
+    m = _reading_from_host()
+    hot = m.managers.tables[3].req_to_blocks["a"]
+    assert len(hot) == 2
+    check_hisparse(m)
+    assert m.hisparse is not None
+    book = m.hisparse.books["a"]
+    assert (book.unpinned, book.pinned_clean) == (frozenset({0, 1, 2}), frozenset({3}))
+    row = m.managers.tables[2].req_to_blocks["a"]
+    assert {b: set(o) for b, o in m.hisparse.owners.items()} == {
+        row[p]: {("a", p)} for p in (0, 1, 2)
+    }
+    m, _ = hs.take_residency_updates(m, ["a"])
+    t, pressed = core.device_pool(
+        mgr.tiers(m), lambda p: pool_ops.get_new_blocks(p, pool_ops.get_num_free_blocks(p))
+    )
+    m = mgr.with_tiers(m, t)
+    assert m.hisparse is not None
+    book = m.hisparse.books["a"]
+    assert (book.lost, book.unpinned, book.stale) == (
+        frozenset({0, 1, 2}),
+        frozenset(),
+        frozenset({0, 1, 2}),
+    )
+    assert m.hisparse.owners == {} and "a" in m.hisparse.hot_required
+    assert tuple(core.resident_row(mgr.tiers(m), 2, "a")) == (0, 0, 0, row[3], row[4])
+    m, answer = hs.all_context_pages_resident(m, [("a", 64, 1)])
+    assert not answer
+    check_hisparse(m, {"GPU": pressed})
+    m, _ = mgr.free(m, "a", finished=True)
+    # only the pressed blocks are still held: the lost pages' blocks were not freed again
+    held = {b for b in range(1, 40) if m.managers.pool.blocks[b].ref_cnt}
+    assert held == set(pressed) and set(row[:3]) <= held and not set(hot) & held
+    check_hisparse(m, {"GPU": pressed})

@@ -1,6 +1,6 @@
-"""kvpool's HiSparse model (slice 1) against vLLM 0.33.0's manager and coordinator.
+"""kvpool's HiSparse model (slices 1 and 2) against vLLM 0.33.0's manager and coordinator.
 
-Scenarios scripted after the slice-1 tests of vLLM 0.33.0's
+Scenarios scripted after the slice-1 and slice-2 tests of vLLM 0.33.0's
 ``tests/v1/core/test_prefix_caching.py`` (docs/hisparse.md, "The 55 tests"); every call
 runs on both sides, and ``Pair.compare`` checks the states after each. vLLM is
 optional: these tests skip, visibly, without it, and fail when ``KVPOOL_REQUIRE_VLLM=1``.
@@ -274,5 +274,112 @@ def test_deferred_free_with_spills_in_flight(finished: bool) -> None:
 
 @pytest.mark.parametrize("seed", range(12))
 def test_random_programs(seed: int) -> None:
-    """Seeded random programs over every slice-1 call (``run_random_program``)."""
+    """Seeded random programs over every slice-1 and slice-2 call (``run_random_program``):
+    they allocate hot regions, unpin pages and lose them."""
     run_random_program(seed, 60)
+
+
+# --------------------------------------------------------------------------
+# Slice 2: hot regions, unpinning, losing pages (docs/hisparse.md, "Modelled in slice 2")
+# --------------------------------------------------------------------------
+
+
+def _clean_then_hot(pair: Pair, rid: str, tokens: int, num_free_left: int) -> None:
+    """``rid`` written back and clean, pinned; the device pool pressed below the watermark
+    while it is scheduled, so it asks for a hot region; the pressure released."""
+    pair.request(rid, list(range(tokens)))
+    assert pair.allocate_scheduled(rid, tokens)
+    pair.publish()
+    free = len(pair.model.managers.pool.free_queue)
+    held = pair.press_device(free - num_free_left)
+    pair.advance([(rid, tokens)])
+    assert rid in pair.model.hisparse.hot_required  # type: ignore[union-attr]
+    pair.release_device(held)
+
+
+@pytest.mark.parametrize("num_resident_groups", [1, 3])
+def test_keeps_resident_pages_until_hot_region_is_allocated(num_resident_groups: int) -> None:
+    """After ``test_hisparse_keeps_resident_pages_until_hot_buffer_is_allocated`` (2 ids):
+    asked for a hot region, the request keeps its clean pages pinned and all resident until
+    its next allocation gives it the region; then the clean pages outside the active tail
+    are unpinned, tail first, and still read."""
+    pair = Pair(40, 16, enable_caching=True, num_resident_groups=num_resident_groups)
+    _clean_then_hot(pair, "r", 64, num_free_left=1)
+    assert pair.model.hisparse.books["r"].pinned_clean == {0, 1, 2, 3}  # type: ignore[union-attr]
+    assert pair.all_resident([("r", 63, 1)])
+    pair.computed("r", 64)
+    pair.append("r", [1])
+    assert pair.allocate_scheduled("r", 1)
+    book = pair.model.hisparse.books["r"]  # type: ignore[union-attr]
+    assert (book.unpinned, book.pinned_clean) == (frozenset({0, 1, 2}), frozenset({3}))
+    # unpinned blocks are free, at the back of the queue, still in the residency rows
+    tables = pair.model.managers.tables
+    residents = pair.model.config.hisparse.residents  # type: ignore[union-attr]
+    unpinned = tuple(tables[g].req_to_blocks["r"][page] for page in (2, 1, 0) for g in residents)
+    assert pair.model.managers.pool.free_queue[-len(unpinned) :] == unpinned
+    assert pair.all_resident([("r", 64, 1)])
+    pair.residency(["r"])
+
+
+def test_reports_when_context_is_fully_resident() -> None:
+    """After ``test_hisparse_reports_when_context_is_fully_resident``: once the pool hands
+    out the unpinned blocks, their pages are host-only: not all resident, the block table
+    unchanged, the residency update lists the lost pages with the null block's id."""
+    pair = Pair(24, 16, enable_caching=True)
+    _clean_then_hot(pair, "r", 64, num_free_left=1)
+    pair.computed("r", 64)
+    pair.append("r", [1])
+    assert pair.allocate_scheduled("r", 1)
+    pair.residency(["r"])
+    assert pair.all_resident([("r", 64, 1)])
+    table = pair.model.managers.tables[2].req_to_blocks["r"]
+    pair.press_device(len(pair.model.managers.pool.free_queue))
+    book = pair.model.hisparse.books["r"]  # type: ignore[union-attr]
+    assert (book.lost, book.unpinned, book.stale) == (
+        frozenset({0, 1, 2}),
+        frozenset(),
+        frozenset({0, 1, 2}),
+    )
+    assert pair.model.managers.tables[2].req_to_blocks["r"] == table
+    assert not pair.all_resident([("r", 64, 1)])
+    _, updates = hs.take_residency_updates(pair.model, ["r"])
+    assert updates["r"].pages == (0, 1, 2) and updates["r"].block_ids == ((0, 0, 0),)
+    pair.residency(["r"])
+    pair.free("r", finished=True)
+
+
+def test_residency_update_sends_only_changed_pages() -> None:
+    """After ``test_hisparse_residency_update_sends_only_changed_pages``: losing one early
+    page resends that page only."""
+    pair = Pair(24, 16, enable_caching=True)
+    _clean_then_hot(pair, "r", 40, num_free_left=1)
+    pair.computed("r", 40)
+    pair.append("r", [1])
+    assert pair.allocate_scheduled("r", 1)
+    assert pair.model.hisparse.books["r"].unpinned == {0}  # type: ignore[union-attr]
+    pair.residency(["r"])
+    pair.press_device(len(pair.model.managers.pool.free_queue))
+    _, updates = hs.take_residency_updates(pair.model, ["r"])
+    assert updates["r"].pages == (0,) and updates["r"].block_ids == ((0,),)
+    pair.residency(["r"])
+    pair.residency(["r"])
+
+
+def test_page_clean_under_a_hot_region_is_unpinned_at_once() -> None:
+    """``_page_became_clean``: a spill completing for a request that reads from host unpins
+    its page at once, outside the active tail; a lost page's block is not freed again."""
+    pair = Pair(40, 16, enable_caching=True)
+    pair.request("r", list(range(48)))
+    assert pair.allocate_scheduled("r", 48)
+    pair.model, _ = hs.require_hot(pair.model, "r")
+    for hot in pair.coordinator.hot_managers:
+        hot.require_hot("r")
+    pair.computed("r", 48)
+    pair.append("r", list(range(40)))
+    assert pair.allocate_scheduled("r", 40)
+    assert pair.model.managers.tables[3].req_to_blocks["r"]
+    pair.publish()
+    book = pair.model.hisparse.books["r"]  # type: ignore[union-attr]
+    assert book.unpinned == {0, 1, 2, 3} and book.pinned_clean == {4}
+    pair.press_device(len(pair.model.managers.pool.free_queue))
+    pair.free("r", finished=True)
