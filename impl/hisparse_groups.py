@@ -218,9 +218,12 @@ class HiSparseHotManager(SingleTypeKVCacheManager):
             return self.get_num_required_blocks(request_id)
         return 0
 
-    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
+    def allocate_new_blocks(
+        self, request_id: str, num_tokens: int, num_tokens_main_model: Any = None
+    ) -> list[KVCacheBlock]:
         """The missing part of the region if it is required (the manager counted it and
-        found room), else nothing; the token count plays no part."""
+        found room), else nothing; the token counts play no part. The third argument is
+        vLLM 0.33's (its tests call this method directly to give a request its region)."""
         self.num_cached_block[request_id] = 0
         blocks = self.req_to_blocks.get(request_id)
         if blocks is None:

@@ -368,6 +368,22 @@ def test_a_clean_page_outside_the_tail_unpins_at_the_next_residency_update() -> 
     assert (state.unpinned_pages, state.pinned_clean) == ({0, 1, 2}, {3})
 
 
+def test_the_region_given_directly_with_vllm_s_three_arguments() -> None:
+    manager = make_manager(32, 16)
+    view = get_hisparse_coordinator(manager)
+    _admit(manager, request("a", list(range(64))), 64)
+    _publish_all(manager)
+    hot = view.hot_managers[0]
+    assert hot.allocate_new_blocks("a", 64, 64) == []  # not required: nothing
+    hot.require_hot("a")
+    assert len(hot.allocate_new_blocks("a", 64, 64)) == hot.blocks_per_request
+    assert hot.allocate_new_blocks("a", 64, 64) == []  # whole already
+    view.update_residency("a")
+    assert view.request_states["a"].unpinned_pages == {0, 1}
+    rows = view.resident_managers[0].req_to_blocks["a"]
+    assert [b.ref_cnt for b in rows] == [0, 0, 1, 1]
+
+
 def test_a_hot_region_that_does_not_fit_answers_none() -> None:
     manager = make_manager(9, 16)
     view = get_hisparse_coordinator(manager)
