@@ -599,6 +599,19 @@ def test_a_refused_reset_resets_neither_pool() -> None:
     assert all(b.block_hash is None for b in view.get_host_block_pool().blocks)
 
 
+def test_a_reset_under_a_request_reading_from_host_is_refused() -> None:
+    manager, a = _reading_from_host()
+    before = fingerprint(manager)
+    # its unpinned pages count as free, but its region and tail are held: refused
+    assert not manager.reset_prefix_cache()
+    assert fingerprint(manager) == before
+    view = get_hisparse_coordinator(manager)
+    manager.free(a)
+    # the freed request's pages, unpinned before or at the free, are only copies now
+    assert view.copies and manager.reset_prefix_cache()
+    assert not view.copies and not view.request_states
+
+
 def test_pop_blocks_for_free_hands_host_blocks_to_their_pool() -> None:
     manager = make_manager(16, 16)
     host = get_hisparse_coordinator(manager).get_host_block_pool()

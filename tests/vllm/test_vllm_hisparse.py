@@ -388,6 +388,10 @@ def test_losing_pages_under_a_hot_region_as_vllm() -> None:
     pair.free("r")
     pair.new("n", list(range(500, 500 + 6 * PAGE)))
     assert pair.admit("n", 6 * PAGE) is not None
+    assert not pair.step(lambda s: s.manager.reset_prefix_cache(), "reset, n running")
+    pair.free("n")
+    pair.acks(*([{t[0]: 1 for t in pair.offload()}] * 2))
+    assert pair.step(lambda s: s.manager.reset_prefix_cache(), "reset, all freed")
 
 
 def test_only_changed_pages_are_resent_as_vllm() -> None:
