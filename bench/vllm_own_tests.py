@@ -141,10 +141,6 @@ SWAPS = {
 """What ``--swap`` replaces: vLLM's module and class, by kvpool.impl's class of that name."""
 
 
-_SLICE_2 = (
-    "HiSparse slice 2 (hot regions, unpinning, lost pages): allocating a hot region is "
-    "refused, HiSparseNotModelled"
-)
 _SLICE_3 = (
     "HiSparse slice 3 (host prefix hits, adoption of copies): a prefix hit beside HiSparse "
     "is refused, HiSparseNotModelled"
@@ -154,9 +150,6 @@ _SLICE_4 = (
     "HiSparseNotModelled"
 )
 KNOWN_REASONS = {
-    "test_hisparse_reports_when_context_is_fully_resident": _SLICE_2,
-    "test_hisparse_residency_update_sends_only_changed_pages": _SLICE_2,
-    "test_hisparse_keeps_resident_pages_until_hot_buffer_is_allocated": _SLICE_2,
     "test_hisparse_prefix_hit_adopts_gpu_shadow_pages": _SLICE_3,
     "test_hisparse_prefix_hit_under_pressure_adopts_surviving_copies": _SLICE_3,
     "test_hisparse_host_backed_request_accepts_local_prefix_hit": _SLICE_3,
@@ -182,8 +175,6 @@ KNOWN_REASONS = {
     "test_hisparse_import_capacity_includes_hits_and_cow": "calls the source manager's "
     "get_num_blocks_to_allocate with vLLM's internal signature (a lead's decision, "
     "docs/hisparse.md 'The 55 tests'); host copy-on-write is slice 5",
-    "test_hisparse_host_exhaustion_defers_allocation": "calls the hot manager's "
-    "allocate_new_blocks with vLLM's internal signature to allocate a hot region (slice 2)",
     "test_hisparse_capacity_query_does_not_require_hot_blocks": "asks "
     "manager.coordinator.get_num_blocks_to_allocate, vLLM's internal count (not answered: "
     "kvpool.impl.coordinator)",

@@ -1,12 +1,15 @@
-"""HiSparse's coordinator, slice 1: write-back, publication and residency bookkeeping.
+"""HiSparse's coordinator, slices 1 and 2: write-back, publication, residency bookkeeping,
+hot regions and the pages a request stops reading from the GPU.
 
 vLLM 0.33.0's ``HiSparseCoordinator`` (``vllm/v1/hisparse/coordinator.py``) ties the source,
 resident and hot groups together (docs/hisparse.md). kvpool builds it with the manager
 (``kvpool.impl.KVCacheManager``) and answers with ``kvpool.model.hisparse_types`` records.
-Slice 1 (docs/hisparse.md, "Slices"): no hot region is ever allocated, so no request reads
-from host: while a request runs none of its pages is unpinned and no residency row has a
-host-only page; at a free its clean pages become free blocks nobody reads (copies). Host
-hits, imports and host copy-on-write are refused by the manager before anything changes.
+A request holding its hot region in every hot group reads from host: its clean sealed pages
+outside the active tail are unpinned (``BlockPool.unpin_blocks``): still read, counted free.
+When the device pool hands such a block out, the reuse watcher loses the page: it becomes
+host-only in the residency row and stale for the worker (docs/hisparse.md, "Slice 2 in
+kvpool.impl"). Host hits, imports and host copy-on-write are refused by the manager before
+anything changes (later slices).
 
 Every operation checks its arguments before it changes anything (the model's named errors).
 A request is known when it holds blocks in the source group; operations on a request refuse
@@ -28,7 +31,12 @@ from kvpool.impl.hisparse_groups import (
 from kvpool.impl.hisparse_layout import HiSparseLayout
 from kvpool.impl.pool import BlockPool
 from kvpool.model.errors import InvalidArgument, InvalidTokenCount, UnknownRequest
-from kvpool.model.hisparse_types import PageTransfer, ResidencyUpdate, RowMirror
+from kvpool.model.hisparse_types import (
+    ACTIVE_TAIL_PAGES,
+    PageTransfer,
+    ResidencyUpdate,
+    RowMirror,
+)
 from kvpool.model.state import HashKey
 
 
@@ -83,7 +91,7 @@ class RequestState:
         self.copies_recorded_blocks = 0
         self.pinned_clean: set[int] = set()
         self.unpinned_pages: set[int] = set()
-        """Always empty in slice 1 (no request reads from host)."""
+        """Clean pages whose block reference was released while the request reads them."""
         self.pages_to_adopt = 0
         """Always 0 in slice 1 (no host hit)."""
         self.synced_pages = 0
@@ -223,6 +231,8 @@ class HiSparseCoordinator:
         """Published host block's key to the GPU copies of that page, until reused."""
         self._copy_by_block: dict[int, HashKey] = {}
         self._resident_requests: set[str] = set()
+        self._owners: dict[int, set[tuple[str, int]]] = {}
+        """Unpinned device block id to the (request, page) pairs still reading it."""
         self.freeing: Any = None
         """The request the manager is freeing (``free``, ``pop_blocks_for_free``): whether it
         finished is read from it. vLLM reads the request its last ``cache_blocks`` stored,
@@ -251,7 +261,7 @@ class HiSparseCoordinator:
         return state
 
     def _can_read_from_host(self, request_id: str) -> bool:
-        """Whether the request holds its hot region in every hot group (never, in slice 1)."""
+        """Whether the request holds its hot region in every hot group."""
         return bool(self.hot_managers) and all(m.has_hot(request_id) for m in self.hot_managers)
 
     def _fills_admission_window(self, request_id: str) -> bool:
@@ -271,15 +281,57 @@ class HiSparseCoordinator:
         return tuple(blocks)
 
     # ------------------------------------------------------------------
-    # Allocation (called by the manager)
+    # Unpinning and losing pages
     # ------------------------------------------------------------------
 
-    def hot_region_needed(self, request_id: str) -> bool:
-        """Whether this allocation of the request would allocate a hot region."""
-        return any(
-            request_id in m.hot_required and m.get_num_required_blocks(request_id) > 0
-            for m in self.hot_managers
-        )
+    def _unpinnable_blocks(self, request_id: str, page: int) -> list[KVCacheBlock] | None:
+        """The page's GPU block in every resident group, or None if some group has none or
+        the page is in that group's active tail (the last ``ACTIVE_TAIL_PAGES`` pages)."""
+        blocks: list[KVCacheBlock] = []
+        for manager in self.resident_managers:
+            num_pages = len(manager.req_to_blocks.get(request_id, ()))
+            block = manager.get_resident_page(request_id, page)
+            if block is None or page >= num_pages - ACTIVE_TAIL_PAGES:
+                return None
+            blocks.append(block)
+        return blocks
+
+    def _unpin_page(self, request_id: str, state: RequestState, page: int) -> None:
+        if page in state.pending_pages or page not in state.valid_pages:
+            return
+        blocks = self._unpinnable_blocks(request_id, page)
+        if blocks is None:
+            return
+        for manager, block in zip(self.resident_managers, blocks, strict=True):
+            self._owners.setdefault(block.block_id, set()).add((request_id, page))
+            manager.block_pool.unpin_blocks([block], self._on_block_reused)
+        state.pinned_clean.discard(page)
+        state.unpinned_pages.add(page)
+
+    def _unpin_clean_pages(self, request_id: str, state: RequestState) -> None:
+        # tail first: the free queue hands out a prefix's tail pages before its head
+        for page in sorted(state.pinned_clean, reverse=True):
+            self._unpin_page(request_id, state, page)
+
+    def _lose_page(self, request_id: str, page: int) -> None:
+        """The device pool reused the block the request read ``page`` from: the page is
+        host-only now, stale if the worker was sent it, and the request needs its region."""
+        self._resident_requests.discard(request_id)
+        state = self.request_states.get(request_id)
+        if state is None:
+            return
+        for manager in self.resident_managers:
+            block = manager.drop_resident_page(request_id, page)
+            if block is None:
+                continue
+            owners = self._owners.get(block.block_id)
+            if owners is not None:
+                owners.discard((request_id, page))
+        state.unpinned_pages.discard(page)
+        if page < state.synced_pages:
+            state.stale_pages.add(page)
+        for hot in self.hot_managers:
+            hot.hot_required.add(request_id)
 
     # ------------------------------------------------------------------
     # Copies of published pages
@@ -318,11 +370,16 @@ class HiSparseCoordinator:
             self._copy_by_block.pop(block.block_id, None)
 
     def _on_block_reused(self, block: KVCacheBlock) -> None:
-        """The device pool hands out (or a reset forgets) an unpinned block: its copy goes.
-        (No request reads an unpinned block in slice 1, so no page is lost.)"""
+        """The device pool hands out (or a reset forgets) an unpinned block: its copy goes,
+        and every request still reading it loses that page."""
         key = self._copy_by_block.get(block.block_id)
         if key is not None:
             self._drop_copy(key)
+        owners = self._owners.pop(block.block_id, None)
+        if owners:
+            # a set: vLLM 0.33 iterates its own set here too; one owner in practice
+            for request_id, page in sorted(owners):
+                self._lose_page(request_id, page)
 
     # ------------------------------------------------------------------
     # The scheduler's per-step calls
@@ -394,16 +451,17 @@ class HiSparseCoordinator:
         return True
 
     def update_residency(self, request_id: object) -> None:
-        """A request that cannot read from host keeps its pages pinned until the device pool
-        runs below the watermark or it fills its admission window; then it asks for a hot
-        region (its next allocation would take it)."""
+        """A request reading from host unpins its clean sealed pages outside the active tail,
+        tail first. One that cannot keeps its pages pinned until the device pool runs below
+        the watermark or it fills its admission window; then it asks for a hot region (its
+        next allocation takes it)."""
         self._update_residency(self._verify_known(request_id))
 
     def _update_residency(self, request_id: str) -> None:
-        self._state(request_id)
+        state = self._state(request_id)
         if self._can_read_from_host(request_id):
-            # unreachable in slice 1: has_hot needs a region, which is never allocated
-            raise AssertionError("a request holds a hot region in slice 1")
+            self._unpin_clean_pages(request_id, state)
+            return
         if (
             self.gpu_pool.get_num_free_blocks() >= self.transition_watermark
             and not self._fills_admission_window(request_id)
@@ -460,8 +518,9 @@ class HiSparseCoordinator:
             state.pending_pages.pop(pending.page, None)
             if self.request_states.get(pending.request_id) is state:
                 state.valid_pages.add(pending.page)
-                # clean, still held: no request reads from host in slice 1
                 state.pinned_clean.add(pending.page)
+                if self._can_read_from_host(pending.request_id):
+                    self._unpin_page(pending.request_id, state, pending.page)
                 if pending.request_id not in advanced:
                     advanced.append(pending.request_id)
             elif state.publication is not None:
@@ -552,9 +611,16 @@ class HiSparseCoordinator:
                 block = row[page]
                 if block.is_null:
                     continue
-                if page in state.valid_pages and page not in state.pending_pages:
+                if page in state.unpinned_pages:
+                    # already released: only the reading stops
+                    owners = self._owners.get(block.block_id)
+                    if owners is not None:
+                        owners.discard((request_id, page))
+                elif page in state.valid_pages and page not in state.pending_pages:
                     manager.block_pool.unpin_blocks([block], self._on_block_reused)
-                    manager.drop_resident_page(request_id, page)
+                else:
+                    continue
+                manager.drop_resident_page(request_id, page)
 
     # ------------------------------------------------------------------
     # What the workers read
@@ -651,5 +717,5 @@ class HiSparseCoordinator:
         )
 
     def has_pending_work(self) -> bool:
-        """Whether transfers are queued or in flight (host copies: none in slice 1)."""
+        """Whether transfers are queued or in flight (host copies: none before slice 5)."""
         return bool(self.spills_to_send or self.pending_spills)

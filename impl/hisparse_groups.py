@@ -179,8 +179,9 @@ class HiSparseResidentManager(SingleTypeKVCacheManager):
 class HiSparseHotManager(SingleTypeKVCacheManager):
     """A hot group: a region of ``blocks_per_request`` blocks for a request reading from host.
 
-    Slice 1 counts the region and never allocates it (the manager refuses such an
-    allocation, ``HiSparseNotModelled``), so ``has_hot`` is always False here."""
+    The region is allocated at the request's first allocation after it was required
+    (``require_hot``), whole, and held until the free; a request holding it in every hot
+    group can read from host (its clean pages are unpinned)."""
 
     def __init__(
         self,
@@ -217,12 +218,25 @@ class HiSparseHotManager(SingleTypeKVCacheManager):
             return self.get_num_required_blocks(request_id)
         return 0
 
-    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
-        """Nothing: the manager has refused any allocation that would need the region."""
+    def allocate_new_blocks(
+        self, request_id: str, num_tokens: int, num_tokens_main_model: Any = None
+    ) -> list[KVCacheBlock]:
+        """The missing part of the region if it is required (the manager counted it and
+        found room), else nothing; the token counts play no part. The third argument is
+        vLLM 0.33's (its tests call this method directly to give a request its region)."""
         self.num_cached_block[request_id] = 0
-        if request_id not in self.req_to_blocks:
-            self.req_to_blocks[request_id] = []
-        return []
+        blocks = self.req_to_blocks.get(request_id)
+        if blocks is None:
+            blocks = []
+            self.req_to_blocks[request_id] = blocks
+        if request_id not in self.hot_required:
+            return []
+        missing = self.blocks_per_request - len(blocks)
+        if missing <= 0:
+            return []
+        new = self.block_pool.get_new_blocks(missing)
+        blocks.extend(new)
+        return new
 
     def cache_blocks(self, request: Any, num_tokens: int) -> None:
         """Never cached."""

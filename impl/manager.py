@@ -856,13 +856,6 @@ class KVCacheManager:
         needed += sum(partial)
         if needed > self.block_pool.get_num_free_blocks() - reserved_blocks:
             return None
-        hisparse = self.hisparse
-        # Verify that the allocation allocates no hot region (slice 2; counted above, so a
-        # request it does not fit was answered None as vLLM answers)
-        if hisparse is not None and hisparse.hot_region_needed(rid):
-            raise HiSparseNotModelled(
-                f"request {rid!r} would be given its HiSparse hot region: not modelled yet"
-            )
         if ext > 0:
             return self._allocate_with_external(
                 request,

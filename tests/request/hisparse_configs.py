@@ -131,4 +131,5 @@ def fingerprint(manager: KVCacheManager) -> tuple[Any, ...]:
             for m in c.resident_managers
         ),
         tuple(sorted(c._resident_requests)),
+        tuple(sorted((b, tuple(sorted(o))) for b, o in c._owners.items())),
     )

@@ -1,5 +1,6 @@
-"""HiSparse slice 1 in kvpool.impl (docs/hisparse.md): the layout's checks, the worked example,
-publication, and every refusal by name with the manager exactly as it was."""
+"""HiSparse slices 1 and 2 in kvpool.impl (docs/hisparse.md): the layout's checks, the worked
+example, publication, hot regions and lost pages, and every refusal by name with the manager
+exactly as it was."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from kvpool.model.errors import (
     InvalidHiSparseLayout,
     InvalidManagerConfig,
     InvalidTokenCount,
+    PoolError,
     UnknownRequest,
 )
 from kvpool.model.events import MEDIUM_CPU, MEDIUM_GPU, BlockRemoved, BlockStored
@@ -304,18 +306,82 @@ def test_rows_mirrors_and_residency_updates() -> None:
     assert not view.all_context_pages_resident([("a", 32, 1)])
 
 
-def test_a_prefill_filling_its_window_asks_for_a_hot_region() -> None:
+def test_a_prefill_filling_its_window_takes_its_hot_region_and_unpins() -> None:
     manager = make_manager(32, 16, max_in_flight_tokens=64)
     view = get_hisparse_coordinator(manager)
     r = request("p", list(range(128)))
     _admit(manager, r, 64)
     assert "p" in view.hot_managers[0].hot_required
-    r = replace(r, num_computed_tokens=64)
-    before = fingerprint(manager)
-    # the next allocation would take the region: not modelled, refused before any change
-    with pytest.raises(HiSparseNotModelled):
-        manager.allocate_slots(r, 16)
-    assert fingerprint(manager) == before
+    assert not view.hot_managers[0].has_hot("p")
+    # the next allocation takes the whole region (2 blocks) after the other groups' blocks
+    assert _admit(manager, replace(r, num_computed_tokens=64), 16) is not None
+    assert manager.get_block_ids("p") == (
+        [1, 2, 3, 4, 5],
+        [1, 2, 3, 4, 9],
+        [5, 6, 7, 8, 10],
+        [11, 12],
+    )
+    assert view.hot_managers[0].has_hot("p")
+    free = manager.block_pool.get_num_free_blocks()
+    # clean pages unpin as their spills complete, except the active tail (pages 3 and 4)
+    _publish_all(manager)
+    state = view.request_states["p"]
+    assert (state.unpinned_pages, state.pinned_clean) == ({0, 1, 2}, {3, 4})
+    assert [manager.block_pool.blocks[i].ref_cnt for i in (5, 6, 7, 8, 10)] == [0, 0, 0, 1, 1]
+    assert manager.block_pool.get_num_free_blocks() == free + 3
+    # still read until reused: the worker is sent the blocks, all pages resident
+    assert view.take_residency_updates(["p"])["p"].block_ids == ([5, 6, 7, 8, 10],)
+    assert view.all_context_pages_resident([("p", 79, 1)])
+    # reusing them loses the pages: host-only, stale for the worker; the table is unchanged
+    manager.block_pool.get_new_blocks(manager.block_pool.get_num_free_blocks())
+    assert state.unpinned_pages == set()
+    assert [b.block_id for b in view.resident_managers[0].get_residency_row("p")] == [
+        0,
+        0,
+        0,
+        8,
+        10,
+    ]
+    assert manager.get_block_ids("p")[2] == [5, 6, 7, 8, 10]
+    assert not view.all_context_pages_resident([("p", 79, 1)])
+    update = view.take_residency_updates(["p"])["p"]
+    assert (update.pages, update.block_ids) == ([0, 1, 2], ([0, 0, 0],))
+    assert view.take_residency_updates(["p"]) == {}
+    # the free releases the pinned pages and the region, not the lost pages a second time
+    manager.free(r)
+    assert [manager.block_pool.blocks[i].ref_cnt for i in (8, 10, 11, 12)] == [0, 0, 0, 0]
+
+
+def test_a_clean_page_outside_the_tail_unpins_at_the_next_residency_update() -> None:
+    manager = make_manager(32, 16)
+    view = get_hisparse_coordinator(manager)
+    r = request("a", list(range(80)))
+    _admit(manager, r, 64)
+    _publish_all(manager)
+    state = view.request_states["a"]
+    assert state.pinned_clean == {0, 1, 2, 3} and not state.unpinned_pages
+    view.require_hot("a")
+    assert manager.allocate_slots(replace(r, num_computed_tokens=64), 1) is not None
+    assert view.hot_managers[0].has_hot("a") and state.pinned_clean == {0, 1, 2, 3}
+    # 5 pages now: the active tail is pages 3 and 4
+    view.update_residency("a")
+    assert (state.unpinned_pages, state.pinned_clean) == ({0, 1, 2}, {3})
+
+
+def test_the_region_given_directly_with_vllm_s_three_arguments() -> None:
+    manager = make_manager(32, 16)
+    view = get_hisparse_coordinator(manager)
+    _admit(manager, request("a", list(range(64))), 64)
+    _publish_all(manager)
+    hot = view.hot_managers[0]
+    assert hot.allocate_new_blocks("a", 64, 64) == []  # not required: nothing
+    hot.require_hot("a")
+    assert len(hot.allocate_new_blocks("a", 64, 64)) == hot.blocks_per_request
+    assert hot.allocate_new_blocks("a", 64, 64) == []  # whole already
+    view.update_residency("a")
+    assert view.request_states["a"].unpinned_pages == {0, 1}
+    rows = view.resident_managers[0].req_to_blocks["a"]
+    assert [b.ref_cnt for b in rows] == [0, 0, 1, 1]
 
 
 def test_a_hot_region_that_does_not_fit_answers_none() -> None:
@@ -461,6 +527,58 @@ def test_invalid_coordinator_call(call: Any, error: type[Exception]) -> None:
     _refused(manager, lambda: call(view), error)
 
 
+def _reading_from_host() -> tuple[KVCacheManager, Any]:
+    """A request holding its hot region, pages 0-2 unpinned, 3-4 pinned (the active tail)."""
+    manager = make_manager(32, 16)
+    view = get_hisparse_coordinator(manager)
+    a = request("a", list(range(96)))
+    _admit(manager, a, 64)
+    view.require_hot("a")
+    a = replace(a, num_computed_tokens=64)
+    assert _admit(manager, a, 16) is not None
+    _publish_all(manager)
+    assert view.request_states["a"].unpinned_pages == {0, 1, 2}
+    return manager, replace(a, num_computed_tokens=80)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda v: v.advance_scheduled([("a", 80), ("ghost", 16)]),
+        lambda v: v.advance_scheduled([("a", 80), ("a", -1)]),
+        lambda v: v.update_residency(None),
+        lambda v: v.take_residency_updates(["a", "ghost"]),
+        lambda v: v.all_context_pages_resident([("a", 79, 1), ("a", 1)]),
+        lambda v: v.update_spills({0: 1}, {0: 0}),
+    ],
+    ids=[
+        "advance-ghost",
+        "advance-negative",
+        "residency-none",
+        "updates-ghost",
+        "resident-short",
+        "acks-zero",
+    ],
+)
+def test_invalid_call_on_a_request_reading_from_host(call: Any) -> None:
+    manager, _ = _reading_from_host()
+    _refused(manager, lambda: call(get_hisparse_coordinator(manager)), PoolError)
+
+
+def test_a_hot_region_that_no_longer_fits_after_losing_pages_answers_none() -> None:
+    manager, a = _reading_from_host()
+    view = get_hisparse_coordinator(manager)
+    pool = manager.block_pool
+    held = pool.get_new_blocks(pool.get_num_free_blocks())
+    assert view.request_states["a"].unpinned_pages == set()
+    assert "a" in view.hot_managers[0].hot_required
+    # the region is held: a lost page asks for nothing more; a full pool refuses the next page
+    before = fingerprint(manager)
+    assert manager.allocate_slots(a, 16) is None
+    assert fingerprint(manager) == before
+    pool.free_blocks(held)
+
+
 def test_invalid_cache_blocks_of_an_unknown_request() -> None:
     manager, _ = _running()
     _refused(manager, lambda: manager.cache_blocks(request("ghost", [1] * 32), 32), UnknownRequest)
@@ -479,6 +597,19 @@ def test_a_refused_reset_resets_neither_pool() -> None:
     assert view.copies and manager.reset_prefix_cache()
     assert not view.copies
     assert all(b.block_hash is None for b in view.get_host_block_pool().blocks)
+
+
+def test_a_reset_under_a_request_reading_from_host_is_refused() -> None:
+    manager, a = _reading_from_host()
+    before = fingerprint(manager)
+    # its unpinned pages count as free, but its region and tail are held: refused
+    assert not manager.reset_prefix_cache()
+    assert fingerprint(manager) == before
+    view = get_hisparse_coordinator(manager)
+    manager.free(a)
+    # the freed request's pages, unpinned before or at the free, are only copies now
+    assert view.copies and manager.reset_prefix_cache()
+    assert not view.copies and not view.request_states
 
 
 def test_pop_blocks_for_free_hands_host_blocks_to_their_pool() -> None:
