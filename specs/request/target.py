@@ -177,7 +177,8 @@ and without prefill checkpoint and speculative blocks. Driven with the scheduler
 (stopping at the prompt's partial boundary) and no drafts."""
 
 HISPARSE_PART: Mapping[str, Any] = {"events": (False, True), "hisparse": True}
-"""HiSparse slice 1 (two pools, write-back, publication): its own machine
+"""HiSparse, slices 1 and 2 (two pools, write-back, publication, hot regions, unpinning and
+losing pages; docs/hisparse.md): its own machine
 (``kvpool.specs.request.hisparse_machine``) draws the managers, in vLLM 0.33.0's tests'
 layout."""
 
@@ -193,9 +194,9 @@ has them (kvpool's model and impl, vLLM 0.33) on each in turn (``TargetDescripto
 
 PARTS_033_HISPARSE: tuple[tuple[str, Mapping[str, Any]], ...] = (
     *PARTS_033,
-    ("HiSparse slice 1", HISPARSE_PART),
+    ("HiSparse", HISPARSE_PART),
 )
-"""``PARTS_033`` and HiSparse slice 1 (``HISPARSE_PART``): the parts of kvpool's model, its
+"""``PARTS_033`` and HiSparse (``HISPARSE_PART``): the parts of kvpool's model, its
 impl and vLLM 0.33."""
 
 

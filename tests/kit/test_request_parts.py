@@ -2,7 +2,7 @@
 
 ``kvpool check --layer request`` on kvpool's model and impl, and on vLLM 0.33, runs the main
 scope and then each part of ``PARTS_033_HISPARSE`` (fine-grained hits, Mamba "align", hits
-inside a Mamba block, HiSparse slice 1), which the main scope never draws. One report: each
+inside a Mamba block, HiSparse), which the main scope never draws. One report: each
 part's verdict, programs and time added up, and the first failing part's failure.
 """
 
@@ -20,7 +20,7 @@ from kvpool.specs.targets.impl.request import ImplManagerTarget
 
 PART_NAMES = ["main", *(name for name, _ in PARTS_033_HISPARSE)]
 PARTS = {"impl": PARTS_033_HISPARSE, "model": PARTS_033_HISPARSE}
-"""kvpool's model and impl are checked on the same parts, HiSparse slice 1 included."""
+"""kvpool's model and impl are checked on the same parts, HiSparse included."""
 
 
 @pytest.mark.parametrize("target", ["impl", "model"])
@@ -60,7 +60,7 @@ def test_a_bug_only_a_part_draws_is_found_in_that_part() -> None:
     assert report.parts["fine-grained hits"] == "conforms"
     assert report.parts['Mamba "align"'].startswith("diverges")
     assert report.parts["hits inside a Mamba block"] == "not run"
-    assert report.parts["HiSparse slice 1"] == "not run"
+    assert report.parts["HiSparse"] == "not run"
     assert report.programs_to_first_failure is not None
     assert report.programs_to_first_failure <= report.examples_run
     assert "get_computed_blocks" in (report.failure or "") + (report.program or "")

@@ -225,14 +225,25 @@ class PreemptsEveryFreeImpl(ImplManagerTarget):
     manager_class = PreemptsEveryFree
 
 
-@pytest.mark.parametrize("bug", [FirstOfTwoWorkersImpl, PreemptsEveryFreeImpl])
-def test_a_planted_impl_bug_is_found_in_lock_step(bug: type[ImplManagerTarget]) -> None:
+@pytest.mark.parametrize(
+    ("bug", "evidence", "shrink"),
+    [
+        # found at programs 3 to 21 over seeds: a short program as found shows the spill
+        (FirstOfTwoWorkersImpl, "update_spills", False),
+        # found at program 231 of ci's sample once hot regions are drawn too (slice 2): shrunk,
+        # the program is a write-back in flight and the finished request's free
+        (PreemptsEveryFreeImpl, "finished=True", True),
+    ],
+)
+def test_a_planted_impl_bug_is_found_in_lock_step(
+    bug: type[ImplManagerTarget], evidence: str, shrink: bool
+) -> None:
     report = run_request_conformance(
         ManagerTargetSpec(bug, **HISPARSE_PART),
         hypothesis_profile="ci",
-        max_examples=600,  # found at programs 3 to 212 over seeds (2026-11-29)
-        shrink=False,
+        max_examples=600,
+        shrink=shrink,
     )
     assert not report.conforms
     assert report.exit_code == 1, report.failure
-    assert "update_spills" in (report.program or "")
+    assert evidence in (report.program or ""), report.program

@@ -251,7 +251,7 @@ def test_a_vllm_manager_freeing_the_blocks_it_pops_is_found() -> None:
 def test_kvpool_check_compares_vllm_033_in_every_part() -> None:
     """``kvpool check --layer request --target vllm`` runs the main scope and then what vLLM
     0.33 added (``PARTS_033_HISPARSE``: fine-grained hits, Mamba "align", hits inside a Mamba
-    block, HiSparse slice 1)."""
+    block, HiSparse)."""
     from kvpool.specs.request.target import PARTS_033_HISPARSE
     from kvpool.specs.targets import resolve
     from kvpool.specs.targets.vllm.releases import installed_version
