@@ -17,6 +17,7 @@ from kvpool.specs.vectors.request_generate import (
     REQUEST_GENERATOR_VERSION,
     export_request_corpus,
     generate_request_corpus,
+    manager_vector_from_calls,
     model_block_hashes,
 )
 from kvpool.specs.vectors.request_replay import (
@@ -223,3 +224,34 @@ def test_a_target_that_claims_nothing_of_the_corpus_runs_nothing_and_exits_2(
     )
     assert result.returncode == 2, result.stdout + result.stderr
     assert "no vector ran" in result.stdout
+
+
+def test_a_vector_with_033_calls_is_valid_and_replays(tmp_path: Path) -> None:
+    """A divergence found on a program with vLLM 0.33's calls is saved as a vector of them;
+    the format takes those calls, and a target that has them replays it."""
+    from kvpool.model.request import new_request
+    from kvpool.model.single_type import full_attention
+    from kvpool.specs.request.target import ManagerSetup
+
+    setup = ManagerSetup(8, (full_attention(2), full_attention(2)), 32, 1, fine_grained_hits=True)
+    request = new_request("r", [1, 2, 3, 4, 5], 1)
+    calls = [
+        (op, codec.encode_args(op, *args))
+        for op, args in [
+            ("get_computed_blocks_with_boundary", (request,)),
+            ("allocate_slots", (request, 5)),
+            ("take_kv_cache_block_copies", ()),
+            ("take_new_block_ids", ()),
+            ("new_step_starts", ()),
+        ]
+    ]
+    vector = manager_vector_from_calls(setup, calls, "v033/1", "0.33 calls")
+    path = tmp_path / "v033.jsonl"
+    path.write_text(json.dumps(vector) + "\n")
+    (loaded,) = load(path, layer="request")
+    for target in ("model", "impl"):
+        factory = resolve("request", target).factory
+        assert factory is not None
+        result = run_request_corpus(factory, [loaded])
+        assert result.passed == 1 and not result.mismatches, (target, result)
+        assert result.target_error is None, result.target_error
