@@ -28,7 +28,7 @@ from kvpool.model.manager import Blocks, PrefixCacheStats
 from kvpool.model.request import Request
 from kvpool.specs.errors import TargetError
 from kvpool.specs.request.target import HiSparseView, ManagerSetup, PoolBlock
-from kvpool.specs.targets.manager_api import hisparse_view
+from kvpool.specs.targets.manager_api import block_ids, hisparse_view
 from kvpool.specs.targets.vllm.hasher import VllmRequests, find_hasher
 
 HOST = "CPU"
@@ -187,7 +187,7 @@ class VllmHiSparseTarget:
 
     def get_computed_blocks(self, request: Request) -> tuple[Blocks, int]:
         blocks, num_tokens, *_ = self.manager.get_computed_blocks(self._request(request))
-        return tuple(tuple(b.block_id for b in g) for g in blocks.blocks), num_tokens
+        return block_ids(blocks), num_tokens
 
     def allocate_slots(
         self,
@@ -212,9 +212,7 @@ class VllmHiSparseTarget:
             )
         except ValueError as error:  # 0.33 says "no new tokens" with a ValueError
             raise NoNewTokens(str(error)) from error
-        return (
-            None if blocks is None else tuple(tuple(b.block_id for b in g) for g in blocks.blocks)
-        )
+        return None if blocks is None else block_ids(blocks)
 
     def free(self, request: Request) -> None:
         self.free_request(request, False)
